@@ -1,0 +1,76 @@
+"""The one command for people: the local stack, services, events, schemas, the demo and recovery."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from infra.process import StackError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+stack_app = typer.Typer(no_args_is_help=True, help="The local Kafka, Redis and registry.")
+app.add_typer(stack_app, name="stack")
+console = Console(stderr=True)
+
+
+def fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(1)
+
+
+@stack_app.command("start")
+def stack_start(nodes: int = typer.Option(1, help="Kafka nodes: 1, or 3 for failover tests")) -> None:
+    """Start the stack (idempotent: what already runs is reused)."""
+    from infra import stack
+
+    try:
+        if nodes == 1:
+            started = stack.start()
+        else:
+            from choreo.config import settings
+
+            started = stack.kafka_cluster(settings(), nodes=nodes).start(settings().start_timeout_s)
+    except StackError as exc:
+        fail(str(exc))
+    console.print(f"started: {', '.join(started) or 'nothing (already running)'}")
+
+
+@stack_app.command("stop")
+def stack_stop(nodes: int = typer.Option(1, help="Kafka nodes of the cluster to stop")) -> None:
+    """Stop the stack."""
+    from infra import stack
+
+    if nodes == 1:
+        stopped = stack.stop()
+    else:
+        stopped = stack.kafka_cluster(nodes=nodes).stop()
+    console.print(f"stopped: {', '.join(stopped) or 'nothing (was not running)'}")
+
+
+@stack_app.command("status")
+def stack_status(as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
+    """What runs, with pids and log files; exit code 1 if any part is down."""
+    from infra import stack
+
+    parts = stack.status()
+    if as_json:
+        print(json.dumps([p.__dict__ for p in parts]))
+    else:
+        table = Table("part", "running", "pid", "log")
+        for p in parts:
+            table.add_row(p.name, "yes" if p.running else "[red]no[/]", str(p.pid or "-"), p.log)
+        Console().print(table)
+    if not all(p.running for p in parts):
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

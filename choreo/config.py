@@ -1,0 +1,33 @@
+"""Settings shared by every process, read from the environment with the names people already use."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Settings(BaseSettings):
+    """Local-stack defaults; production points the same variables at real clusters."""
+
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", populate_by_name=True)
+
+    kafka_bootstrap_servers: str = Field("127.0.0.1:9092", alias="KAFKA_BOOTSTRAP_SERVERS")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", alias="REDIS_URL")
+    schema_registry_url: str = Field("http://127.0.0.1:8081", alias="SCHEMA_REGISTRY_URL")
+    data_dir: Path = Field(REPO_ROOT / ".stack", alias="CHOREO_DATA_DIR")
+    kafka_libs: Path = Field(
+        Path.home() / ".cache" / "dronepipe" / "kafka-4.1.2" / "libs", alias="KAFKA_LIBS"
+    )
+    kafka_heap: str = Field("-Xms256m -Xmx768m", alias="KAFKA_HEAP_OPTS")
+    start_timeout_s: float = Field(90.0, alias="CHOREO_START_TIMEOUT")
+    log_level: str = Field("INFO", alias="CHOREO_LOG_LEVEL")
+
+
+@lru_cache(maxsize=1)
+def settings() -> Settings:
+    return Settings()

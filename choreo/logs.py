@@ -1,0 +1,59 @@
+"""structlog JSON logs; customer data is redacted before it can reach a log line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import MutableMapping
+from typing import Any
+
+import structlog
+
+# Field names that may hold customer data (addresses, names, contact details, secrets).
+SENSITIVE_KEYS = frozenset(
+    {"owner", "owner_name", "name", "address", "pickup", "dropoff", "email", "phone",
+     "token", "authorization", "password", "secret"}
+)
+
+
+def redact(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Replace sensitive values anywhere in the event, so a careless log call cannot leak them."""
+    for key in list(event_dict):
+        if key.lower() in SENSITIVE_KEYS:
+            event_dict[key] = "[redacted]"
+        elif isinstance(event_dict[key], dict):
+            event_dict[key] = {
+                k: ("[redacted]" if k.lower() in SENSITIVE_KEYS else v)
+                for k, v in event_dict[key].items()
+            }
+    return event_dict
+
+
+_configured = False
+
+
+def configure(level: str = "INFO", stream: Any = None) -> None:
+    global _configured
+    logging.basicConfig(format="%(message)s", stream=stream or sys.stderr, level=level)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            redact,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
+        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    _configured = True
+
+
+def get_logger(**bound: Any) -> Any:
+    if not _configured:
+        from choreo.config import settings
+
+        configure(settings().log_level)
+    return structlog.get_logger().bind(**bound)
