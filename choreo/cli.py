@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from infra.process import StackError
+
+if TYPE_CHECKING:
+    from choreo.workflow import Workflow
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 stack_app = typer.Typer(no_args_is_help=True, help="The local Kafka, Redis and registry.")
@@ -68,9 +71,58 @@ def stack_status(as_json: bool = typer.Option(False, "--json", help="machine-rea
         raise typer.Exit(1)
 
 
+@app.command("run")
+def run_service(
+    ref: str = typer.Argument(..., help="module:service, e.g. consumers.notifier:service"),
+    instance: str = typer.Option("0", help="stable instance id (fences a zombie of the same id)"),
+    metrics_port: int = typer.Option(0, help="serve Prometheus metrics on this port (0: off)"),
+    workflow: str = typer.Option("consumers.workflow:WORKFLOW",
+                                 help="module:attr of the Workflow whose steps outputs open ('' for none)"),
+) -> None:
+    """Run one instance of a service until SIGTERM."""
+    from choreo.runner import Runner, RunnerOptions
+    from choreo.service import load_service
+
+    flow = _load_workflow(workflow)
+    Runner(load_service(ref), RunnerOptions(instance=instance, metrics_port=metrics_port),
+           workflow=flow).run()
+
+
+def _load_workflow(ref: str) -> "Workflow | None":
+    import importlib
+
+    from choreo.workflow import Workflow
+
+    if not ref:
+        return None
+    module, _, attr = ref.partition(":")
+    flow = getattr(importlib.import_module(module), attr)
+    assert isinstance(flow, Workflow)
+    return flow
+
+
+@app.command("topics")
+def create_topics(
+    workflow: str = typer.Option("consumers.workflow:WORKFLOW", help="module:attr of the Workflow"),
+    partitions: int = typer.Option(6, help="partitions per topic (fan-in topics share it)"),
+) -> None:
+    """Create every topic the workflow's services declare (idempotent), and check the topology."""
+    from choreo import topology
+
+    flow = _load_workflow(workflow)
+    assert flow is not None
+    topo = topology.create(flow, partitions)
+    found = topology.problems(topo)
+    for problem in found:
+        console.print(f"[red]topology:[/] {problem}")
+    console.print(f"{len(topo.partitions)} topics ready")
+    if found:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

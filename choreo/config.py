@@ -16,16 +16,16 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="", extra="ignore", populate_by_name=True)
 
-    kafka_bootstrap_servers: str = Field("127.0.0.1:9092", alias="KAFKA_BOOTSTRAP_SERVERS")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", alias="REDIS_URL")
-    schema_registry_url: str = Field("http://127.0.0.1:8081", alias="SCHEMA_REGISTRY_URL")
-    data_dir: Path = Field(REPO_ROOT / ".stack", alias="CHOREO_DATA_DIR")
+    kafka_bootstrap_servers: str = Field("127.0.0.1:9092", validation_alias="KAFKA_BOOTSTRAP_SERVERS")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="REDIS_URL")
+    schema_registry_url: str = Field("http://127.0.0.1:8081", validation_alias="SCHEMA_REGISTRY_URL")
+    data_dir: Path = Field(REPO_ROOT / ".stack", validation_alias="CHOREO_DATA_DIR")
     kafka_libs: Path = Field(
-        Path.home() / ".cache" / "dronepipe" / "kafka-4.1.2" / "libs", alias="KAFKA_LIBS"
+        Path.home() / ".cache" / "dronepipe" / "kafka-4.1.2" / "libs", validation_alias="KAFKA_LIBS"
     )
-    kafka_heap: str = Field("-Xms256m -Xmx768m", alias="KAFKA_HEAP_OPTS")
-    start_timeout_s: float = Field(90.0, alias="CHOREO_START_TIMEOUT")
-    log_level: str = Field("INFO", alias="CHOREO_LOG_LEVEL")
+    kafka_heap: str = Field("-Xms256m -Xmx768m", validation_alias="KAFKA_HEAP_OPTS")
+    start_timeout_s: float = Field(90.0, validation_alias="CHOREO_START_TIMEOUT")
+    log_level: str = Field("INFO", validation_alias="CHOREO_LOG_LEVEL")
 
 
 @lru_cache(maxsize=1)

@@ -1,27 +1,44 @@
 #!/usr/bin/env bash
 # Sets up everything on a fresh machine, idempotently: Python venv and pinned dependencies,
 # the Kafka jars from Maven Central, Debian's redis-server. Java 17 and Maven must exist.
+# A second run only checks, so `make demo` and `make test` can call it every time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+die() { printf 'setup: %s\n' "$*" >&2; exit 1; }
 
-command -v java >/dev/null || { echo "setup: Java 17+ is required (apt-get install -y openjdk-17-jre-headless)" >&2; exit 1; }
-command -v mvn >/dev/null || { echo "setup: Maven is required to fetch the Kafka jars (apt-get install -y maven)" >&2; exit 1; }
+command -v java >/dev/null || die "Java 17+ is required (apt-get install -y openjdk-17-jre-headless)"
+java_major=$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -n1)
+[ "${java_major:-0}" -ge 17 ] || die "Java 17+ is required, found ${java_major:-an unknown version} ($(command -v java))"
+command -v mvn >/dev/null || die "Maven is required to fetch the Kafka jars (apt-get install -y maven)"
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"
+  elif command -v sudo >/dev/null; then sudo "$@"
+  else die "root is needed to install redis-server; install it yourself (apt-get install -y redis-server)"
+  fi
+}
 
 if ! command -v redis-server >/dev/null; then
   say "installing redis-server from Debian"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq >/dev/null
-  apt-get install -y -qq redis-server >/dev/null
-  # Debian's package starts a system Redis on 6379; the project runs its own
-  (systemctl stop redis-server 2>/dev/null || service redis-server stop 2>/dev/null || pkill -x redis-server || true) >/dev/null 2>&1
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  # Debian's package starts a system Redis on 6379; the project runs its own there. Stop exactly
+  # that service (by its unit or pid file), never every redis-server on the machine.
+  as_root systemctl disable --now redis-server >/dev/null 2>&1 \
+    || as_root service redis-server stop >/dev/null 2>&1 || true
+  if [ -s /run/redis/redis-server.pid ]; then
+    as_root kill "$(cat /run/redis/redis-server.pid)" 2>/dev/null || true
+  fi
 fi
 
 PYTHON="${PYTHON:-python3}"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || die "Python 3.11+ is required ($PYTHON is $("$PYTHON" -V 2>&1)); set PYTHON=/path/to/python3.11"
 if [ ! -x .venv/bin/python ]; then
   say "creating .venv"
-  "$PYTHON" -m venv .venv
+  "$PYTHON" -m venv .venv || { rm -rf .venv; die "could not create a venv (on Debian: apt-get install -y python3-venv)"; }
 fi
 stamp=".venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
@@ -31,9 +48,19 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*; touch "$stamp"
 fi
 
+# Resolved into a temporary directory and moved into place whole, so an interrupted download
+# never leaves a half-filled directory that later looks complete.
 KAFKA_LIBS="${KAFKA_LIBS:-$HOME/.cache/dronepipe/kafka-4.1.2/libs}"
 if ! ls "$KAFKA_LIBS"/kafka_2.13-*.jar >/dev/null 2>&1; then
   say "resolving Kafka jars from Maven Central into $KAFKA_LIBS"
-  mvn -q -B -f infra/pom.xml dependency:copy-dependencies -Dkafka.libs="$KAFKA_LIBS"
+  mkdir -p "$(dirname "$KAFKA_LIBS")"
+  partial="$KAFKA_LIBS.partial.$$"
+  trap 'rm -rf "$partial"' EXIT
+  mvn -q -B -f infra/pom.xml dependency:copy-dependencies -Dkafka.libs="$partial" \
+    || die "Maven could not resolve the Kafka jars (is Maven Central reachable?)"
+  ls "$partial"/kafka_2.13-*.jar >/dev/null 2>&1 || die "Maven finished but no kafka_2.13 jar arrived in $partial"
+  rm -rf "$KAFKA_LIBS"
+  mv "$partial" "$KAFKA_LIBS"
+  trap - EXIT
 fi
 say "ready"

@@ -41,7 +41,8 @@ def _registry_process(cfg: Settings) -> ManagedProcess | None:
         from infra.registry.launch import registry_process
     except ImportError:
         return None
-    return registry_process(cfg)
+    process: ManagedProcess = registry_process(cfg)
+    return process
 
 
 def parts(cfg: Settings | None = None) -> list[ManagedProcess]:

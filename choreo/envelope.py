@@ -1,0 +1,150 @@
+"""The envelope every event carries in Kafka headers.
+
+Stable ids make redelivery harmless; the correlation id, causation id and W3C trace
+context make one delivery's story visible across services with no coordinator; the
+hop count bounds feedback loops.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+
+ID_NAMESPACE = uuid.UUID("6f1c1a52-5b7e-4c33-9a55-3c3f0d2a9e10")
+
+H_EVENT_ID = "event_id"
+H_CORRELATION_ID = "correlation_id"
+H_CAUSATION_ID = "causation_id"
+H_TRACEPARENT = "traceparent"
+H_ATTEMPT = "attempt"
+H_DEADLINE = "deadline_ms"
+H_HOPS = "hops"
+H_EVENT_TYPE = "event_type"
+H_PRODUCER = "producer"
+H_PRODUCED_AT = "produced_at_ms"
+
+HeaderList = list[tuple[str, str | bytes | None]]
+Headers = Sequence[tuple[str, bytes | str | None]] | Mapping[str, bytes | str | None]
+
+
+def derived_id(*parts: str) -> str:
+    """A deterministic id: the same inputs (a redo) give the same id, so consumers dedupe."""
+    return str(uuid.uuid5(ID_NAMESPACE, "\x1f".join(parts)))
+
+
+def new_trace_id() -> str:
+    return os.urandom(16).hex()
+
+
+def new_span_id() -> str:
+    return os.urandom(8).hex()
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    event_id: str
+    correlation_id: str
+    causation_id: str = ""
+    traceparent: str = ""
+    attempt: int = 1
+    deadline_ms: int = 0  # 0: no deadline
+    hops: int = 0
+    event_type: str = ""
+    producer: str = ""
+    produced_at_ms: int = 0
+
+    @property
+    def trace_id(self) -> str:
+        parts = self.traceparent.split("-")
+        return parts[1] if len(parts) == 4 else ""
+
+    @classmethod
+    def first(cls, event_id: str, correlation_id: str, event_type: str, producer: str,
+              deadline_ms: int = 0) -> Envelope:
+        """The envelope of an event that starts a story (e.g. a new delivery request)."""
+        return cls(
+            event_id=event_id, correlation_id=correlation_id, causation_id="",
+            traceparent=f"00-{new_trace_id()}-{new_span_id()}-01", deadline_ms=deadline_ms,
+            event_type=event_type, producer=producer, produced_at_ms=now_ms(),
+        )
+
+    def child(self, event_id: str, event_type: str, producer: str,
+              attempt: int | None = None, deadline_ms: int | None = None) -> Envelope:
+        """The envelope of an event caused by this one: same trace, one hop further."""
+        trace = self.trace_id or new_trace_id()
+        return Envelope(
+            event_id=event_id, correlation_id=self.correlation_id, causation_id=self.event_id,
+            traceparent=f"00-{trace}-{new_span_id()}-01",
+            attempt=self.attempt if attempt is None else attempt,
+            deadline_ms=self.deadline_ms if deadline_ms is None else deadline_ms,
+            hops=self.hops + 1, event_type=event_type, producer=producer,
+            produced_at_ms=now_ms(),
+        )
+
+    def with_attempt(self, attempt: int) -> Envelope:
+        return replace(self, attempt=attempt)
+
+    def to_headers(self) -> HeaderList:
+        return [
+            (H_EVENT_ID, self.event_id.encode()),
+            (H_CORRELATION_ID, self.correlation_id.encode()),
+            (H_CAUSATION_ID, self.causation_id.encode()),
+            (H_TRACEPARENT, self.traceparent.encode()),
+            (H_ATTEMPT, str(self.attempt).encode()),
+            (H_DEADLINE, str(self.deadline_ms).encode()),
+            (H_HOPS, str(self.hops).encode()),
+            (H_EVENT_TYPE, self.event_type.encode()),
+            (H_PRODUCER, self.producer.encode()),
+            (H_PRODUCED_AT, str(self.produced_at_ms).encode()),
+        ]
+
+    @classmethod
+    def from_headers(cls, headers: Headers | None) -> Envelope | None:
+        """The envelope in ``headers``, or None when the event id or correlation id is missing."""
+        values: dict[str, str] = {}
+        for name, raw in pairs(headers):
+            if raw is None:
+                continue
+            try:
+                values[name] = raw.decode() if isinstance(raw, bytes) else raw
+            except UnicodeDecodeError:
+                return None
+        if not values.get(H_EVENT_ID) or not values.get(H_CORRELATION_ID):
+            return None
+        try:
+            return cls(
+                event_id=values[H_EVENT_ID][:200],
+                correlation_id=values[H_CORRELATION_ID][:200],
+                causation_id=values.get(H_CAUSATION_ID, "")[:200],
+                traceparent=values.get(H_TRACEPARENT, "")[:100],
+                attempt=int(values.get(H_ATTEMPT, "1")),
+                deadline_ms=int(values.get(H_DEADLINE, "0")),
+                hops=int(values.get(H_HOPS, "0")),
+                event_type=values.get(H_EVENT_TYPE, "")[:200],
+                producer=values.get(H_PRODUCER, "")[:200],
+                produced_at_ms=int(values.get(H_PRODUCED_AT, "0")),
+            )
+        except ValueError:
+            return None
+
+
+def pairs(headers: Headers | None) -> Sequence[tuple[str, bytes | str | None]]:
+    if headers is None:
+        return ()
+    if isinstance(headers, Mapping):
+        return list(headers.items())
+    return headers
+
+
+def header_value(headers: Headers | None, name: str) -> str | None:
+    for key, raw in pairs(headers):
+        if key == name and raw is not None:
+            return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    return None

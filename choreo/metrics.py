@@ -1,0 +1,24 @@
+"""Prometheus metrics of the runtime, labelled by service and topic."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+EVENTS_IN = Counter("choreo_events_in_total", "Events consumed", ["service", "topic"])
+EVENTS_OUT = Counter("choreo_events_out_total", "Events produced", ["service", "topic"])
+DEAD_LETTERS = Counter("choreo_dead_letters_total", "Events dead-lettered", ["service", "topic", "reason"])
+RETRIES = Counter("choreo_retries_total", "In-process handler retries", ["service", "topic"])
+REPORTS = Counter("choreo_recovery_reports_total", "Steps reported to the supervisor", ["service", "kind"])
+IGNORED = Counter("choreo_ignored_total", "Late or stale events ignored", ["service", "topic", "why"])
+HANDLER_SECONDS = Histogram("choreo_handler_seconds", "Handler latency", ["service", "topic"],
+                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
+BATCH_SIZE = Histogram("choreo_batch_size", "Events per transaction", ["service"],
+                       buckets=(1, 5, 10, 50, 100, 250, 500, 1000, 2000))
+TXN_ABORTS = Counter("choreo_transaction_aborts_total", "Aborted transactions (replayed)", ["service"])
+LAG = Gauge("choreo_consumer_lag", "Consumer lag per partition", ["service", "topic", "partition"])
+
+
+def serve(port: int) -> None:
+    """Expose /metrics; port 0 disables it (tests run many instances)."""
+    if port:
+        start_http_server(port, addr="127.0.0.1")

@@ -1,0 +1,376 @@
+"""The consume → handle → produce loop, exactly once.
+
+A batch is read with ``read_committed``; handlers run; every output, dead letter and
+recovery report is produced and the input offsets are committed in **one** Kafka
+transaction. A crash anywhere replays the batch; idempotent Redis effects and
+deterministic output ids make the replay invisible to ``read_committed`` readers.
+
+Retries: a handler's ``Retryable`` error is retried in process a few times with
+exponential back-off and jitter, never past the step's deadline or its budget; then the
+step is reported to the recovery topic and the batch moves on. The supervisor requeues it
+through the step's retry topic with back-off, so one slow step never stalls the other
+partitions' work (a paused partition would stall every delivery behind it instead).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from types import FrameType
+from typing import Any
+
+import redis
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+
+from choreo import metrics
+from choreo.config import settings
+from choreo.envelope import Envelope, HeaderList, pairs, derived_id, now_ms
+from choreo.errors import DeadLetterReason, Rejected, Retryable
+from choreo.events import Event
+from choreo.logs import get_logger
+from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
+from choreo.service import Context, Emitted, Handler, Periodic, Service
+from choreo.state import Begin, StateTable, StepStatus
+from choreo.workflow import Workflow
+
+RECOVERY_TOPIC = "recovery"
+
+
+class BatchTransient(Exception):
+    """Infrastructure is briefly unavailable (Redis, registry): abort and replay the batch."""
+
+
+@dataclass
+class RunnerOptions:
+    instance: str = "0"
+    poll_timeout_s: float = 0.05
+    metrics_port: int = 0
+    max_batch_wait_s: float = 0.02
+
+
+def dlq_topic(topic: str) -> str:
+    return f"{topic}.dlq"
+
+
+class Runner:
+    """Runs one instance of a service until SIGTERM/SIGINT or ``stop()``."""
+
+    def __init__(self, service: Service, options: RunnerOptions | None = None,
+                 workflow: Workflow | None = None) -> None:
+        self.service = service
+        self.options = options or RunnerOptions()
+        self.cfg = settings()
+        self.workflow = workflow
+        self.log = get_logger(service=service.name, instance=self.options.instance)
+        self.redis = redis.Redis.from_url(self.cfg.redis_url, socket_timeout=5)
+        self.state = StateTable(self.redis)
+        self.registry = registry_client()
+        self.decoders = {t: Decoder(h.model, t, self.registry) for t, h in service.handlers.items()}
+        self.encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}
+        self.running = False
+        self.consumer = Consumer({
+            "bootstrap.servers": self.cfg.kafka_bootstrap_servers,
+            "group.id": service.name,
+            "client.id": f"{service.name}-{self.options.instance}",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest",
+            "partition.assignment.strategy": "cooperative-sticky",
+            "session.timeout.ms": 10000,
+            "heartbeat.interval.ms": 1000,
+            "max.poll.interval.ms": 60000,
+            "fetch.wait.max.ms": 10,
+        })
+        self.producer = self._new_producer()
+
+    def _new_producer(self) -> Producer:
+        producer = Producer({
+            "bootstrap.servers": self.cfg.kafka_bootstrap_servers,
+            # stable per instance: a restarted instance fences its zombie predecessor
+            "transactional.id": f"{self.service.name}-{self.options.instance}",
+            "linger.ms": 2,
+            "compression.type": "lz4",
+            "transaction.timeout.ms": 30000,
+        })
+        producer.init_transactions(30)
+        return producer
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def stop(self, *_: Any) -> None:
+        self.running = False
+
+    def run(self) -> None:
+        metrics.serve(self.options.metrics_port)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        for hook in self.service.startup:
+            hook(self.redis)
+        self.consumer.subscribe(self.service.topics)
+        self.running = True
+        self.log.info("service.started", topics=self.service.topics, host=socket.gethostname(),
+                      pid=os.getpid())
+        next_tick = [time.monotonic() + p.period_s for p in self.service.periodic]
+        try:
+            while self.running:
+                batch = self._next_batch()
+                if batch:
+                    self._process(batch)
+                for i, periodic in enumerate(self.service.periodic):
+                    if time.monotonic() >= next_tick[i]:
+                        self._tick(periodic)
+                        next_tick[i] = time.monotonic() + periodic.period_s
+        finally:
+            self.consumer.close()  # leaves the group: partitions move at once
+            self.log.info("service.stopped")
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.log.info("service.stopping", signal=signum)
+        self.running = False
+
+    def _next_batch(self) -> list[Message]:
+        messages = self.consumer.consume(self.service.batch_size, self.options.poll_timeout_s)
+        good = []
+        for m in messages:
+            err = m.error()
+            if err is None:
+                good.append(m)
+            elif err.code() != KafkaError._PARTITION_EOF:
+                self.log.warning("consume.error", error=str(err))
+        return good
+
+    # -- one batch, one transaction -------------------------------------------------------
+
+    def _process(self, batch: list[Message]) -> None:
+        while True:
+            try:
+                self.producer.begin_transaction()
+                for message in batch:
+                    self._handle(message)
+                self.producer.send_offsets_to_transaction(
+                    _next_offsets(batch), self.consumer.consumer_group_metadata(), 30
+                )
+                self.producer.commit_transaction(30)
+                metrics.BATCH_SIZE.labels(self.service.name).observe(len(batch))
+                return
+            except BatchTransient as exc:
+                self.log.warning("batch.transient", error=str(exc))
+                self._abort(batch)
+                time.sleep(0.5 + random.random())
+                if not self.running:
+                    return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.fatal():
+                    self.log.error("transaction.fatal", error=str(err))
+                    raise SystemExit(f"{self.service.name}: fatal Kafka error: {err}") from exc
+                self.log.warning("transaction.abort", error=str(err),
+                                 retriable=err.retriable(), abortable=err.txn_requires_abort())
+                self._abort(batch)
+                return  # the rewound batch is consumed again (it may now belong to another instance)
+
+    def _tick(self, periodic: Periodic) -> None:
+        """One run of a periodic task, its output in one transaction (no input offsets)."""
+        tick = Envelope.first(derived_id(self.service.name, str(time.time_ns())), "",
+                              "Tick", self.service.name)
+        ctx = Context(self.service.name, tick, "", -1, -1, self.redis, self.log)
+        try:
+            self.producer.begin_transaction()
+            periodic.fn(ctx)
+            for emitted in ctx.emitted:
+                self._produce(emitted, tick)
+            self.producer.commit_transaction(30)
+        except (redis.ConnectionError, redis.TimeoutError, RegistryUnavailable) as exc:
+            self.log.warning("tick.transient", error=str(exc))
+            self._abort([])
+        except KafkaException as exc:
+            if exc.args[0].fatal():
+                raise SystemExit(f"{self.service.name}: fatal Kafka error: {exc}") from exc
+            self.log.warning("tick.abort", error=str(exc))
+            self._abort([])
+
+    def _abort(self, batch: list[Message]) -> None:
+        metrics.TXN_ABORTS.labels(self.service.name).inc()
+        try:
+            self.producer.abort_transaction(30)
+        except KafkaException as exc:
+            if exc.args[0].fatal():
+                raise SystemExit(f"{self.service.name}: fatal Kafka error: {exc}") from exc
+        assigned = {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
+        for tp in _first_offsets(batch):
+            if (tp.topic, tp.partition) in assigned:
+                self.consumer.seek(tp)
+
+    # -- one message -------------------------------------------------------------------
+
+    def _handle(self, message: Message) -> None:
+        topic = message.topic() or ""
+        handler = self.service.handlers[topic]
+        metrics.EVENTS_IN.labels(self.service.name, topic).inc()
+        envelope = Envelope.from_headers(message.headers())
+        if envelope is None:
+            return self._dead_letter(message, DeadLetterReason.MISSING_HEADERS,
+                                     "no event_id / correlation_id headers")
+        if envelope.hops > self.service.max_hops:
+            return self._dead_letter(message, DeadLetterReason.HOP_LIMIT,
+                                     f"{envelope.hops} hops > limit {self.service.max_hops}")
+        try:
+            event = self.decoders[topic](message.value())
+        except DecodeFailure as exc:
+            return self._dead_letter(message, exc.reason, str(exc))
+        except RegistryUnavailable as exc:
+            raise BatchTransient(f"registry: {exc}") from exc
+        log = self.log.bind(event_id=envelope.event_id, delivery_id=envelope.correlation_id,
+                            trace_id=envelope.trace_id, topic=topic, attempt=envelope.attempt)
+        try:
+            self._run_step(handler, event, envelope, message, log)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise BatchTransient(f"redis: {exc}") from exc
+
+    def _run_step(self, handler: Handler, event: Event, envelope: Envelope,
+                  message: Message, log: Any) -> None:
+        step = handler.step
+        topic = message.topic() or ""
+        if step is not None:
+            verdict = self.state.begin(
+                envelope.correlation_id, step, envelope.attempt, now_ms(),
+                int(handler.deadline_s * 1000), self.service.retry_budget,
+                source=f"{handler.topic}|{topic}|{message.partition()}|{message.offset()}",
+            )
+            if verdict in (Begin.STALE, Begin.CLOSED):
+                metrics.IGNORED.labels(self.service.name, topic, verdict.value).inc()
+                log.info("step.ignored", step=step, why=verdict.value)
+                return
+            if verdict in (Begin.EXPIRED, Begin.EXHAUSTED):
+                kind = "DEADLINE_MISSED" if verdict is Begin.EXPIRED else "RETRIES_EXHAUSTED"
+                return self._report(message, envelope, step, kind, verdict.value, log)
+        tries = 0
+        while True:
+            ctx = Context(self.service.name, envelope, topic, message.partition() or 0,
+                          message.offset() or 0, self.redis, log, try_no=tries + 1)
+            started = time.perf_counter()
+            try:
+                result = handler.fn(event, ctx)
+            except Retryable as exc:
+                tries += 1
+                metrics.RETRIES.labels(self.service.name, topic).inc()
+                delay = min(2.0, 0.05 * 2 ** tries) * (0.5 + random.random() / 2)
+                in_time = step is None or self._before_deadline(envelope, delay)
+                budget_left = step is None or self.state.try_again(
+                    envelope.correlation_id, step, envelope.attempt) <= self.service.retry_budget
+                if tries <= self.service.in_process_retries and in_time and budget_left:
+                    log.info("handler.retry", error=str(exc)[:300], tries=tries, delay_s=round(delay, 3))
+                    time.sleep(delay)
+                    continue
+                if step is None:
+                    return self._dead_letter(message, DeadLetterReason.REJECTED,
+                                             f"retries exhausted: {exc}")
+                self.state.finish(envelope.correlation_id, step, envelope.attempt, now_ms(),
+                                  StepStatus.FAILED, str(exc))
+                return self._report(message, envelope, step, "FAILED", str(exc), log)
+            except Rejected as exc:
+                if step is not None:
+                    self.state.finish(envelope.correlation_id, step, envelope.attempt, now_ms(),
+                                      StepStatus.FAILED, str(exc))
+                return self._dead_letter(message, exc.reason, str(exc))
+            finally:
+                metrics.HANDLER_SECONDS.labels(self.service.name, topic).observe(
+                    time.perf_counter() - started)
+            break
+        for out in _as_events(result):
+            ctx.emit(out)
+        for emitted in ctx.emitted:
+            self._produce(emitted, envelope)
+        if step is not None:
+            self.state.finish(envelope.correlation_id, step, envelope.attempt, now_ms(),
+                              StepStatus.COMPLETED)
+
+    def _before_deadline(self, envelope: Envelope, delay_s: float) -> bool:
+        return envelope.deadline_ms == 0 or now_ms() + delay_s * 1000 < envelope.deadline_ms
+
+    # -- output ------------------------------------------------------------------------
+
+    def encoder(self, model: type[Event], topic: str) -> Encoder[Any]:
+        key = (model, topic)
+        if key not in self.encoders:
+            self.encoders[key] = Encoder(model, topic, self.registry)
+        return self.encoders[key]
+
+    def _produce(self, emitted: Emitted, cause: Envelope) -> None:
+        envelope = (emitted.cause or cause).child(
+            emitted.event_id, type(emitted.event).__name__, self.service.name, attempt=emitted.attempt)
+        if self.workflow is not None:
+            for spec in self.workflow.steps_triggered_by(emitted.topic):
+                now = now_ms()
+                self.state.open(emitted.event.key, spec.name, now + int(spec.deadline_s * 1000), now)
+        value = self.encoder(type(emitted.event), emitted.topic)(emitted.event)
+        self.producer.produce(emitted.topic, key=emitted.event.key.encode(), value=value,
+                              headers=envelope.to_headers())
+        self.producer.poll(0)
+        metrics.EVENTS_OUT.labels(self.service.name, emitted.topic).inc()
+
+    def _dead_letter(self, message: Message, reason: DeadLetterReason, error: str) -> None:
+        topic = message.topic() or ""
+        headers: HeaderList = list(pairs(message.headers()))
+        headers += [
+            ("dlq.reason", reason.value.encode()),
+            ("dlq.error", error[:1000].encode()),
+            ("dlq.source.topic", topic.encode()),
+            ("dlq.source.partition", str(message.partition()).encode()),
+            ("dlq.source.offset", str(message.offset()).encode()),
+            ("dlq.service", self.service.name.encode()),
+            ("dlq.time_ms", str(now_ms()).encode()),
+        ]
+        # retry topics share their origin's dead-letter topic: one place to look per event type
+        origin = self.service.handlers[topic].topic if topic in self.service.handlers else topic
+        self.producer.produce(dlq_topic(origin), key=message.key(), value=message.value(),
+                              headers=headers)
+        metrics.DEAD_LETTERS.labels(self.service.name, topic, reason.value).inc()
+        self.log.warning("event.dead_lettered", topic=topic, partition=message.partition(),
+                         offset=message.offset(), reason=reason.value, error=error[:300])
+
+    def _report(self, message: Message, envelope: Envelope, step: str, kind: str,
+                error: str, log: Any) -> None:
+        from schemas.models import StepReport
+
+        report = StepReport(
+            delivery_id=envelope.correlation_id, step=step, kind=kind,
+            attempt=envelope.attempt, service=self.service.name,
+            source_topic=message.topic() or "", source_event_id=envelope.event_id,
+            error=error[:500], reported_at=datetime.now(UTC),
+        )
+        event_id = derived_id(envelope.event_id, self.service.name, RECOVERY_TOPIC, kind,
+                              str(envelope.attempt))
+        self._produce(Emitted(report, RECOVERY_TOPIC, event_id), envelope)
+        metrics.REPORTS.labels(self.service.name, kind).inc()
+        log.warning("step.reported", step=step, kind=kind, error=error[:300])
+
+
+def _as_events(result: Event | Iterable[Event] | None) -> list[Event]:
+    if result is None:
+        return []
+    if isinstance(result, Event):
+        return [result]
+    return list(result)
+
+
+def _next_offsets(batch: list[Message]) -> list[TopicPartition]:
+    last: dict[tuple[str, int], int] = {}
+    for m in batch:
+        key = (m.topic() or "", m.partition() or 0)
+        last[key] = max(last.get(key, -1), m.offset() or 0)
+    return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
+
+
+def _first_offsets(batch: list[Message]) -> list[TopicPartition]:
+    first: dict[tuple[str, int], int] = {}
+    for m in batch:
+        key = (m.topic() or "", m.partition() or 0)
+        first[key] = min(first.get(key, m.offset() or 0), m.offset() or 0)
+    return [TopicPartition(t, p, o) for (t, p), o in first.items()]

@@ -1,0 +1,209 @@
+"""The handler API: a service is a name and a few decorated business rules.
+
+    service = Service("notifier")
+
+    @service.on("delivery.shipped")
+    def notify(event: DeliveryShipped, ctx: Context) -> None:
+        ...
+
+Decoding, idempotency, exactly-once output, retries, dead letters, tracing, metrics and
+shutdown come from the runtime (``choreo.runner``); ``choreo run module:service`` runs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+
+from choreo.effects import OnceEffect
+from choreo.envelope import Envelope, derived_id
+from choreo.events import Event
+
+HandlerResult = Event | Iterable[Event] | None
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """A workflow step: a unit of work with a deadline, watched by the supervisor."""
+
+    name: str
+    service: str
+    triggers: tuple[str, ...]
+    deadline_s: float
+
+
+
+def retry_topic(service: str, topic: str) -> str:
+    """Where the supervisor requeues ``topic``'s events for ``service`` (same schema as ``topic``)."""
+    return f"retry.{service}.{topic}"
+
+
+@dataclass(frozen=True)
+class Handler:
+    topic: str
+    model: type[Event]
+    fn: Callable[[Any, Context], HandlerResult]
+    step: str | None
+    deadline_s: float
+
+
+@dataclass
+class Emitted:
+    event: Event
+    topic: str
+    event_id: str
+    cause: Envelope | None = None  # default: the input event being handled
+    attempt: int | None = None  # default: the cause's attempt
+
+
+@dataclass(frozen=True)
+class Periodic:
+    fn: Callable[[Context], None]
+    period_s: float
+
+
+@dataclass
+class Context:
+    """What a handler may see and do besides its event: the envelope, Redis, emitting."""
+
+    service: str
+    envelope: Envelope
+    topic: str
+    partition: int
+    offset: int
+    redis: redis.Redis
+    log: Any
+    try_no: int = 1  # in-process try of this attempt (1-based)
+    once_ttl_s: int = 7 * 24 * 3600
+    emitted: list[Emitted] = field(default_factory=list)
+
+    @property
+    def event_id(self) -> str:
+        return self.envelope.event_id
+
+    @property
+    def delivery_id(self) -> str:
+        return self.envelope.correlation_id
+
+    @property
+    def attempt(self) -> int:
+        return self.envelope.attempt
+
+    @property
+    def call_id(self) -> str:
+        """A stable id for a remote call: the same on replay, so the remote side can dedupe."""
+        return derived_id(self.event_id, self.service)
+
+    @property
+    def try_label(self) -> str:
+        return f"{self.attempt}.{self.try_no}"
+
+    @property
+    def trace_id(self) -> str:
+        return self.envelope.trace_id
+
+    @property
+    def deadline(self) -> datetime | None:
+        ms = self.envelope.deadline_ms
+        return datetime.fromtimestamp(ms / 1000, UTC) if ms else None
+
+    def emit(self, event: Event, topic: str | None = None, event_id: str | None = None, *,
+             cause: Envelope | None = None, attempt: int | None = None) -> None:
+        """Publish ``event`` in this batch's transaction.
+
+        Its id is derived from the input's id (a redo gives the same id) unless the rule
+        names a business-level id (e.g. one shipment per delivery, whoever decides it).
+        ``cause`` continues another event's story and trace (a supervisor requeueing it).
+        """
+        target = topic or event.topic
+        eid = event_id or derived_id(self.event_id, self.service, target, str(len(self.emitted)))
+        self.emitted.append(Emitted(event, target, eid, cause, attempt))
+
+    def once(self, effect: OnceEffect, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> str | None:
+        """Run ``effect`` at most once for this input event; a replay gets the same answer."""
+        once_key = f"once:{{{self.delivery_id}}}:{self.service}:{effect.name}:{self.event_id}"
+        return effect.run(self.redis, once_key, keys, args, self.once_ttl_s)
+
+
+class Service:
+    """A named consumer group with its handlers; instances of one service share the group."""
+
+    def __init__(self, name: str, *, max_hops: int = 20, batch_size: int = 500,
+                 retry_budget: int = 5, in_process_retries: int = 3) -> None:
+        self.name = name
+        self.max_hops = max_hops
+        self.batch_size = batch_size
+        self.retry_budget = retry_budget
+        self.in_process_retries = in_process_retries
+        self.handlers: dict[str, Handler] = {}
+        self.produces: set[str] = set()
+        self.startup: list[Callable[[redis.Redis], None]] = []
+        self.periodic: list[Periodic] = []
+
+    def every(self, period_s: float) -> Callable[[Callable[[Context], None]], Callable[[Context], None]]:
+        """Run the decorated function every ``period_s`` between batches; what it emits is
+        produced in its own transaction."""
+
+        def register(fn: Callable[[Context], None]) -> Callable[[Context], None]:
+            self.periodic.append(Periodic(fn, period_s))
+            return fn
+
+        return register
+
+    def on_start(self, fn: Callable[[redis.Redis], None]) -> Callable[[redis.Redis], None]:
+        """Run ``fn`` once per instance before consuming (e.g. seed reference data idempotently)."""
+        self.startup.append(fn)
+        return fn
+
+    def on(self, topic: str, *, step: str | None = None, deadline_s: float = 30.0,
+           produces: Sequence[type[Event]] = ()) -> Callable[[Callable[..., HandlerResult]], Callable[..., HandlerResult]]:
+        """Subscribe the decorated function to ``topic``; the event type is its first parameter's annotation.
+
+        ``step`` makes the handler a supervised workflow step with a complete-by deadline;
+        it then also consumes the step's retry topic, where the supervisor requeues it.
+        """
+
+        def register(fn: Callable[..., HandlerResult]) -> Callable[..., HandlerResult]:
+            hints = typing.get_type_hints(fn)
+            params = [p for p in fn.__code__.co_varnames[: fn.__code__.co_argcount]]
+            model = hints.get(params[0]) if params else None
+            if not (isinstance(model, type) and issubclass(model, Event)):
+                raise TypeError(f"{fn.__name__}: annotate the first parameter with an Event type")
+            handler = Handler(topic, model, fn, step, deadline_s)
+            self.handlers[topic] = handler
+            if step is not None:
+                self.handlers[retry_topic(self.name, topic)] = handler
+            self.produces.update(m.topic for m in produces)
+            return fn
+
+        return register
+
+    @property
+    def topics(self) -> list[str]:
+        return list(self.handlers)
+
+    def steps(self) -> list[StepSpec]:
+        found: dict[str, StepSpec] = {}
+        for topic, h in self.handlers.items():
+            if h.step is None or topic.startswith("retry."):
+                continue
+            spec = found.get(h.step)
+            triggers = (*spec.triggers, topic) if spec else (topic,)
+            found[h.step] = StepSpec(h.step, self.name, triggers, h.deadline_s)
+        return list(found.values())
+
+
+def load_service(ref: str) -> Service:
+    """``module:attribute`` → the Service it names (what ``choreo run`` takes)."""
+    module_name, _, attr = ref.partition(":")
+    module = importlib.import_module(module_name)
+    service = getattr(module, attr or "service")
+    if not isinstance(service, Service):
+        raise TypeError(f"{ref} is not a choreo Service")
+    return service

@@ -1,0 +1,1 @@
+"""Avro contracts of the drone-delivery pipeline (``*.avsc``) and their pydantic mirrors."""

@@ -1,0 +1,188 @@
+"""The runtime on the real stack: typed handlers, exactly-once output, dead letters, retries,
+crash recovery and schema evolution, with services as real processes."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import pytest
+import redis
+from confluent_kafka import Producer
+from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+from choreo.config import settings
+from choreo.envelope import Envelope
+from choreo.kafka import ensure_topics
+from choreo.publisher import Publisher
+from choreo.serde import Encoder, registry_client
+from schemas.models import DeliveryShipped, PackageFailed
+from tests.factories import delivery_request
+from tests.helpers import ServiceProcess, read_topic, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture()
+def probe_topic(stack: None, unique: str) -> str:
+    topic = f"t.probe.{unique}"
+    ensure_topics([topic, f"{topic}.out", f"{topic}.dlq", f"retry.probe-{topic}.{topic}", "recovery"],
+                  partitions=3)
+    return topic
+
+
+@pytest.fixture()
+def services() -> Iterator[list[ServiceProcess]]:
+    started: list[ServiceProcess] = []
+    yield started
+    for proc in started:
+        proc.kill()
+
+
+def _publish(requests: list, topic: str) -> list[str]:
+    publisher = Publisher("test")
+    ids = [str(uuid.uuid4()) for _ in requests]
+    for request, event_id in zip(requests, ids):
+        publisher.publish(request, event_id, topic=topic)
+    publisher.flush(30)
+    return ids
+
+
+def _raw_producer() -> Producer:
+    return Producer({"bootstrap.servers": settings().kafka_bootstrap_servers})
+
+
+def test_ten_line_subscriber_receives_typed_events_and_emits(services: list[ServiceProcess],
+                                                              stack: None, unique: str) -> None:
+    topic = f"t.shipped.{unique}"
+    ensure_topics([topic, f"{topic}.out", f"{topic}.dlq"], partitions=3)
+    publisher = Publisher("test")
+    shipped = [DeliveryShipped(delivery_id=f"d{i}", package_id=f"p{i}", drone_id=f"drone-{i}",
+                               shipped_at=datetime.now(UTC)) for i in range(30)]
+    ids = {}
+    for event in shipped:
+        ids[event.delivery_id] = publisher.publish(event, str(uuid.uuid4()), topic=topic).event_id
+    publisher.flush(30)
+    services.append(ServiceProcess("tests.services.notifier_copy:service", env={"PROBE_TOPIC": topic},
+                                   workflow="").start())
+    out = wait_for(lambda: len(r := read_topic(f"{topic}.out")) >= 30 and r, what="30 outputs")
+    assert len(out) == 30
+    for record in out:
+        env = record.envelope
+        assert env is not None
+        assert env.causation_id == ids[env.correlation_id]  # caused by its own input
+        assert env.hops == 1 and env.event_type == "DroneReleased"
+    assert {r.key for r in out} == {f"d{i}".encode() for i in range(30)}
+
+
+def test_poison_messages_are_dead_lettered_while_good_ones_flow(
+        services: list[ServiceProcess], probe_topic: str) -> None:
+    topic = probe_topic
+    good = [delivery_request(weight_kg=1.0) for _ in range(20)]
+    good_ids = _publish(good[:10], topic)
+    bad_headers = Envelope.first(str(uuid.uuid4()), "bad", "DeliveryRequested", "test").to_headers()
+    producer = _raw_producer()
+    encoder = Encoder(type(good[0]), topic, registry_client())
+    valid_bytes = encoder(good[0])
+    # a record of another schema, registered for real, so the id is known but unreadable as ours
+    other = AvroSerializer(registry_client(), PackageFailed.avro_schema())
+    other_bytes = other(PackageFailed(delivery_id="x", reason="r", failed_at=datetime.now(UTC)).to_avro(),
+                        SerializationContext(f"{topic}-other", MessageField.VALUE))
+    invalid = delivery_request(weight_kg=1.0).model_copy(update={"weight_kg": -5.0})
+    poison = {
+        "garbage": (b"\xff\xfe not avro at all", bad_headers),
+        "wrong-magic": (b"\x01" + valid_bytes[1:], bad_headers),
+        "unknown-schema": (b"\x00" + (2**31 - 7).to_bytes(4, "big") + valid_bytes[5:], bad_headers),
+        "truncated": (valid_bytes[:12], bad_headers),
+        "other-schema": (other_bytes, bad_headers),
+        "invalid-payload": (encoder(invalid), bad_headers),
+        "missing-headers": (valid_bytes, []),
+        "hop-storm": (valid_bytes, [(k, v if k != "hops" else b"999") for k, v in bad_headers]),
+    }
+    for value, headers in poison.values():
+        producer.produce(topic, key=b"bad", value=value, headers=headers)
+    producer.flush(10)
+    rejected = _publish([delivery_request(weight_kg=13)], topic)
+    flaky = _publish([delivery_request(weight_kg=7)], topic)
+    hopeless = _publish([delivery_request(weight_kg=9)], topic)
+    good_ids += _publish(good[10:], topic)
+
+    services.append(ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic}).start())
+    dlq = wait_for(lambda: len(r := read_topic(f"{topic}.dlq")) >= 9 and r, what="9 dead letters")
+    reasons = Counter(r.header("dlq.reason") for r in dlq)
+    assert reasons == {
+        "UNDECODABLE": 3, "UNKNOWN_SCHEMA": 1, "INCOMPATIBLE_SCHEMA": 1, "INVALID_PAYLOAD": 1,
+        "MISSING_HEADERS": 1, "HOP_LIMIT": 1, "REJECTED": 1,
+    }
+    for record in dlq:
+        assert record.header("dlq.source.topic") == topic
+        assert record.header("dlq.service") == f"probe-{topic}"
+        assert int(record.header("dlq.source.offset") or -1) >= 0
+        assert record.header("dlq.error")
+    out = wait_for(lambda: len(r := read_topic(f"{topic}.out")) >= 21 and r, what="21 outputs")
+    caused_by = {r.envelope.causation_id for r in out if r.envelope}
+    assert set(good_ids) | set(flaky) == caused_by  # the 7 kg one succeeded on its retry
+    recovery = wait_for(lambda: [r for r in read_topic("recovery")
+                                 if r.envelope and r.envelope.causation_id == hopeless[0]],
+                        what="recovery report")
+    assert len(recovery) == 1
+    assert services[0].alive()
+
+
+def test_kill_mid_batch_loses_nothing_and_duplicates_nothing(
+        services: list[ServiceProcess], probe_topic: str, redis_client: redis.Redis) -> None:
+    topic = probe_topic
+    requests = [delivery_request(weight_kg=42 if i == 150 else 1.0) for i in range(300)]
+    ids = _publish(requests, topic)
+    env = {"PROBE_TOPIC": topic, "PROBE_BATCH": "500"}
+    services.append(ServiceProcess("tests.services.probe:service", env=env).start())
+    wait_for(lambda: redis_client.get(f"probe:{topic}:hanging"), what="the probe to hang mid-batch")
+    services[0].kill()  # kill -9: outputs of the open transaction were produced, not committed
+    services.append(ServiceProcess("tests.services.probe:service", env=env).start())
+    out = wait_for(lambda: len(r := read_topic(f"{topic}.out")) >= 300 and r, what="300 outputs")
+    event_ids = [r.header("event_id") for r in out]
+    assert len(event_ids) == len(set(event_ids)) == 300
+    assert {r.envelope.causation_id for r in out if r.envelope} == set(ids)
+    effects = {k.decode(): int(v) for k, v in redis_client.hgetall(f"probe:{topic}:effects").items()}
+    assert len(effects) == 300 and set(effects.values()) == {1}
+
+
+def test_two_instances_one_killed_the_other_takes_over(
+        services: list[ServiceProcess], probe_topic: str) -> None:
+    topic = probe_topic
+    env = {"PROBE_TOPIC": topic, "PROBE_BATCH": "50"}
+    services.append(ServiceProcess("tests.services.probe:service", instance="a", env=env).start())
+    services.append(ServiceProcess("tests.services.probe:service", instance="b", env=env).start())
+    ids = _publish([delivery_request() for _ in range(500)], topic)
+    wait_for(lambda: len(read_topic(f"{topic}.out")) >= 100, what="first outputs")
+    services[0].kill()
+    ids += _publish([delivery_request() for _ in range(500)], topic)
+    out = wait_for(lambda: len(r := read_topic(f"{topic}.out")) >= 1000 and r, timeout_s=90,
+                   what="1000 outputs")
+    assert len(out) == 1000
+    assert {r.envelope.causation_id for r in out if r.envelope} == set(ids)
+
+
+def test_v1_handler_reads_v2_events(services: list[ServiceProcess], stack: None, unique: str) -> None:
+    topic = f"t.shipped.{unique}"
+    ensure_topics([topic, f"{topic}.out", f"{topic}.dlq"], partitions=1)
+    v2 = json.loads(DeliveryShipped.avro_schema())
+    v2["fields"].append({"name": "carbon_g", "type": ["null", "double"], "default": None,
+                         "doc": "v2: the flight's CO2 estimate."})
+    serializer = AvroSerializer(registry_client(), json.dumps(v2))
+    headers = Envelope.first(str(uuid.uuid4()), "d-v2", "DeliveryShipped", "v2-producer").to_headers()
+    value = serializer({"delivery_id": "d-v2", "package_id": "p", "drone_id": "drone-1",
+                        "shipped_at": datetime.now(UTC), "carbon_g": 12.5},
+                       SerializationContext(topic, MessageField.VALUE))
+    producer = _raw_producer()
+    producer.produce(topic, key=b"d-v2", value=value, headers=headers)
+    producer.flush(10)
+    services.append(ServiceProcess("tests.services.notifier_copy:service", env={"PROBE_TOPIC": topic},
+                                   workflow="").start())
+    out = wait_for(lambda: read_topic(f"{topic}.out"), what="output from a v2 input")
+    assert len(out) == 1 and out[0].key == b"d-v2"
+    assert read_topic(f"{topic}.dlq") == []

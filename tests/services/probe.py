@@ -1,0 +1,45 @@
+"""A service whose behaviour the runtime tests steer through the request's weight:
+
+* 13 kg: the handler rejects the event (non-retryable) → dead letter;
+* 7 kg: a transient failure on the first try, then success (in-process retry);
+* 9 kg: always transient → retries exhausted → reported to the recovery topic;
+* 42 kg: the first time, hang after the Redis effect so the test can kill -9 mid-batch;
+* anything else: an idempotent Redis counter effect, then a derived event.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import UTC, datetime
+
+from choreo.effects import OnceEffect
+from choreo.errors import Rejected, Retryable
+from choreo.service import Context, Service
+from schemas.models import DeliveryRequested, PackageReady
+
+TOPIC = os.environ["PROBE_TOPIC"]
+service = Service(f"probe-{TOPIC}", batch_size=int(os.environ.get("PROBE_BATCH", "500")),
+                  max_hops=int(os.environ.get("PROBE_MAX_HOPS", "20")))
+
+COUNT = OnceEffect("count", """
+redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+return 'counted'
+""")
+
+
+@service.on(TOPIC, step="probe", deadline_s=float(os.environ.get("PROBE_DEADLINE_S", "30")))
+def handle(request: DeliveryRequested, ctx: Context) -> None:
+    if request.weight_kg == 13:
+        raise Rejected("13 kg is unlucky")
+    if request.weight_kg == 7 and ctx.try_no == 1:
+        raise Retryable("first try fails")
+    if request.weight_kg == 9:
+        raise Retryable("always fails")
+    ctx.once(COUNT, keys=[f"probe:{TOPIC}:effects"], args=[request.delivery_id])
+    if request.weight_kg == 42 and ctx.redis.set(f"probe:{TOPIC}:hung", 1, nx=True):
+        ctx.redis.set(f"probe:{TOPIC}:hanging", 1)
+        time.sleep(120)
+    ctx.emit(PackageReady(delivery_id=request.delivery_id, package_id=f"p-{request.delivery_id}",
+                          package_size=request.package_size, weight_kg=request.weight_kg,
+                          ready_at=datetime.now(UTC)), topic=f"{TOPIC}.out")

@@ -1,0 +1,67 @@
+"""The .avsc contracts are the source of truth; the pydantic models must not drift from them."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+import fastavro
+import pytest
+from pydantic import BaseModel
+
+from schemas.models import ALL_EVENTS, DeliveryRequested, Location
+
+SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schemas"
+
+
+def _nullable(avro_type: Any) -> bool:
+    return isinstance(avro_type, list) and "null" in avro_type
+
+
+def _check_record(model: type[BaseModel], schema: dict[str, Any]) -> None:
+    avro_fields = {f["name"]: f for f in schema["fields"]}
+    assert set(avro_fields) == set(model.model_fields), f"{schema['name']}: field names differ"
+    for name, field in model.model_fields.items():
+        avro = avro_fields[name]
+        assert ("default" in avro) == (not field.is_required()), f"{schema['name']}.{name}: default"
+        if "default" in avro:
+            assert avro["default"] == field.default, f"{schema['name']}.{name}: default value"
+        allows_none = "None" in repr(field.annotation)
+        assert _nullable(avro["type"]) == allows_none, f"{schema['name']}.{name}: optionality"
+        assert avro.get("doc"), f"{schema['name']}.{name} is undocumented"
+
+
+@pytest.mark.parametrize("model", ALL_EVENTS, ids=lambda m: m.__name__)
+def test_model_matches_contract(model: Any) -> None:
+    schema = json.loads(model.schema_file.read_text())
+    assert schema["name"] == model.__name__
+    assert schema["namespace"] == "com.dronepipe.events"
+    _check_record(model, schema)
+
+
+def test_every_contract_has_a_model() -> None:
+    assert {p.stem for p in SCHEMA_DIR.glob("*.avsc")} == {m.__name__ for m in ALL_EVENTS}
+
+
+def test_nested_location_matches() -> None:
+    schema = json.loads(DeliveryRequested.schema_file.read_text())
+    pickup = next(f for f in schema["fields"] if f["name"] == "pickup")["type"]
+    _check_record(Location, pickup)
+
+
+def test_model_round_trips_through_avro() -> None:
+    now = datetime(2026, 11, 29, 10, 0, tzinfo=UTC)
+    event = DeliveryRequested(
+        delivery_id="d1", owner_id="o1",
+        pickup=Location(lat=1.0, lon=2.0, address="1 Main St"),
+        dropoff=Location(lat=3.0, lon=4.0, address="2 High St"),
+        package_size="SMALL", weight_kg=1.5, requested_at=now,
+    )
+    parsed = fastavro.parse_schema(json.loads(event.avro_schema()))
+    buf = BytesIO()
+    fastavro.schemaless_writer(buf, parsed, event.to_avro())
+    buf.seek(0)
+    assert DeliveryRequested.from_avro(fastavro.schemaless_reader(buf, parsed)) == event
