@@ -10,8 +10,10 @@ from rich.console import Console
 from rich.table import Table
 
 from infra.process import StackError
+from infra.registry.cli import app as registry_app
 
 if TYPE_CHECKING:
+    from choreo.events import Event
     from choreo.workflow import Workflow
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -117,6 +119,53 @@ def create_topics(
         console.print(f"[red]topology:[/] {problem}")
     console.print(f"{len(topo.partitions)} topics ready")
     if found:
+        raise typer.Exit(1)
+
+
+app.add_typer(registry_app, name="registry", help="The schema registry service.")
+
+schemas_app = typer.Typer(no_args_is_help=True, help="Event contracts in the schema registry.")
+app.add_typer(schemas_app, name="schemas")
+
+
+def _contract_models(workflow: str) -> "dict[str, type[Event]]":
+    from choreo import contracts
+    from schemas.models import CompensationRecord, StepReport
+
+    flow = _load_workflow(workflow)
+    assert flow is not None
+    return contracts.topic_models(flow, (StepReport, CompensationRecord))
+
+
+@schemas_app.command("register")
+def schemas_register(workflow: str = typer.Option("consumers.workflow:WORKFLOW")) -> None:
+    """Register every topic's schema under <topic>-value (refused when incompatible)."""
+    from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+    from choreo import contracts
+
+    try:
+        ids = contracts.register(_contract_models(workflow))
+    except SchemaRegistryError as exc:
+        fail(f"registry refused a schema: {exc.error_message} (code {exc.error_code})")
+    for name, schema_id in ids.items():
+        console.print(f"{name}: id {schema_id}")
+
+
+@schemas_app.command("check")
+def schemas_check(workflow: str = typer.Option("consumers.workflow:WORKFLOW"),
+                  as_json: bool = typer.Option(False, "--json")) -> None:
+    """The deploy gate: exit 1 when a local schema is incompatible with the registry's."""
+    from choreo import contracts
+
+    results = contracts.check(_contract_models(workflow))
+    bad = [r for r in results if not r.compatible]
+    if as_json:
+        print(json.dumps([r.__dict__ for r in results]))
+    for r in bad:
+        console.print(f"[red]incompatible:[/] {r.subject}: {'; '.join(r.messages) or 'no reason given'}")
+    console.print(f"{len(results) - len(bad)}/{len(results)} subjects compatible")
+    if bad:
         raise typer.Exit(1)
 
 

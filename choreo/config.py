@@ -25,6 +25,7 @@ class Settings(BaseSettings):
     )
     kafka_heap: str = Field("-Xms256m -Xmx768m", validation_alias="KAFKA_HEAP_OPTS")
     start_timeout_s: float = Field(90.0, validation_alias="CHOREO_START_TIMEOUT")
+    dedupe_ttl_s: int = Field(24 * 3600, validation_alias="CHOREO_DEDUPE_TTL_S")
     log_level: str = Field("INFO", validation_alias="CHOREO_LOG_LEVEL")
 
 

@@ -30,6 +30,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 
 from choreo import metrics
 from choreo.config import settings
+from choreo.dedupe import Deduper
 from choreo.envelope import Envelope, HeaderList, pairs, derived_id, now_ms
 from choreo.errors import DeadLetterReason, Rejected, Retryable
 from choreo.events import Event
@@ -70,6 +71,7 @@ class Runner:
         self.log = get_logger(service=service.name, instance=self.options.instance)
         self.redis = redis.Redis.from_url(self.cfg.redis_url, socket_timeout=5)
         self.state = StateTable(self.redis)
+        self.dedupe = Deduper(self.redis, service.name, self.cfg.dedupe_ttl_s)
         self.registry = registry_client()
         self.decoders = {t: Decoder(h.model, t, self.registry) for t, h in service.handlers.items()}
         self.encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}
@@ -148,32 +150,49 @@ class Runner:
     # -- one batch, one transaction -------------------------------------------------------
 
     def _process(self, batch: list[Message]) -> None:
-        while True:
-            try:
-                self.producer.begin_transaction()
-                for message in batch:
+        try:
+            fresh = self._fresh(batch)
+            self.producer.begin_transaction()
+            for message, is_fresh in zip(batch, fresh):
+                if is_fresh:
                     self._handle(message)
-                self.producer.send_offsets_to_transaction(
-                    _next_offsets(batch), self.consumer.consumer_group_metadata(), 30
-                )
-                self.producer.commit_transaction(30)
-                metrics.BATCH_SIZE.labels(self.service.name).observe(len(batch))
-                return
-            except BatchTransient as exc:
-                self.log.warning("batch.transient", error=str(exc))
-                self._abort(batch)
-                time.sleep(0.5 + random.random())
-                if not self.running:
-                    return
-            except KafkaException as exc:
-                err = exc.args[0]
-                if err.fatal():
-                    self.log.error("transaction.fatal", error=str(err))
-                    raise SystemExit(f"{self.service.name}: fatal Kafka error: {err}") from exc
-                self.log.warning("transaction.abort", error=str(err),
-                                 retriable=err.retriable(), abortable=err.txn_requires_abort())
-                self._abort(batch)
-                return  # the rewound batch is consumed again (it may now belong to another instance)
+                else:
+                    metrics.IGNORED.labels(self.service.name, message.topic(), "duplicate").inc()
+            self.producer.send_offsets_to_transaction(
+                _next_offsets(batch), self.consumer.consumer_group_metadata(), 30
+            )
+            self.producer.commit_transaction(30)
+            metrics.BATCH_SIZE.labels(self.service.name).observe(len(batch))
+        except BatchTransient as exc:
+            self.log.warning("batch.transient", error=str(exc))
+            self._abort(batch)
+            time.sleep(0.5 + random.random())
+        except KafkaException as exc:
+            err = exc.args[0]
+            if err.fatal():
+                self.log.error("transaction.fatal", error=str(err))
+                raise SystemExit(f"{self.service.name}: fatal Kafka error: {err}") from exc
+            self.log.warning("transaction.abort", error=str(err),
+                             retriable=err.retriable(), abortable=err.txn_requires_abort())
+            self._abort(batch)
+        # after an abort the rewound batch is consumed again (maybe by another instance)
+
+    def _fresh(self, batch: list[Message]) -> list[bool]:
+        """Which messages are not duplicates of an event already handled at another position."""
+        keyed: list[tuple[int, tuple[str, str, int, str]]] = []
+        for i, m in enumerate(batch):
+            env = Envelope.from_headers(m.headers())
+            if env is not None:
+                keyed.append((i, (env.correlation_id, env.event_id, env.attempt,
+                                  f"{m.topic()}|{m.partition()}|{m.offset()}")))
+        try:
+            verdicts = self.dedupe.fresh([item for _, item in keyed])
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise BatchTransient(f"redis: {exc}") from exc
+        fresh = [True] * len(batch)
+        for (i, _), verdict in zip(keyed, verdicts):
+            fresh[i] = verdict
+        return fresh
 
     def _tick(self, periodic: Periodic) -> None:
         """One run of a periodic task, its output in one transaction (no input offsets)."""

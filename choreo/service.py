@@ -142,7 +142,7 @@ class Service:
         self.retry_budget = retry_budget
         self.in_process_retries = in_process_retries
         self.handlers: dict[str, Handler] = {}
-        self.produces: set[str] = set()
+        self.outputs: set[type[Event]] = set()
         self.startup: list[Callable[[redis.Redis], None]] = []
         self.periodic: list[Periodic] = []
 
@@ -179,7 +179,7 @@ class Service:
             self.handlers[topic] = handler
             if step is not None:
                 self.handlers[retry_topic(self.name, topic)] = handler
-            self.produces.update(m.topic for m in produces)
+            self.outputs.update(produces)
             return fn
 
         return register

@@ -32,9 +32,9 @@ def derive(workflow: Workflow, partitions: int = DEFAULT_PARTITIONS) -> Topology
                 topo.producers.setdefault(topic, set()).add("supervisor")
             else:
                 topo.partitions[dlq_topic(topic)] = partitions
-        for topic in service.produces:
-            topo.producers.setdefault(topic, set()).add(service.name)
-            topo.partitions[topic] = partitions
+        for model in service.outputs:
+            topo.producers.setdefault(model.topic, set()).add(service.name)
+            topo.partitions[model.topic] = partitions
     for topic, producer in workflow.extra_producers.items():
         topo.producers.setdefault(topic, set()).add(producer)
         topo.partitions[topic] = partitions

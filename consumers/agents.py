@@ -36,7 +36,7 @@ class Agent:
 
     @classmethod
     def from_env(cls, name: str) -> Agent:
-        prefix = f"AGENT_{name.upper()}_"
+        prefix = f"AGENT_{name.upper().replace('-', '_')}_"
         return cls(
             name,
             latency_ms=float(os.environ.get(prefix + "LATENCY_MS", "0")),

@@ -22,6 +22,7 @@ from schemas.models import (
 
 service = Service("drone-scheduler")
 dispatch = Agent.from_env("dispatch")
+dispatch_release = Agent.from_env("dispatch-release")  # compensation fails on its own terms
 FLEET_SIZE = int(os.environ.get("DRONE_FLEET_SIZE", "2000"))
 
 
@@ -54,7 +55,7 @@ def release(failure: DeliveryFailed, ctx: Context) -> DroneReleased | None:
     if "drone" not in failure.compensate:
         return None
     try:
-        dispatch.call("release", ctx.call_id, ctx.try_no)
+        dispatch_release.call("release", ctx.call_id, ctx.try_no)
     except PermanentFailure as refusal:  # compensation must be retried, then alerted on
         raise Retryable(f"release refused: {refusal}") from refusal
     drone = ctx.once(fleet.RELEASE, keys=fleet.KEYS, args=[failure.delivery_id, "release"])

@@ -19,6 +19,7 @@ from schemas.models import (
 
 service = Service("package")
 warehouse = Agent.from_env("warehouse")
+warehouse_cancel = Agent.from_env("warehouse-cancel")  # compensation fails on its own terms
 
 UPSERT_PACKAGE = OnceEffect("upsert_package", """
 redis.call('HSET', KEYS[1], 'package_id', ARGV[1], 'size', ARGV[2], 'weight_kg', ARGV[3],
@@ -65,7 +66,7 @@ def cancel(failure: DeliveryFailed, ctx: Context) -> PackageCancelled | None:
     if "package" not in failure.compensate:
         return None
     try:
-        warehouse.call("cancel", ctx.call_id, ctx.try_no)
+        warehouse_cancel.call("cancel", ctx.call_id, ctx.try_no)
     except PermanentFailure as refusal:  # compensation must be retried, then alerted on
         raise Retryable(f"cancel refused: {refusal}") from refusal
     package_id = ctx.once(CANCEL_PACKAGE, keys=[package_key(failure.delivery_id)])

@@ -84,7 +84,10 @@ def test_poison_messages_are_dead_lettered_while_good_ones_flow(
     topic = probe_topic
     good = [delivery_request(weight_kg=1.0) for _ in range(20)]
     good_ids = _publish(good[:10], topic)
-    bad_headers = Envelope.first(str(uuid.uuid4()), "bad", "DeliveryRequested", "test").to_headers()
+
+    def bad_headers() -> list:
+        return Envelope.first(str(uuid.uuid4()), "bad", "DeliveryRequested", "test").to_headers()
+
     producer = _raw_producer()
     encoder = Encoder(type(good[0]), topic, registry_client())
     valid_bytes = encoder(good[0])
@@ -94,14 +97,14 @@ def test_poison_messages_are_dead_lettered_while_good_ones_flow(
                         SerializationContext(f"{topic}-other", MessageField.VALUE))
     invalid = delivery_request(weight_kg=1.0).model_copy(update={"weight_kg": -5.0})
     poison = {
-        "garbage": (b"\xff\xfe not avro at all", bad_headers),
-        "wrong-magic": (b"\x01" + valid_bytes[1:], bad_headers),
-        "unknown-schema": (b"\x00" + (2**31 - 7).to_bytes(4, "big") + valid_bytes[5:], bad_headers),
-        "truncated": (valid_bytes[:12], bad_headers),
-        "other-schema": (other_bytes, bad_headers),
-        "invalid-payload": (encoder(invalid), bad_headers),
+        "garbage": (b"\xff\xfe not avro at all", bad_headers()),
+        "wrong-magic": (b"\x01" + valid_bytes[1:], bad_headers()),
+        "unknown-schema": (b"\x00" + (2**31 - 7).to_bytes(4, "big") + valid_bytes[5:], bad_headers()),
+        "truncated": (valid_bytes[:12], bad_headers()),
+        "other-schema": (other_bytes, bad_headers()),
+        "invalid-payload": (encoder(invalid), bad_headers()),
         "missing-headers": (valid_bytes, []),
-        "hop-storm": (valid_bytes, [(k, v if k != "hops" else b"999") for k, v in bad_headers]),
+        "hop-storm": (valid_bytes, [(k, v if k != "hops" else b"999") for k, v in bad_headers()]),
     }
     for value, headers in poison.values():
         producer.produce(topic, key=b"bad", value=value, headers=headers)

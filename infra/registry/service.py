@@ -1,0 +1,88 @@
+"""Assembling and running one registry instance (state, store, election, HTTP) under uvicorn."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import uvicorn
+
+from choreo.config import Settings
+from choreo.logs import get_logger
+from infra.registry.api import Api, create_app
+from infra.registry.leader import LeaderElection
+from infra.registry.registry import Registry
+from infra.registry.state import State
+from infra.registry.store import KafkaStore
+
+log = get_logger(component="registry.service")
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """Per-instance knobs; everything shared comes from ``choreo.config.Settings``."""
+
+    host: str
+    port: int
+    bootstrap: str
+    redis_url: str
+    topic: str = "_schemas"
+    lease_ms: int = 6000
+    leader_eligible: bool = True
+    max_body: int = 1 << 20
+    advertised_url: str = ""
+
+    @classmethod
+    def from_settings(cls, cfg: Settings, host: str | None = None, port: int | None = None) -> RegistryConfig:
+        """Host and port come from SCHEMA_REGISTRY_URL unless given; the rest from SCHEMA_REGISTRY_* env."""
+        url = urlparse(cfg.schema_registry_url)
+        bind_host = host or url.hostname or "127.0.0.1"
+        bind_port = port or url.port or 8081
+        env = os.environ
+        return cls(
+            host=bind_host,
+            port=bind_port,
+            bootstrap=cfg.kafka_bootstrap_servers,
+            redis_url=cfg.redis_url,
+            topic=env.get("SCHEMA_REGISTRY_TOPIC", "_schemas"),
+            lease_ms=int(env.get("SCHEMA_REGISTRY_LEASE_MS", "6000")),
+            leader_eligible=env.get("SCHEMA_REGISTRY_LEADER_ELIGIBLE", "true").strip().lower() != "false",
+            max_body=int(env.get("SCHEMA_REGISTRY_MAX_BODY", str(1 << 20))),
+            advertised_url=env.get("SCHEMA_REGISTRY_ADVERTISED_URL", f"http://{bind_host}:{bind_port}"),
+        )
+
+
+def build(config: RegistryConfig) -> tuple[Api, Registry]:
+    state = State()
+    store = KafkaStore(config.bootstrap, config.topic, state)
+    instance = f"{config.advertised_url}#{uuid.uuid4().hex[:8]}"
+    election = LeaderElection(config.redis_url, config.topic, instance, config.advertised_url,
+                              ttl_ms=config.lease_ms, eligible=config.leader_eligible)
+    registry = Registry(state, store, election)
+    return Api(registry, max_body=config.max_body), registry
+
+
+def serve(config: RegistryConfig) -> None:
+    """Run in the foreground until SIGTERM/SIGINT; the port opens only after catch-up."""
+    api, registry = build(config)
+
+    def startup() -> None:
+        registry.store.ensure_topic()
+        registry.store.start()
+        registry.store.catch_up(timeout_s=120)
+        registry.election.start()
+        log.info("registry_ready", topic=config.topic, url=config.advertised_url,
+                 position=registry.store.position, schemas=len(registry.state.schemas),
+                 leader=registry.election.is_leader())
+
+    def shutdown() -> None:
+        registry.election.stop()
+        registry.store.stop()
+        log.info("registry_stopped", url=config.advertised_url)
+
+    app = create_app(api, startup, shutdown)
+    # log_config=None: uvicorn keeps the process's logging setup instead of installing its own
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False,
+                server_header=False, timeout_graceful_shutdown=5, log_config=None)

@@ -1,0 +1,60 @@
+"""Running the whole pipeline as real processes in tests, and reading its outcomes."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from choreo.publisher import Publisher
+from consumers.workflow import WORKFLOW
+from schemas.models import DeliveryRequested
+from tests.helpers import Record, ServiceProcess, read_topic, wait_for
+
+SERVICES = ["consumers.package:service", "consumers.drone_scheduler:service",
+            "consumers.delivery:service", "consumers.notifier:service"]
+
+
+@dataclass
+class Pipeline:
+    env: dict[str, str] = field(default_factory=dict)
+    instances: int = 1
+    procs: list[ServiceProcess] = field(default_factory=list)
+
+    def start(self, refs: Iterable[str] = SERVICES) -> Pipeline:
+        for ref in refs:
+            for n in range(self.instances):
+                self.procs.append(ServiceProcess(ref, instance=str(n), env=self.env).start())
+        return self
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+
+    def alive(self) -> bool:
+        return all(p.alive() for p in self.procs)
+
+
+def submit(requests: list[DeliveryRequested]) -> list[str]:
+    publisher = Publisher("test-ingestion", WORKFLOW)
+    publisher.publish_all([(r, str(uuid.uuid4())) for r in requests])
+    return [r.delivery_id for r in requests]
+
+
+def of(records: list[Record], ids: set[str]) -> list[Record]:
+    return [r for r in records if r.key is not None and r.key.decode() in ids]
+
+
+def terminal_counts(ids: set[str]) -> Counter[str]:
+    """How many terminal events (shipped + failed) each delivery has."""
+    counts: Counter[str] = Counter()
+    for topic in ("delivery.shipped", "delivery.failed"):
+        for record in of(read_topic(topic), ids):
+            counts[record.key.decode() if record.key else ""] += 1
+    return counts
+
+
+def wait_terminal(ids: set[str], timeout_s: float = 120.0) -> Counter[str]:
+    return wait_for(lambda: len(c := terminal_counts(ids)) == len(ids) and c, timeout_s=timeout_s,
+                    interval_s=1.0, what=f"{len(ids)} deliveries to end")

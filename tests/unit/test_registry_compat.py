@@ -1,0 +1,206 @@
+"""The registry's pure logic: Avro compatibility levels, schema identity, log replay, parsing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from infra.registry import errors
+from infra.registry.avro_schema import ParsedSchema, parse
+from infra.registry.compat import Level, problems, reader_writer_problems
+from infra.registry.registry import LATEST, check_subject, parse_schema_id, parse_version
+from infra.registry.state import State, config_record, mode_record, schema_id_record, version_record
+
+
+def record(*fields: dict[str, Any], name: str = "Delivery", namespace: str = "drone") -> ParsedSchema:
+    return parse(json.dumps({"type": "record", "name": name, "namespace": namespace, "fields": list(fields)}))
+
+
+ID = {"name": "id", "type": "string"}
+OPTIONAL_NOTE = {"name": "note", "type": ["null", "string"], "default": None}
+REQUIRED_NOTE = {"name": "note", "type": "string"}
+
+
+def compatible(new: ParsedSchema, old: ParsedSchema, level: Level) -> bool:
+    return not problems(new, [(1, old)], level)
+
+
+# -- the checker's Avro resolution rules ---------------------------------------------------
+
+def test_adding_optional_field_is_fully_compatible() -> None:
+    v1, v2 = record(ID), record(ID, OPTIONAL_NOTE)
+    for level in Level:
+        assert compatible(v2, v1, level), level
+
+
+def test_adding_required_field_breaks_backward_only() -> None:
+    v1, v2 = record(ID), record(ID, REQUIRED_NOTE)
+    assert not compatible(v2, v1, Level.BACKWARD)
+    assert compatible(v2, v1, Level.FORWARD)  # old readers ignore the new field
+    assert not compatible(v2, v1, Level.FULL)
+    assert compatible(v2, v1, Level.NONE)
+    assert any("READER_FIELD_MISSING_DEFAULT_VALUE" in m for m in problems(v2, [(1, v1)], Level.BACKWARD))
+
+
+def test_removing_field_without_default_breaks_forward_only() -> None:
+    v1, v2 = record(ID, REQUIRED_NOTE), record(ID)
+    assert compatible(v2, v1, Level.BACKWARD)
+    assert not compatible(v2, v1, Level.FORWARD)
+
+
+@pytest.mark.parametrize(
+    ("writer", "reader", "ok"),
+    [
+        ("int", "long", True), ("int", "float", True), ("int", "double", True), ("long", "double", True),
+        ("float", "double", True), ("string", "bytes", True), ("bytes", "string", True),
+        ("long", "int", False), ("double", "float", False), ("string", "int", False),
+    ],
+)
+def test_type_promotions(writer: str, reader: str, ok: bool) -> None:
+    w = record({"name": "n", "type": writer})
+    r = record({"name": "n", "type": reader})
+    assert (not reader_writer_problems(reader=r, writer=w)) is ok
+
+
+def test_unions() -> None:
+    narrow, wide = record({"name": "v", "type": ["null", "string"]}), record({"name": "v", "type": ["null", "string", "int"]})
+    assert not reader_writer_problems(reader=wide, writer=narrow)
+    assert reader_writer_problems(reader=narrow, writer=wide)  # the int branch cannot be read
+    plain = record({"name": "v", "type": "string"})
+    assert not reader_writer_problems(reader=narrow, writer=plain)  # a union reader takes a matching branch
+
+
+def test_enums_and_enum_default() -> None:
+    def enum(symbols: list[str], default: str | None = None) -> ParsedSchema:
+        spec: dict[str, Any] = {"type": "enum", "name": "Status", "symbols": symbols}
+        if default:
+            spec["default"] = default
+        return record({"name": "s", "type": spec})
+
+    assert reader_writer_problems(reader=enum(["A", "B"]), writer=enum(["A", "B", "C"]))
+    assert not reader_writer_problems(reader=enum(["A", "B", "U"], "U"), writer=enum(["A", "B", "C"]))
+    assert not reader_writer_problems(reader=enum(["A", "B", "C"]), writer=enum(["A", "B"]))
+
+
+def test_arrays_maps_and_fixed() -> None:
+    ints = record({"name": "xs", "type": {"type": "array", "items": "int"}})
+    longs = record({"name": "xs", "type": {"type": "array", "items": "long"}})
+    assert not reader_writer_problems(reader=longs, writer=ints)
+    assert reader_writer_problems(reader=ints, writer=longs)
+    m_int = record({"name": "m", "type": {"type": "map", "values": "int"}})
+    m_str = record({"name": "m", "type": {"type": "map", "values": "string"}})
+    assert reader_writer_problems(reader=m_str, writer=m_int)
+    f4 = record({"name": "f", "type": {"type": "fixed", "name": "F", "size": 4}})
+    f8 = record({"name": "f", "type": {"type": "fixed", "name": "F", "size": 8}})
+    assert reader_writer_problems(reader=f8, writer=f4)
+
+
+def test_renames_through_aliases_relative_and_qualified() -> None:
+    """avro's checker compares aliases as written; we qualify them, as the spec says."""
+    old = record({"name": "a", "type": "int"}, name="Old")
+    for alias in ("Old", "drone.Old"):
+        renamed = parse(json.dumps({"type": "record", "name": "New", "namespace": "drone", "aliases": [alias],
+                                    "fields": [{"name": "b", "aliases": ["a"], "type": "int"}]}))
+        assert not reader_writer_problems(reader=renamed, writer=old), alias
+    stranger = record({"name": "a", "type": "int"}, name="Other")
+    assert reader_writer_problems(reader=stranger, writer=old)
+
+
+def test_transitive_levels_check_every_version() -> None:
+    v1 = record(ID)
+    v2 = record(ID, {"name": "note", "type": "string", "default": "x"})
+    v3 = record(ID, REQUIRED_NOTE)  # compatible with v2 (has the field) but not with v1
+    history = [(1, v1), (2, v2)]
+    assert not problems(v3, history, Level.BACKWARD)
+    assert problems(v3, history, Level.BACKWARD_TRANSITIVE)
+    assert problems(v3, history, Level.FULL_TRANSITIVE)
+
+
+def test_level_parsing() -> None:
+    assert Level.parse("backward_transitive") is Level.BACKWARD_TRANSITIVE
+    for bad in ("SIDEWAYS", "", None, 3):
+        with pytest.raises(errors.RegistryError) as info:
+            Level.parse(bad)
+        assert info.value.error_code == 42203
+
+
+# -- identity ------------------------------------------------------------------------------
+
+def test_equivalent_spellings_share_an_identity() -> None:
+    a = parse('{"type":"record","name":"R","namespace":"n","fields":[{"name":"x","type":"int"}]}')
+    b = parse('{ "fields": [ {"type": {"type": "int"}, "name": "x"} ],\n "name": "n.R", "type": "record" }')
+    assert a.identity == b.identity
+
+
+def test_defaults_and_docs_are_part_of_identity() -> None:
+    plain = record({"name": "x", "type": "int"})
+    defaulted = record({"name": "x", "type": "int", "default": 1})
+    assert plain.identity != defaulted.identity
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "   ", "not json", "{", '{"type":"record","name":"R"}', '{"type":"nope"}', '"Undefined"',
+     '{"type":"record","name":"1R","fields":[]}', '{"type":"enum","name":"E","symbols":["A","A"]}',
+     '{"type":"record","name":"R","fields":[{"name":"a","type":"int","default":"x"}]}',
+     "[" * 5000 + "]" * 5000],
+)
+def test_invalid_schemas_are_42201(text: str) -> None:
+    with pytest.raises(errors.RegistryError) as info:
+        parse(text)
+    assert (info.value.status, info.value.error_code) == (422, 42201)
+
+
+# -- replay ----------------------------------------------------------------------------------
+
+def test_replay_builds_state_and_tombstones_remove() -> None:
+    state = State()
+    text = record(ID).text
+    for key, value in [
+        schema_id_record(7, text), version_record("s", 1, 7), version_record("t", 1, 7),
+        config_record(None, {"compatibilityLevel": "FULL"}), mode_record("s", "READONLY"),
+        version_record("t", 1, 7, deleted=True), version_record("s", 1, None), mode_record("s", None),
+    ]:
+        assert state.apply(key, value)
+    assert "s" not in state.subjects
+    assert state.versions("t") == [] and state.versions("t", include_deleted=True)[0].deleted
+    assert state.max_id == 7 and state.schemas[7].text == text
+    assert state.configs[None] == {"compatibilityLevel": "FULL"} and state.modes == {}
+
+
+def test_replay_skips_garbage_without_failing() -> None:
+    state = State()
+    for key, value in [(b"not json", b"{}"), (b'{"keytype":"WHAT"}', b"{}"), (None, None), (b"[]", b"1"),
+                       (b'{"keytype":"SCHEMA","subject":"s","version":"x"}', b'{"id":1}')]:
+        assert not state.apply(key, value)
+    assert state.skipped == 5 and not state.subjects
+
+
+# -- path parameters ------------------------------------------------------------------------
+
+def test_versions() -> None:
+    assert parse_version("latest") == LATEST and parse_version("-1") == LATEST
+    assert parse_version("1") == 1 and parse_version(str(2**31 - 1)) == 2**31 - 1
+    for bad in ("0", "-2", "abc", str(2**31), "99999999999999999999", "1.5", ""):
+        with pytest.raises(errors.RegistryError) as info:
+            parse_version(bad)
+        assert info.value.error_code == 42202
+
+
+def test_schema_ids() -> None:
+    assert parse_schema_id("12") == 12
+    for bad in ("x", "1.0", str(2**40), ""):
+        with pytest.raises(errors.RegistryError) as info:
+            parse_schema_id(bad)
+        assert (info.value.status, info.value.error_code) == (404, 404)
+
+
+def test_subject_names() -> None:
+    assert check_subject("orders-value") == "orders-value"
+    assert check_subject("../config") == "../config"  # just a name: routing never sees it decoded
+    for bad in ("", "  ", "a\x00b", "line\nbreak", "x" * 5000, "__GLOBAL"):
+        with pytest.raises(errors.RegistryError) as info:
+            check_subject(bad)
+        assert info.value.error_code == 42208
