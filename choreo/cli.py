@@ -169,6 +169,29 @@ def schemas_check(workflow: str = typer.Option("consumers.workflow:WORKFLOW"),
         raise typer.Exit(1)
 
 
+@app.command("demo")
+def demo(
+    requests: int = typer.Option(300, "--requests", "-n", help="deliveries to submit"),
+    concurrency: int = typer.Option(16, help="HTTP requests in flight at once"),
+    timeout_s: float = typer.Option(120.0, "--timeout", help="seconds to wait for every delivery"),
+    fail_rate: float = typer.Option(0.05, help="permanent failure rate injected in each step's agent"),
+    seed: int = typer.Option(7, help="seed of the generated requests"),
+) -> None:
+    """Run the whole choreography for real; the last line is the summary JSON."""
+    from infra import demo as demo_run
+
+    env = {"AGENT_WAREHOUSE_PERMANENT_RATE": str(fail_rate),
+           "AGENT_DISPATCH_PERMANENT_RATE": str(fail_rate),
+           "AGENT_WAREHOUSE_TRANSIENT_RATE": "0.05", "AGENT_DISPATCH_TRANSIENT_RATE": "0.05"}
+    try:
+        summary = demo_run.run(requests, concurrency, timeout_s, seed, env)
+    except StackError as exc:
+        fail(str(exc))
+    print(demo_run.main_line(summary))
+    if summary["lost"] or summary["doubled"]:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

@@ -1,7 +1,14 @@
 """Apache Kafka 4.x in KRaft mode, from the jars Maven resolved (infra/pom.xml).
 
-One combined broker+controller by default; three on request for failover tests. Each
-node formats its storage once, then runs ``kafka.Kafka`` with a config written here.
+One combined broker+controller node by default. The multi-node mode (``nodes=3``) runs
+three broker-only nodes beside one dedicated KRaft controller: with three combined nodes,
+losing two of them also loses the controller quorum, so the cluster freezes (ISR cannot
+shrink, leaders cannot move) and a producer only ever sees time-outs. A controller that
+outlives the brokers lets failover tests observe what they are about: leader election
+after one broker dies, and ``NOT_ENOUGH_REPLICAS`` (min ISR 2) once two are gone. It is
+also Kafka's recommended production layout (dedicated controllers).
+
+Each node formats its storage once, then runs ``kafka.Kafka`` with a config written here.
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 
-from infra.process import ManagedProcess, StackError, port_in_use
+from infra.process import ManagedProcess, StackError, port_listening, stop_all
 
 HOST = "127.0.0.1"
 LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")
+CONTROLLER_ID = 0  # the dedicated controller of a multi-node cluster; brokers are 1..n
 
 
 def java_binary() -> str:
@@ -34,13 +42,18 @@ def java_binary() -> str:
 
 @dataclass(frozen=True)
 class KafkaCluster:
-    """A KRaft cluster of ``nodes`` combined nodes on loopback; ports count up from ``base_port``."""
+    """A KRaft cluster on loopback; broker ``n`` listens on ``base_port + 2n``.
+
+    One node: a combined broker+controller with its controller on ``base_port + 1``.
+    Several nodes: broker-only nodes plus a dedicated controller on ``base_port + 1``.
+    """
 
     data_dir: Path
     libs: Path
     nodes: int = 1
     base_port: int = 9092
     heap: str = "-Xms256m -Xmx768m"
+    controller_heap: str = "-Xms64m -Xmx256m"
 
     def broker_port(self, node: int) -> int:
         return self.base_port + 2 * node
@@ -52,57 +65,86 @@ class KafkaCluster:
     def bootstrap_servers(self) -> str:
         return ",".join(f"{HOST}:{self.broker_port(n)}" for n in range(self.nodes))
 
+    @property
+    def combined(self) -> bool:
+        return self.nodes == 1
+
     def node_dir(self, node: int) -> Path:
         return self.data_dir / f"kafka-{node}"
 
-    def _properties(self, node: int) -> str:
+    @property
+    def controller_dir(self) -> Path:
+        return self.data_dir / "kafka-controller"
+
+    def _common_properties(self) -> list[str]:
+        """Settings every node shares (in KRaft the controller applies topic defaults)."""
         replicas = min(self.nodes, 3)
         min_isr = 2 if self.nodes >= 3 else 1
-        voters = ",".join(f"{n + 1}@{HOST}:{self.controller_port(n)}" for n in range(self.nodes))
-        quorum = (
-            f"controller.quorum.bootstrap.servers={HOST}:{self.controller_port(0)}"
-            if self.nodes == 1
-            else f"controller.quorum.voters={voters}"
-        )
-        return "\n".join(
-            [
-                "process.roles=broker,controller",
-                f"node.id={node + 1}",
-                f"listeners=PLAINTEXT://{HOST}:{self.broker_port(node)},"
-                f"CONTROLLER://{HOST}:{self.controller_port(node)}",
-                f"advertised.listeners=PLAINTEXT://{HOST}:{self.broker_port(node)}",
-                "controller.listener.names=CONTROLLER",
-                "inter.broker.listener.name=PLAINTEXT",
-                "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-                quorum,
-                f"log.dirs={self.node_dir(node) / 'data'}",
-                "num.partitions=6",
-                f"default.replication.factor={replicas}",
-                f"min.insync.replicas={min_isr}",
-                f"offsets.topic.replication.factor={replicas}",
-                "offsets.topic.num.partitions=12",
-                f"transaction.state.log.replication.factor={replicas}",
-                f"transaction.state.log.min.isr={min_isr}",
-                "transaction.state.log.num.partitions=12",
-                "group.initial.rebalance.delay.ms=0",
-                "auto.create.topics.enable=false",
-                "delete.topic.enable=true",
-                "log.retention.hours=168",
-                "log.segment.bytes=104857600",
-                "unclean.leader.election.enable=false",
-                "message.max.bytes=1048588",
-                "",
-            ]
-        )
+        return [
+            "controller.listener.names=CONTROLLER",
+            "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "num.partitions=6",
+            f"default.replication.factor={replicas}",
+            f"min.insync.replicas={min_isr}",
+            f"offsets.topic.replication.factor={replicas}",
+            "offsets.topic.num.partitions=12",
+            f"transaction.state.log.replication.factor={replicas}",
+            f"transaction.state.log.min.isr={min_isr}",
+            "transaction.state.log.num.partitions=12",
+            "group.initial.rebalance.delay.ms=0",
+            "auto.create.topics.enable=false",
+            "delete.topic.enable=true",
+            "log.retention.hours=168",
+            "log.segment.bytes=104857600",
+            "unclean.leader.election.enable=false",
+            "message.max.bytes=1048588",
+        ]
 
-    def _process(self, node: int) -> ManagedProcess:
-        workdir = self.node_dir(node)
+    def _properties(self, node: int) -> str:
+        if self.combined:
+            lines = [
+                "process.roles=broker,controller",
+                "node.id=1",
+                f"listeners=PLAINTEXT://{HOST}:{self.broker_port(0)},"
+                f"CONTROLLER://{HOST}:{self.controller_port(0)}",
+                f"advertised.listeners=PLAINTEXT://{HOST}:{self.broker_port(0)}",
+                "inter.broker.listener.name=PLAINTEXT",
+                f"controller.quorum.bootstrap.servers={HOST}:{self.controller_port(0)}",
+                f"log.dirs={self.node_dir(0) / 'data'}",
+            ]
+        else:
+            lines = [
+                "process.roles=broker",
+                f"node.id={node + 1}",
+                f"listeners=PLAINTEXT://{HOST}:{self.broker_port(node)}",
+                f"advertised.listeners=PLAINTEXT://{HOST}:{self.broker_port(node)}",
+                "inter.broker.listener.name=PLAINTEXT",
+                f"controller.quorum.voters={CONTROLLER_ID}@{HOST}:{self.controller_port(0)}",
+                f"log.dirs={self.node_dir(node) / 'data'}",
+                # a killed broker is fenced (and leaves every ISR) after ~4 s instead of 9 s
+                "broker.heartbeat.interval.ms=500",
+            ]
+        return "\n".join([*lines, *self._common_properties(), ""])
+
+    def _controller_properties(self) -> str:
+        lines = [
+            "process.roles=controller",
+            f"node.id={CONTROLLER_ID}",
+            f"listeners=CONTROLLER://{HOST}:{self.controller_port(0)}",
+            f"controller.quorum.voters={CONTROLLER_ID}@{HOST}:{self.controller_port(0)}",
+            f"log.dirs={self.controller_dir / 'data'}",
+            "broker.session.timeout.ms=4000",
+        ]
+        return "\n".join([*lines, *self._common_properties(), ""])
+
+    def _managed(self, name: str, workdir: Path, heap: str, ports: list[int]) -> ManagedProcess:
         config = workdir / "server.properties"
         return ManagedProcess(
-            name=f"kafka-{node}",
+            name=name,
+            # resolved again (with a clear error) by start(); status and stop need no Java
             argv=[
-                java_binary(),
-                *self.heap.split(),
+                shutil.which("java") or "java",
+                *heap.split(),
                 "-XX:+UseG1GC",
                 f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
                 "-cp",
@@ -111,29 +153,62 @@ class KafkaCluster:
                 str(config),
             ],
             workdir=workdir,
-            ports=[(HOST, self.broker_port(node)), (HOST, self.controller_port(node))],
-            ready=lambda: True,
+            ports=[(HOST, port) for port in ports],
+            ready=lambda: True,  # the cluster is probed as a whole: see wait_ready()
             marker=str(config),
         )
 
-    def _format(self, node: int, cluster_id: str) -> None:
-        workdir = self.node_dir(node)
+    def _process(self, node: int) -> ManagedProcess:
+        ports = [self.broker_port(node)]
+        if self.combined:
+            ports.append(self.controller_port(node))
+        return self._managed(f"kafka-{node}", self.node_dir(node), self.heap, ports)
+
+    def controller(self) -> ManagedProcess | None:
+        """The dedicated controller of a multi-node cluster (None for a combined single node)."""
+        if self.combined:
+            return None
+        return self._managed(
+            "kafka-controller", self.controller_dir, self.controller_heap,
+            [self.controller_port(0)],
+        )
+
+    def _format(
+        self, workdir: Path, properties: str, cluster_id: str, java: str
+    ) -> subprocess.Popen[str] | None:
+        """Write the node's config; start formatting its storage unless that was done before.
+
+        Returns the running StorageTool (the caller waits, so several nodes format at once).
+        """
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "server.properties"
-        config.write_text(self._properties(node))
+        if not config.exists() or config.read_text() != properties:
+            config.write_text(properties)
         if (workdir / "data" / "meta.properties").exists():
-            return
-        standalone = ["--standalone"] if self.nodes == 1 else []
-        result = subprocess.run(
-            [java_binary(), "-cp", f"{self.libs}/*", "kafka.tools.StorageTool", "format",
+            return None
+        # --standalone bootstraps the single node's dynamic quorum; static voters need nothing
+        standalone = ["--standalone"] if self.combined else []
+        return subprocess.Popen(
+            [java, "-cp", f"{self.libs}/*", "kafka.tools.StorageTool", "format",
              "-t", cluster_id, "-c", str(config), *standalone],
-            capture_output=True, text=True, check=False,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
         )
-        if result.returncode != 0:
-            raise StackError(
-                f"kafka-{node}: formatting storage failed: {result.stdout.strip()} "
-                f"{result.stderr.strip()}"
-            )
+
+    def _format_all(self, java: str) -> None:
+        cluster_id = self._cluster_id()
+        jobs = [(self.node_dir(n), self._properties(n)) for n in range(self.nodes)]
+        if not self.combined:
+            jobs.append((self.controller_dir, self._controller_properties()))
+        running = [(workdir, self._format(workdir, props, cluster_id, java)) for workdir, props in jobs]
+        failures = []
+        for workdir, proc in running:
+            if proc is None:
+                continue
+            output, _ = proc.communicate()
+            if proc.returncode != 0:
+                failures.append(f"{workdir.name}: {output.strip()}")
+        if failures:
+            raise StackError(f"formatting Kafka storage failed: {'; '.join(failures)}")
 
     def _cluster_id(self) -> str:
         id_file = self.data_dir / "kafka-cluster-id"
@@ -145,54 +220,75 @@ class KafkaCluster:
         return cluster_id
 
     def start(self, timeout_s: float) -> list[str]:
-        """Format once, start every node that is not running, wait for metadata; return what started."""
+        """Format once, start every node that is not running, wait for metadata; return what started.
+
+        On failure, the nodes this call started are stopped again before the error is raised.
+        """
+        java = java_binary()
         if not (self.libs.is_dir() and any(self.libs.glob("kafka_2.13-*.jar"))):
             raise StackError(
-                f"Kafka jars not found in {self.libs}; run: mvn -q -f infra/pom.xml "
-                "dependency:copy-dependencies (the setup script does this)"
+                f"Kafka jars not found in {self.libs}; run: bash infra/setup.sh "
+                "(it resolves them from Maven Central with infra/pom.xml)"
             )
-        cluster_id = self._cluster_id()
-        started = []
-        for node in range(self.nodes):
-            self._format(node, cluster_id)
-        for node in range(self.nodes):
-            proc = self._process(node)
-            # nodes of a cluster wait for each other, so readiness is checked for all at once
-            if proc.start(timeout_s=timeout_s):
-                started.append(proc.name)
-        self.wait_ready(timeout_s)
-        return started
+        procs = self.processes()
+        # check every port before starting anything, so a conflict leaves nothing half-started
+        for proc in procs:
+            if not proc.running():
+                proc.check_ports()
+        self._format_all(java)
+        started: list[ManagedProcess] = []
+        try:
+            for proc in procs:
+                if proc.start(timeout_s=timeout_s):
+                    started.append(proc)
+            self.wait_ready(timeout_s)
+        except StackError:
+            stop_all(started, timeout_s=10)
+            raise
+        return [proc.name for proc in started]
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Return once every broker is listed in a metadata answer; raise after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        last_error = ""
-        while time.monotonic() < deadline:
-            for node in range(self.nodes):
-                if not self._process(node).running():
-                    raise StackError(
-                        f"kafka-{node} exited during start-up; see {self._process(node).log_file}"
+        last_error = "no broker listening yet"
+        admin: AdminClient | None = None
+        while True:
+            for proc in self.processes():
+                if not proc.running():
+                    raise StackError(f"{proc.name} exited during start-up; see {proc.log_file}")
+            if all(port_listening(HOST, self.broker_port(n)) for n in range(self.nodes)):
+                try:
+                    # log_level 0: connection refusals while starting are expected, not news
+                    admin = admin or AdminClient(
+                        {"bootstrap.servers": self.bootstrap_servers, "log_level": 0}
                     )
-            if not all(port_in_use(HOST, self.broker_port(n)) for n in range(self.nodes)):
-                time.sleep(0.2)
-                continue
-            try:
-                admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
-                meta = admin.list_topics(timeout=2)
-                if len(meta.brokers) >= self.nodes:
-                    return
-            except Exception as exc:  # the broker refuses connections while starting
-                last_error = str(exc)
+                    brokers = len(admin.list_topics(timeout=2).brokers)
+                    if brokers >= self.nodes:
+                        return
+                    last_error = f"{brokers} of {self.nodes} brokers registered"
+                except Exception as exc:  # the broker refuses requests while starting
+                    last_error = str(exc)
+            if time.monotonic() >= deadline:
+                raise StackError(
+                    f"Kafka did not answer a metadata request within {timeout_s:g}s "
+                    f"({last_error}); see {self._process(0).log_file}"
+                )
             time.sleep(0.3)
-        raise StackError(
-            f"Kafka did not answer a metadata request within {timeout_s:.0f}s ({last_error}); "
-            f"see {self._process(0).log_file}"
-        )
 
     def stop(self) -> list[str]:
-        return [p.name for p in self.processes() if p.stop(timeout_s=30)]
+        """Stop the brokers together, then the controller (brokers shut down through it)."""
+        stopped = stop_all([self._process(n) for n in range(self.nodes)], timeout_s=30)
+        controller = self.controller()
+        if controller is not None and controller.stop(timeout_s=30):
+            stopped.append(controller.name)
+        return stopped
 
     def processes(self) -> list[ManagedProcess]:
-        return [self._process(n) for n in range(self.nodes)]
+        """Every process of the cluster, the controller (if any) first: start order."""
+        controller = self.controller()
+        brokers = [self._process(n) for n in range(self.nodes)]
+        return [controller, *brokers] if controller is not None else brokers
 
     def node(self, node: int) -> ManagedProcess:
+        """Broker ``node`` (0-based), e.g. to kill it in a failover test."""
         return self._process(node)

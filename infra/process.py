@@ -8,12 +8,13 @@ clear sentence naming its log file instead of a hang.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,10 +23,30 @@ class StackError(RuntimeError):
     """A part of the stack could not be started or stopped; the message is for a person."""
 
 
-def port_in_use(host: str, port: int) -> bool:
+def port_listening(host: str, port: int) -> bool:
+    """True when something accepts connections on ``host:port`` (a read-only probe)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
         return sock.connect_ex((host, port)) == 0
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when something listens on, or merely holds, ``host:port``.
+
+    A connect probe alone misses a socket that is bound but not listening (the broker would
+    then die with "Address already in use"), so a bind probe is tried too. SO_REUSEADDR
+    matches what Java and Redis set, so connections lingering in TIME_WAIT after a stop do
+    not count as "taken".
+    """
+    if port_listening(host, port):
+        return True
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def pid_alive(pid: int) -> bool:
@@ -38,16 +59,30 @@ def pid_alive(pid: int) -> bool:
     # a zombie child still answers kill(0); treat it as dead
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"
+            return stat.read().rsplit(") ", 1)[1][0] != "Z"
     except (OSError, IndexError):
         return False
 
 
-def pid_cmdline(pid: int) -> str:
+def pid_cmdline(pid: int) -> list[str]:
+    """The argv of ``pid`` (empty when it is gone or unreadable)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return ""
+        return []
+    return [arg.decode(errors="replace") for arg in raw.split(b"\0") if arg]
+
+
+def cmdline_has(pid: int, marker: str) -> bool:
+    """True when ``marker`` is a whole argument of ``pid``.
+
+    Whole arguments, not substrings: ``/a/.stack/kafka-0/server.properties`` must not match a
+    broker of ``/x/a/.stack``. Programs that rewrite their title into one argument (Redis shows
+    ``redis-server 127.0.0.1:6379``) are split on spaces as well.
+    """
+    args = " ".join(pid_cmdline(pid)).split()
+    wanted = marker.split()
+    return any(args[i : i + len(wanted)] == wanted for i in range(len(args) - len(wanted) + 1))
 
 
 @dataclass
@@ -61,6 +96,7 @@ class ManagedProcess:
     ready: Callable[[], bool]
     marker: str
     env: dict[str, str] = field(default_factory=dict)
+    install_hint: str = ""  # how to get ``argv[0]`` when it is missing, for the error sentence
 
     @property
     def pid_file(self) -> Path:
@@ -71,12 +107,16 @@ class ManagedProcess:
         return self.workdir / f"{self.name}.log"
 
     def pid(self) -> int | None:
-        """The pid of our live process, or None (a stale pid file is removed)."""
+        """The pid of our live process, or None (a stale pid file is removed).
+
+        A pid file is trusted only when the pid is alive *and* carries our marker, so a pid
+        recycled by an unrelated process after a crash or reboot is never adopted or killed.
+        """
         try:
             pid = int(self.pid_file.read_text().strip())
         except (OSError, ValueError):
             return None
-        if pid_alive(pid) and self.marker in pid_cmdline(pid):
+        if pid_alive(pid) and cmdline_has(pid, self.marker):
             return pid
         self.pid_file.unlink(missing_ok=True)
         return None
@@ -84,35 +124,53 @@ class ManagedProcess:
     def running(self) -> bool:
         return self.pid() is not None
 
-    def start(self, timeout_s: float) -> bool:
-        """Start unless already running; True when a new process was started."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        if self.pid() is not None:
-            self._wait_ready(timeout_s)
-            return False
+    def check_ports(self) -> None:
+        """Raise one clear sentence when a port we need is held by someone else."""
         for host, port in self.ports:
             if port_in_use(host, port):
                 raise StackError(
                     f"{self.name}: port {host}:{port} is already taken by another process; "
                     f"stop it or choose another port (log: {self.log_file})"
                 )
-        with open(self.log_file, "ab") as log:
-            proc = subprocess.Popen(
-                list(self.argv),
-                cwd=self.workdir,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                env={**os.environ, **self.env},
-            )
+
+    def start(self, timeout_s: float) -> bool:
+        """Start unless already running; True when a new process was started.
+
+        A process we started that exits or is not ready in time is stopped again before the
+        error is raised, so a failed start leaves nothing half-running behind.
+        """
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.pid() is not None:
+            self._wait_ready(timeout_s)
+            return False
+        self.check_ports()
+        try:
+            with open(self.log_file, "ab") as log:
+                proc = subprocess.Popen(
+                    list(self.argv),
+                    cwd=self.workdir,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    env={**os.environ, **self.env},
+                )
+        except FileNotFoundError:
+            raise StackError(
+                f"{self.name}: {self.argv[0]} was not found on PATH. {self.install_hint}".strip()
+            ) from None
+        _await_exec(proc, self.marker)
         self.pid_file.write_text(str(proc.pid))
-        self._wait_ready(timeout_s, proc)
+        try:
+            self._wait_ready(timeout_s, proc)
+        except StackError:
+            self.stop(timeout_s=5)
+            raise
         return True
 
     def _wait_ready(self, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while True:
             if proc is not None and proc.poll() is not None:
                 self.pid_file.unlink(missing_ok=True)
                 raise StackError(
@@ -124,40 +182,82 @@ class ManagedProcess:
                     return
             except Exception:  # readiness probes fail in many ways while starting
                 pass
+            if time.monotonic() >= deadline:
+                raise StackError(
+                    f"{self.name} did not become ready within {timeout_s:g}s; see {self.log_file}"
+                )
             time.sleep(0.2)
-        raise StackError(
-            f"{self.name} did not become ready within {timeout_s:.0f}s; see {self.log_file}"
-        )
+
+    def terminate(self, sig: int = signal.SIGTERM) -> int | None:
+        """Send ``sig`` without waiting; the pid signalled, or None when nothing runs."""
+        pid = self.pid()
+        if pid is not None:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                return None
+        return pid
 
     def stop(self, timeout_s: float = 30.0, sig: int = signal.SIGTERM) -> bool:
         """Stop gracefully, then forcefully; True when something was running."""
-        pid = self.pid()
+        pid = self.terminate(sig)
         if pid is None:
             return False
-        os.kill(pid, sig)
-        deadline = time.monotonic() + timeout_s
-        while pid_alive(pid) and time.monotonic() < deadline:
-            _reap(pid)
-            time.sleep(0.1)
-        if pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            while pid_alive(pid):
-                _reap(pid)
-                time.sleep(0.05)
-        self.pid_file.unlink(missing_ok=True)
+        self._reap_stopped(pid, timeout_s)
         return True
 
+    def _reap_stopped(self, pid: int, timeout_s: float) -> None:
+        """Wait for a signalled ``pid`` to go, SIGKILL it past ``timeout_s``, drop the pid file."""
+        if not _wait_gone(pid, timeout_s):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _wait_gone(pid, 10.0)
+        self.pid_file.unlink(missing_ok=True)
+
     def kill(self) -> None:
-        """kill -9, for chaos tests: no shutdown hooks run."""
-        pid = self.pid()
+        """kill -9, for chaos tests: no shutdown hooks run (the pid file stays, as after a crash)."""
+        pid = self.terminate(signal.SIGKILL)
         if pid is not None:
-            os.kill(pid, signal.SIGKILL)
-            while pid_alive(pid):
-                _reap(pid)
-                time.sleep(0.05)
+            _wait_gone(pid, 10.0)
+
+
+def stop_all(procs: Iterable[ManagedProcess], timeout_s: float = 30.0) -> list[str]:
+    """Stop several processes at once: signal all first, then wait, so shutdowns overlap."""
+    signalled = [(proc, proc.terminate()) for proc in procs]
+    for proc, pid in signalled:
+        if pid is not None:
+            proc._reap_stopped(pid, timeout_s)
+    return [proc.name for proc, pid in signalled if pid is not None]
+
+
+def _await_exec(proc: subprocess.Popen[bytes], marker: str, timeout_s: float = 5.0) -> None:
+    """Wait until the child's argv is visible in /proc.
+
+    Popen may return (vfork) a moment before the kernel publishes the new program's argv;
+    a pid() check in that moment would find no marker and take our own child for a stranger.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not cmdline_has(proc.pid, marker) and proc.poll() is None:
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid):
+        _reap(pid)
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    _reap(pid)
+    return True
 
 
 def _reap(pid: int) -> None:
+    """Collect our own child's exit status so it does not linger as a zombie."""
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:

@@ -55,12 +55,13 @@ if ! ls "$KAFKA_LIBS"/kafka_2.13-*.jar >/dev/null 2>&1; then
   say "resolving Kafka jars from Maven Central into $KAFKA_LIBS"
   mkdir -p "$(dirname "$KAFKA_LIBS")"
   partial="$KAFKA_LIBS.partial.$$"
-  trap 'rm -rf "$partial"' EXIT
-  mvn -q -B -f infra/pom.xml dependency:copy-dependencies -Dkafka.libs="$partial" \
-    || die "Maven could not resolve the Kafka jars (is Maven Central reachable?)"
+  trap 'rm -rf "$partial" "$partial.log"' EXIT
+  if ! mvn -q -B -f infra/pom.xml dependency:copy-dependencies -Dkafka.libs="$partial" >"$partial.log" 2>&1; then
+    cat "$partial.log" >&2
+    die "Maven could not resolve the Kafka jars (is Maven Central reachable?)"
+  fi
   ls "$partial"/kafka_2.13-*.jar >/dev/null 2>&1 || die "Maven finished but no kafka_2.13 jar arrived in $partial"
   rm -rf "$KAFKA_LIBS"
   mv "$partial" "$KAFKA_LIBS"
-  trap - EXIT
 fi
 say "ready"

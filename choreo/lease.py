@@ -1,0 +1,110 @@
+"""A Redis leader lease with a fencing token: one supervisor acts at a time.
+
+Why a lease and not a Kafka consumer-group assignment: the supervisor's work (the deadline
+index) lives in Redis, so the guard must live where the writes land. The lease is a key
+``lease:{name}`` holding ``"<owner>|<token>"`` with a TTL; the token comes from a counter
+that only grows (``lease:{name}:fence``), so each holder has a token no earlier holder had.
+
+* ``acquire()`` takes a free lease (new token) or renews ours (same token, TTL reset), in
+  one script; it never steals a lease that another owner still holds.
+* Every supervisor write script first checks ``GET lease:{name} == fence`` (see
+  ``choreo.supervision``). A leader that paused (GC, SIGSTOP, a slow network) past its TTL
+  and comes back with a stale token loses every write: its late decisions cannot overwrite
+  the new leader's, whatever it believes about itself.
+* When the leader dies, its key expires after ``ttl_ms`` and the next instance to ask takes
+  it: the takeover delay is bounded by TTL + the asking period.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+_ACQUIRE = """
+local current = redis.call('GET', KEYS[1])
+if current then
+  local owner = string.match(current, '^(.*)|%d+$')
+  if owner == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return current
+  end
+  return false
+end
+local token = redis.call('INCR', KEYS[2])
+local value = ARGV[1] .. '|' .. token
+redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+return value
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def lease_key(name: str) -> str:
+    return f"lease:{{{name}}}"
+
+
+def fence_key(name: str) -> str:
+    return f"lease:{{{name}}}:fence"
+
+
+@dataclass(frozen=True)
+class Holder:
+    owner: str
+    token: int
+
+
+def parse(value: str) -> Holder:
+    owner, _, token = value.rpartition("|")
+    return Holder(owner, int(token))
+
+
+class Lease:
+    """One instance's view of the lease ``name``; ``fence`` is what write scripts check."""
+
+    def __init__(self, client: redis.Redis, name: str, owner: str, ttl_ms: int) -> None:
+        if "|" in owner:
+            raise ValueError("a lease owner may not contain '|'")
+        self.client = client
+        self.name = name
+        self.owner = owner
+        self.ttl_ms = ttl_ms
+        self.key = lease_key(name)
+        self._acquire = client.register_script(_ACQUIRE)
+        self._release = client.register_script(_RELEASE)
+        self.fence: str | None = None  # "<owner>|<token>" while we believe we hold it
+
+    @property
+    def token(self) -> int | None:
+        return parse(self.fence).token if self.fence else None
+
+    def acquire(self) -> bool:
+        """Take the lease if it is free, renew it if it is ours; False if another holds it.
+
+        Call it more often than ``ttl_ms`` (the supervisor does so before every scan), so a
+        live leader never lapses; its own writes still re-check the fence on every call.
+        """
+        value = self._acquire(keys=[self.key, fence_key(self.name)], args=[self.owner, self.ttl_ms])
+        self.fence = value.decode() if isinstance(value, bytes) else None
+        return self.fence is not None
+
+    def lost(self) -> None:
+        """A write script answered "fenced": we are no longer the leader."""
+        self.fence = None
+
+    def release(self) -> None:
+        """Give the lease up at once on a clean stop, so the next leader need not wait a TTL."""
+        if self.fence:
+            self._release(keys=[self.key], args=[self.fence])
+            self.fence = None
+
+
+def holder(client: redis.Redis, name: str) -> Holder | None:
+    """Who holds the lease now (for operators and tests)."""
+    value = client.get(lease_key(name))
+    if not value:
+        return None
+    return parse(value.decode() if isinstance(value, bytes) else str(value))

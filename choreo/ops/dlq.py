@@ -1,0 +1,242 @@
+"""Dead letters: list them by topic and reason, show one, and redrive a selection once.
+
+**Where a redriven event goes.** Back to the topic it was dead-lettered from
+(``dlq.source.topic``: the origin topic, or the service's retry topic when it failed
+there), with its original key, value and envelope (same event id, same attempt), the
+``dlq.*`` headers removed and ``redrive.from`` added so a trace shows where it came from.
+
+**Why it is handled once, and only by the service that failed it.** The consumer-side
+dedupe (``choreo.dedupe``) remembers ``<service>:<event id>:<attempt>`` with the *first*
+position that carried it. The dead-lettering service recorded the dead-lettered position,
+so a copy at a new position would be skipped as a duplicate. The redrive therefore makes
+that one service forget that entry just before the copy is committed: for it the new
+position is the first one. Every other consumer group of the source topic handled the
+original successfully at its own position and still skips the copy. Keeping the event id
+(rather than minting a new one) keeps every remembered answer (``ctx.once``) and every
+derived output id the same, so even a redrive of an event that *did* get partly handled
+cannot produce a second, different outcome. For a supervised step the state table has the
+last word: if the step was closed meanwhile (failed, compensated), the redriven event is
+a late answer and is ignored, which is what the supervisor already decided.
+
+**Each at most once.** The redriven DLQ positions are recorded in a compacted topic
+(``choreo.dlq.redriven``, key ``<dlq topic>|<partition>|<offset>``), produced in the *same
+Kafka transaction* as the redriven events: a marker exists exactly when its redrive was
+committed. A Redis set would not be atomic with the produce, and would be lost with Redis
+(which is when a rebuild might tempt someone to redrive again). All redrives share one
+``transactional.id``: a second concurrent redrive fences the first, and the markers are
+read only after ``init_transactions`` (which completes or aborts the fenced one), so two
+operators cannot both redrive the same record.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+from confluent_kafka import Producer
+
+from choreo.config import settings
+from choreo.dedupe import seen_key
+from choreo.envelope import HeaderList, now_ms
+from choreo.kafka import ensure_topics
+from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
+
+REDRIVEN_TOPIC = "choreo.dlq.redriven"
+REDRIVE_TXN_ID = "choreo-ops-redrive"
+DLQ_SUFFIX = ".dlq"
+
+
+@dataclass
+class DeadLetter:
+    dlq_topic: str
+    partition: int
+    offset: int
+    time_ms: int
+    reason: str
+    error: str
+    service: str
+    source_topic: str
+    source_partition: int
+    source_offset: int
+    delivery_id: str
+    event_id: str
+    attempt: int
+    redriven: bool = False
+
+    @property
+    def position(self) -> str:
+        return f"{self.dlq_topic}|{self.partition}|{self.offset}"
+
+    @classmethod
+    def of(cls, record: Rec, redriven: set[str]) -> DeadLetter:
+        env = record.envelope
+        letter = cls(
+            dlq_topic=record.topic, partition=record.partition, offset=record.offset,
+            time_ms=int(record.header("dlq.time_ms") or record.timestamp_ms),
+            reason=record.header("dlq.reason") or "", error=record.header("dlq.error") or "",
+            service=record.header("dlq.service") or "",
+            source_topic=record.header("dlq.source.topic") or record.topic.removesuffix(DLQ_SUFFIX),
+            source_partition=int(record.header("dlq.source.partition") or -1),
+            source_offset=int(record.header("dlq.source.offset") or -1),
+            delivery_id=env.correlation_id if env else record.key_text,
+            event_id=env.event_id if env else "", attempt=env.attempt if env else 0,
+        )
+        letter.redriven = letter.position in redriven
+        return letter
+
+
+@dataclass
+class Selection:
+    """Which dead letters: every given criterion must hold."""
+
+    topics: list[str] = field(default_factory=list)  # DLQ topics or their source topics
+    reasons: list[str] = field(default_factory=list)
+    delivery_ids: list[str] = field(default_factory=list)
+    partition: int | None = None
+    offsets: tuple[int, int] | None = None  # [first, last] in the DLQ topic, inclusive
+    since_ms: int | None = None
+    until_ms: int | None = None
+    limit: int = 0
+
+    def dlq_topics(self, present: Iterable[str]) -> list[str]:
+        wanted = {t if t.endswith(DLQ_SUFFIX) else t + DLQ_SUFFIX for t in self.topics}
+        return sorted(t for t in present if t.endswith(DLQ_SUFFIX) and (not wanted or t in wanted))
+
+    def matches(self, letter: DeadLetter) -> bool:
+        return ((not self.reasons or letter.reason in self.reasons)
+                and (not self.delivery_ids or letter.delivery_id in self.delivery_ids))
+
+
+def dead_letters(selection: Selection, progress: Progress | None = None,
+                 with_records: bool = False) -> list[tuple[DeadLetter, Rec]]:
+    """The selected dead letters, oldest first per partition, each with its record."""
+    redriven = redriven_positions()
+    consumer = reader()
+    try:
+        present = existing_topics(consumer)
+        spans = []
+        for topic in selection.dlq_topics(present):
+            partitions = [selection.partition] if selection.partition is not None else None
+            offsets = None
+            if selection.offsets is not None:
+                first, last = selection.offsets
+                offsets = {p: (first, last + 1) for p in (partitions or range(present[topic]))}
+            spans += resolve(consumer, topic, partitions, since_ms=selection.since_ms,
+                             until_ms=selection.until_ms, offsets=offsets)
+        found: list[tuple[DeadLetter, Rec]] = []
+        for record in read(consumer, spans, progress):
+            letter = DeadLetter.of(record, redriven)
+            if selection.matches(letter):
+                found.append((letter, record))
+                if selection.limit and len(found) >= selection.limit:
+                    break
+        return found
+    finally:
+        consumer.close()
+
+
+def summary(letters: Iterable[DeadLetter]) -> list[dict[str, Any]]:
+    """Counts by DLQ topic and reason (with how many were redriven): the incident overview."""
+    counts: dict[tuple[str, str], list[int]] = {}
+    for letter in letters:
+        entry = counts.setdefault((letter.dlq_topic, letter.reason), [0, 0])
+        entry[0] += 1
+        entry[1] += int(letter.redriven)
+    return [{"topic": t, "reason": r, "count": c, "redriven": d} for (t, r), (c, d) in sorted(counts.items())]
+
+
+def show(topic: str, partition: int, offset: int) -> dict[str, Any]:
+    """One dead letter in full: headers, the decoded body when possible, the raw size."""
+    selection = Selection(topics=[topic], partition=partition, offsets=(offset, offset))
+    found = dead_letters(selection)
+    if not found:
+        raise LookupError(f"no record at {topic}[{partition}]@{offset}")
+    letter, record = found[0]
+    body = BodyDecoder()(letter.source_topic, record.value)
+    return {
+        "dead_letter": asdict(letter),
+        "headers": {k: v.decode(errors="replace") for k, v in record.headers},
+        "key": record.key_text,
+        "value_bytes": len(record.value or b""),
+        "body": body,
+    }
+
+
+def redriven_positions(timeout_s: float = 10.0) -> set[str]:
+    """The DLQ positions already redriven (every marker ever committed)."""
+    consumer = reader()
+    try:
+        if REDRIVEN_TOPIC not in existing_topics(consumer, timeout_s):
+            return set()
+        return {r.key_text for r in read(consumer, resolve(consumer, REDRIVEN_TOPIC)) if r.value is not None}
+    finally:
+        consumer.close()
+
+
+@dataclass
+class RedriveResult:
+    redriven: list[DeadLetter]
+    skipped: list[tuple[DeadLetter, str]]
+    dry_run: bool
+
+
+def _forget_seen(pipe: Any, letter: DeadLetter) -> None:
+    """Make the dead-lettering service forget the DLQ'd position of this event, so the
+    redriven copy is its first sighting (field layout of ``choreo.dedupe.Deduper``)."""
+    pipe.hdel(seen_key(letter.delivery_id), f"{letter.service}:{letter.event_id}:{letter.attempt}")
+
+
+def redrive(selection: Selection, *, dry_run: bool = False, progress: Progress | None = None,
+            on_each: Callable[[DeadLetter], None] | None = None) -> RedriveResult:
+    """Send the selected dead letters back to their source topic, each at most once."""
+    cfg = settings()
+    ensure_topics({REDRIVEN_TOPIC: 1}, config={"cleanup.policy": "compact"})
+    producer: Producer | None = None
+    if not dry_run:
+        producer = Producer({
+            "bootstrap.servers": cfg.kafka_bootstrap_servers,
+            "transactional.id": REDRIVE_TXN_ID,
+            "transaction.timeout.ms": 60000,
+            "linger.ms": 5,
+        })
+        producer.init_transactions(30)  # fences a concurrent redrive before markers are read
+    selected = dead_letters(selection, progress)
+    result = RedriveResult([], [], dry_run)
+    todo: list[tuple[DeadLetter, Rec]] = []
+    for letter, record in selected:
+        if letter.redriven:
+            result.skipped.append((letter, "already redriven"))
+        elif not letter.event_id:
+            result.skipped.append((letter, "no envelope: it would only be dead-lettered again"))
+        else:
+            todo.append((letter, record))
+    if dry_run or producer is None or not todo:
+        result.redriven = [letter for letter, _ in todo] if dry_run else []
+        return result
+    client = redis.Redis.from_url(cfg.redis_url, socket_timeout=5)
+    producer.begin_transaction()
+    try:
+        forget = client.pipeline(transaction=False)
+        by = f"{socket.gethostname()}"
+        for letter, record in todo:
+            _forget_seen(forget, letter)
+            headers: HeaderList = [(k, v) for k, v in record.headers if not k.startswith(("dlq.", "redrive."))]
+            headers.append(("redrive.from", letter.position.encode()))
+            producer.produce(letter.source_topic, key=record.key, value=record.value, headers=headers)
+            marker = {"to": letter.source_topic, "at_ms": now_ms(), "by": by, "reason": letter.reason,
+                      "event_id": letter.event_id, "delivery_id": letter.delivery_id}
+            producer.produce(REDRIVEN_TOPIC, key=letter.position.encode(), value=json.dumps(marker).encode())
+            producer.poll(0)
+            result.redriven.append(letter)
+            if on_each is not None:
+                on_each(letter)
+        forget.execute()  # before the commit: the copy must never be seen by a service that remembers the DLQ'd position
+        producer.commit_transaction(60)
+    except BaseException:
+        producer.abort_transaction(30)
+        raise
+    return result

@@ -1,0 +1,298 @@
+"""Reading bounded ranges of topics: the one reader every ops command shares.
+
+A range is resolved per partition from offsets or from times (``offsets_for_times``) into
+``[start, end)``, then read as a ``read_committed`` client with no group commits, so reading
+never moves anyone's offsets. With ``read_committed`` the last offsets of a partition may be
+transaction markers that are never delivered, so a partition is done when the consumer's
+*position* reaches its end, not when a message at ``end - 1`` arrives.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from confluent_kafka import Consumer, Message, TopicPartition
+from confluent_kafka.schema_registry.avro import AvroDeserializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+from choreo.config import settings
+from choreo.envelope import Envelope, header_value, pairs
+from choreo.serde import MAGIC_BYTE, registry_client
+
+Progress = Callable[[int], None]
+
+_RELATIVE = re.compile(r"^-?(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)(?:\s+ago)?$")
+_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def parse_time(text: str, now_ms: int | None = None) -> int:
+    """An operator's time as epoch ms: ISO 8601 (naive means UTC, the brokers' clock),
+    epoch ms, ``now``, or relative (``-15m``, ``2h ago``)."""
+    text = text.strip()
+    now = now_ms if now_ms is not None else int(time.time() * 1000)
+    if text == "now":
+        return now
+    if text.isdigit():
+        return int(text)
+    relative = _RELATIVE.match(text)
+    if relative:
+        return now - int(float(relative.group(1)) * _UNITS_MS[relative.group(2)])
+    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1000)
+
+
+def text(value: Any) -> str:
+    """A Redis reply (bytes, str or None) as text."""
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def partition_for(key: bytes, partitions: int, partitioner: str = "consistent_random") -> int:
+    """The partition a keyed record was produced to, computed without reading anything.
+
+    The project's producers use librdkafka's default partitioner (``consistent_random``:
+    CRC-32 of the key); Java clients and ``murmur2_random`` use murmur2. The trace must use
+    the same function as the producers, so it is a parameter.
+    """
+    if partitioner in ("consistent", "consistent_random"):
+        return zlib.crc32(key) % partitions
+    if partitioner in ("murmur2", "murmur2_random"):
+        return (murmur2(key) & 0x7FFFFFFF) % partitions
+    raise ValueError(f"unknown partitioner {partitioner!r}")
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's murmur2 (the Java client's default partitioner hash), as a signed 32-bit int."""
+    m, r, mask = 0x5BD1E995, 24, 0xFFFFFFFF
+    length = len(data)
+    h = (0x9747B28C ^ length) & mask
+    for i in range(0, length - length % 4, 4):
+        k = int.from_bytes(data[i:i + 4], "little")
+        k = (k * m) & mask
+        k ^= k >> r
+        k = (k * m) & mask
+        h = (h * m) & mask
+        h ^= k
+    tail = length % 4
+    base = length - tail
+    if tail == 3:
+        h ^= data[base + 2] << 16
+    if tail >= 2:
+        h ^= data[base + 1] << 8
+    if tail >= 1:
+        h ^= data[base]
+        h = (h * m) & mask
+    h ^= h >> 13
+    h = (h * m) & mask
+    h ^= h >> 15
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+@dataclass(frozen=True)
+class Span:
+    """One partition's offsets to read: ``[start, end)``."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return max(0, self.end - self.start)
+
+
+@dataclass
+class Rec:
+    """One record as read, with its envelope parsed on demand."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, message: Message) -> Rec:
+        _, ts = message.timestamp()
+        return cls(message.topic() or "", message.partition() or 0, message.offset() or 0, ts,
+                   message.key(), message.value(),
+                   [(k, v if isinstance(v, bytes) else (v or "").encode()) for k, v in pairs(message.headers())])
+
+    @property
+    def envelope(self) -> Envelope | None:
+        return Envelope.from_headers(self.headers)
+
+    def header(self, name: str) -> str | None:
+        return header_value(self.headers, name)
+
+    @property
+    def position(self) -> str:
+        return f"{self.topic}|{self.partition}|{self.offset}"
+
+    @property
+    def key_text(self) -> str:
+        return self.key.decode(errors="replace") if self.key is not None else ""
+
+
+def reader(bootstrap: str | None = None, **overrides: Any) -> Consumer:
+    """A read_committed consumer that never commits; its group id is unique and unused."""
+    config: dict[str, Any] = {
+        "bootstrap.servers": bootstrap or settings().kafka_bootstrap_servers,
+        "group.id": f"choreo-ops-reader-{uuid.uuid4().hex[:8]}",
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "isolation.level": "read_committed",
+        "auto.offset.reset": "earliest",
+        "fetch.wait.max.ms": 50,
+        "max.partition.fetch.bytes": 8 * 1024 * 1024,
+        "fetch.max.bytes": 64 * 1024 * 1024,
+        "queued.max.messages.kbytes": 256 * 1024,
+    }
+    config.update(overrides)
+    return Consumer(config)
+
+
+def partitions_of(consumer: Consumer, topic: str, timeout_s: float = 10.0) -> list[int]:
+    """The topic's partitions, or [] when the topic does not exist."""
+    meta = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
+    if meta is None or meta.error is not None:
+        return []
+    return sorted(meta.partitions)
+
+
+def existing_topics(consumer: Consumer, timeout_s: float = 10.0) -> dict[str, int]:
+    """Every topic on the cluster with its partition count."""
+    meta = consumer.list_topics(timeout=timeout_s)
+    return {name: len(t.partitions) for name, t in meta.topics.items() if t.error is None}
+
+
+def resolve(consumer: Consumer, topic: str, partitions: Iterable[int] | None = None, *,
+            since_ms: int | None = None, until_ms: int | None = None,
+            offsets: dict[int, tuple[int, int]] | None = None, timeout_s: float = 10.0) -> list[Span]:
+    """The spans of ``topic`` between two times (``until`` exclusive) or explicit offsets.
+
+    ``offsets_for_times`` gives, per partition, the first offset whose timestamp is at or
+    after the time (or the end when there is none), which is exactly a half-open bound.
+    """
+    parts = list(partitions) if partitions is not None else partitions_of(consumer, topic, timeout_s)
+    marks = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s) for p in parts}
+    starts = {p: low for p, (low, _) in marks.items()}
+    ends = {p: high for p, (_, high) in marks.items()}
+    if since_ms is not None:
+        starts = _at_time(consumer, topic, parts, since_ms, ends, timeout_s)
+    if until_ms is not None:
+        ends = _at_time(consumer, topic, parts, until_ms, ends, timeout_s)
+    if offsets is not None:
+        for p, (first, last_excl) in offsets.items():
+            low, high = marks.get(p, (0, 0))
+            starts[p], ends[p] = max(first, low), min(last_excl, high)
+        parts = [p for p in parts if p in offsets]
+    spans = [Span(topic, p, max(starts[p], marks[p][0]), ends[p]) for p in parts]
+    return [s for s in spans if s.size > 0]
+
+
+def _at_time(consumer: Consumer, topic: str, parts: list[int], ms: int, ends: dict[int, int],
+             timeout_s: float) -> dict[int, int]:
+    if not parts:
+        return {}
+    found = consumer.offsets_for_times([TopicPartition(topic, p, ms) for p in parts], timeout=timeout_s)
+    return {tp.partition: tp.offset if tp.offset >= 0 else ends[tp.partition] for tp in found}
+
+
+def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None,
+         batch: int = 5000, idle_timeout_s: float = 30.0,
+         accept: Callable[[Message], bool] | None = None) -> Iterator[Rec]:
+    """Every committed record of ``spans``, partition by partition in offset order.
+
+    ``accept`` filters on the raw message before a ``Rec`` is built (e.g. compare the key
+    bytes): the cheap test runs on every record, the object only for the ones kept.
+    """
+    todo = {(s.topic, s.partition): s for s in spans if s.size > 0}
+    if not todo:
+        return
+    consumer.assign([TopicPartition(s.topic, s.partition, s.start) for s in todo.values()])
+    last_progress = time.monotonic()
+    try:
+        while todo:
+            messages = consumer.consume(batch, 0.2)
+            if not messages:
+                for tp in consumer.position([TopicPartition(t, p) for t, p in todo]):
+                    span = todo.get((tp.topic, tp.partition))
+                    if span is not None and tp.offset >= span.end:
+                        _finish(consumer, todo, span)
+                if time.monotonic() - last_progress > idle_timeout_s:
+                    raise TimeoutError(f"no progress reading {sorted(todo)} for {idle_timeout_s}s")
+                continue
+            last_progress = time.monotonic()
+            counted = 0
+            for message in messages:
+                if message.error() is not None:
+                    continue
+                span = todo.get((message.topic() or "", message.partition() or 0))
+                offset = message.offset() or 0
+                if span is None or offset >= span.end:
+                    continue
+                counted += 1
+                if accept is None or accept(message):
+                    yield Rec.of(message)
+                if offset + 1 >= span.end:
+                    _finish(consumer, todo, span)
+            if progress is not None and counted:
+                progress(counted)
+    finally:
+        try:
+            consumer.unassign()
+        except Exception:  # noqa: BLE001 - the consumer may be closing already
+            pass
+
+
+def _finish(consumer: Consumer, todo: dict[tuple[str, int], Span], span: Span) -> None:
+    todo.pop((span.topic, span.partition), None)
+    consumer.pause([TopicPartition(span.topic, span.partition)])
+
+
+class BodyDecoder:
+    """Decodes any Confluent-framed Avro value with its *writer* schema, for people to read.
+
+    The ops tools show events of every type (and dead letters, whose bytes may be broken),
+    so they need no model: the registry's writer schema is enough, and a failure is shown
+    as text instead of raised.
+    """
+
+    def __init__(self) -> None:
+        self._deserializer = AvroDeserializer(registry_client())
+
+    def __call__(self, topic: str, value: bytes | None) -> dict[str, Any] | str:
+        if value is None:
+            return "<tombstone>"
+        if len(value) < 5 or value[0] != MAGIC_BYTE:
+            return f"<{len(value)} bytes, not Confluent wire format>"
+        try:
+            decoded = self._deserializer(value, SerializationContext(topic, MessageField.VALUE))
+        except Exception as exc:  # noqa: BLE001 - shown to the operator, never raised
+            return f"<undecodable: {type(exc).__name__}: {str(exc)[:200]}>"
+        return _plain(decoded) if isinstance(decoded, dict) else str(decoded)
+
+
+def _plain(value: Any) -> Any:
+    """Datetimes and nested records as JSON-friendly values."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return value

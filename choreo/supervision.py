@@ -1,0 +1,544 @@
+"""What the supervisor does to the state table, as conditional Lua transitions, and the
+bounded scan of the deadline index that finds its work.
+
+Why Lua and not read-decide-write in Python: a step's fate must be decided on the state
+as it is at the moment of the write. One script per due step reads the step, checks the
+lease's fencing token and decides, atomically; no compare-and-set retry loop, no window in
+which the owning service (finishing late) or a second supervisor (deposed, still running)
+could slip a write in between. One scan is therefore ``ZRANGEBYSCORE`` + one pipelined
+script call per due step: O(expired), paged, never a walk over every key.
+
+The transitions, for a step found due (deadline passed, or failed and re-indexed at once):
+
+* the delivery already has a final ``outcome`` (and it is a forward step): drop it from
+  the index; nothing can help it and nothing needs it;
+* ``pending`` and never seen by its service (no ``<step>.source``: the service is down or
+  behind): extend ``complete_by`` with back-off **without** a new token: the original
+  trigger is still queued in Kafka and a bumped token would make it stale;
+* ``processing``/``failed`` (or a requeue that was never picked up): **claim** it: a new
+  token (attempt + 1) makes any older attempt stale at once, and the re-publication is due
+  after an exponential back-off (phase 1); when the back-off is over, the scan finds it
+  again and re-publishes its input to the step's retry topic (phase 2). Redis is written
+  before the Kafka transaction commits; if that commit is lost, the step simply expires
+  again and is claimed again: a requeue can be late, never lost;
+* past the retry budget: a forward step fails the delivery (``outcome`` = failed, only if
+  nobody decided first) with the list of steps to compensate; a compensation step ends
+  ``compensation_failed`` on the step it was undoing, with an alert.
+
+One end-to-end retry budget per step: the runner's ``<step>.tries`` already counts every
+in-process try, redelivery and requeue that reached the service; the supervisor compares
+it to the step's budget (the service's ``retry_budget``) and adds one try itself only for a
+deadline period in which nobody tried at all (``tries_seen``), so a dead service cannot keep
+a step open forever and a requeue is never counted twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+from prometheus_client import Counter, Gauge, Histogram
+
+from choreo.effects import OnceEffect
+from choreo.state import DEADLINE_INDEX, delivery_key, index_member
+from schemas.models import CompensationRecord
+
+# -- metrics (operators see detection delay, load and every decision) -----------------------
+
+SCAN_SECONDS = Histogram("choreo_supervisor_scan_seconds", "Duration of one deadline scan",
+                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+PAGE_SIZE = Histogram("choreo_supervisor_page_size", "Due steps per scanned page",
+                      buckets=(0, 1, 5, 10, 25, 50, 100, 250, 500, 1000))
+EXPIRED = Gauge("choreo_supervisor_due_steps", "Due (expired or failed) steps found by the last scan")
+DUE_BACKLOG = Gauge("choreo_supervisor_due_backlog", "Due steps still in the index after the last scan")
+ACTIONS = Counter("choreo_supervisor_actions_total", "Supervisor decisions", ["action", "step"])
+REQUEUES = Counter("choreo_supervisor_requeues_total", "Steps re-published to their retry topic", ["step"])
+COMPENSATIONS = Counter("choreo_supervisor_compensations_total", "Compensation log records", ["step", "status"])
+COMPENSATION_FAILURES = Counter("choreo_supervisor_compensation_failures_total",
+                                "Compensations that failed past their budget (alert)", ["step"])
+LEADER = Gauge("choreo_supervisor_leader", "1 while this instance holds the supervisor lease")
+REPORTS = Counter("choreo_supervisor_reports_total", "Recovery reports recorded", ["kind", "verdict"])
+
+
+# -- settings --------------------------------------------------------------------------------
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    """Every knob by environment; the defaults favour a 30 s step deadline.
+
+    ``scan_period_s`` is the trade-off the issue asks to make visible: detection delay is up
+    to one period (plus the back-off), the load is one ``ZRANGEBYSCORE`` per period plus one
+    script per due step. At 1 s an idle index costs ~1 command/s; a deadline missed is seen
+    within ~1 s, small beside 30 s deadlines.
+    """
+
+    scan_period_s: float = 1.0
+    page_size: int = 200
+    max_per_scan: int = 2000  # result cap: the rest waits for the next period
+    scan_budget_s: float = 0.5  # time window of one scan (must stay well under the lease TTL)
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
+    max_tries: int = 0  # 0: each step's own service retry_budget (the one budget)
+    lease_ttl_s: float = 5.0
+    confirm_s: float = 10.0  # re-publish our delivery.failed if we have not seen it by then
+    park_s: float = 600.0  # a step no workflow declares is looked at again this much later
+
+    @classmethod
+    def from_env(cls) -> SupervisorSettings:
+        d = cls()
+        return cls(
+            scan_period_s=_env_float("SUPERVISOR_SCAN_PERIOD_S", d.scan_period_s),
+            page_size=int(_env_float("SUPERVISOR_PAGE_SIZE", d.page_size)),
+            max_per_scan=int(_env_float("SUPERVISOR_MAX_PER_SCAN", d.max_per_scan)),
+            scan_budget_s=_env_float("SUPERVISOR_SCAN_BUDGET_S", d.scan_budget_s),
+            backoff_base_s=_env_float("SUPERVISOR_BACKOFF_BASE_S", d.backoff_base_s),
+            backoff_max_s=_env_float("SUPERVISOR_BACKOFF_MAX_S", d.backoff_max_s),
+            max_tries=int(_env_float("SUPERVISOR_MAX_TRIES", d.max_tries)),
+            lease_ttl_s=_env_float("SUPERVISOR_LEASE_TTL_S", d.lease_ttl_s),
+            confirm_s=_env_float("SUPERVISOR_CONFIRM_S", d.confirm_s),
+            park_s=_env_float("SUPERVISOR_PARK_S", d.park_s),
+        )
+
+
+# -- policies: what the supervisor knows about each step ---------------------------------------
+
+FORWARD = "forward"
+COMPENSATION = "compensation"
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class StepPolicy:
+    """One step as the supervisor treats it (derived from the workflow's declarations)."""
+
+    step: str
+    role: str  # forward | compensation | unknown
+    budget: int
+    deadline_ms: int
+    service: str = ""
+    target: str = ""  # for a compensation step: the forward step it undoes
+
+
+@dataclass(frozen=True)
+class Policies:
+    steps: dict[str, StepPolicy]
+    compensable: tuple[str, ...]  # forward steps that have a compensation, i.e. side effects
+    decider: str = ""  # the step whose completion makes a delivery's ``outcome`` final
+
+    def of(self, step: str) -> StepPolicy:
+        return self.steps.get(step) or StepPolicy(step, UNKNOWN, 0, 0)
+
+
+# -- the transitions (Lua) -------------------------------------------------------------------
+
+_SUPERVISE = """
+if redis.call('GET', KEYS[3]) ~= ARGV[1] then return cjson.encode({a = 'fenced'}) end
+local step, member, now = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local score = redis.call('ZSCORE', KEYS[2], member)
+if (not score) or tonumber(score) > now then return cjson.encode({a = 'gone'}) end
+local f = step .. '.'
+local function get(field) return redis.call('HGET', KEYS[1], field) end
+local status = get(f .. 'status')
+if not status then
+  redis.call('ZREM', KEYS[2], member)
+  return cjson.encode({a = 'drop', why = 'no state'})
+end
+local role = ARGV[10]
+if role == 'unknown' then
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[14]), member)
+  return cjson.encode({a = 'park'})
+end
+local outcome = get('outcome')
+if role == 'forward' and outcome then
+  if outcome == 'failed' and get('fail.step') == step and not get('fail.seen') then
+    -- our delivery.failed is not confirmed (its transaction may be lost): publish it again
+    redis.call('ZADD', KEYS[2], now + tonumber(ARGV[9]), member)
+    return cjson.encode({a = 'fail', again = 1, reason = get('fail.reason') or '',
+      detail = get('fail.detail') or '', compensate = get('fail.compensate') or '',
+      attempt = tonumber(get(f .. 'attempt') or '1'), tries = tonumber(get(f .. 'tries') or '0')})
+  end
+  local decider = ARGV[13]
+  if outcome == 'failed' or decider == '' or get(decider .. '.status') == 'completed' then
+    redis.call('ZREM', KEYS[2], member)
+    return cjson.encode({a = 'drop', why = 'outcome ' .. outcome})
+  end
+end
+if status ~= 'pending' and status ~= 'processing' and status ~= 'failed' then
+  redis.call('ZREM', KEYS[2], member)
+  return cjson.encode({a = 'drop', why = status})
+end
+local attempt = tonumber(get(f .. 'attempt') or '1')
+local deadline_ms = tonumber(ARGV[6])
+if tonumber(get(f .. 'requeue') or '0') == attempt then
+  -- phase 2: the back-off of a claimed step is over: re-publish with the claimed token
+  local complete_by = now + deadline_ms
+  redis.call('HSET', KEYS[1], f .. 'complete_by', complete_by, f .. 'requeued', attempt, f .. 'updated', now)
+  redis.call('HDEL', KEYS[1], f .. 'requeue')
+  redis.call('ZADD', KEYS[2], complete_by, member)
+  return cjson.encode({a = 'requeue', attempt = attempt, source = get(f .. 'source') or '',
+    complete_by = complete_by})
+end
+local tries = tonumber(get(f .. 'tries') or '0')
+if tries <= tonumber(get(f .. 'tries_seen') or '0') then
+  -- a whole deadline period without any try counts as one: the budget also bounds dead services
+  tries = redis.call('HINCRBY', KEYS[1], f .. 'tries', 1)
+end
+redis.call('HSET', KEYS[1], f .. 'tries_seen', tries)
+local failures = redis.call('HINCRBY', KEYS[1], f .. 'failures', 1)
+if tries >= tonumber(ARGV[5]) then
+  local detail = step .. ' ' .. status .. ' after ' .. tries .. ' tries'
+  local err = get(f .. 'error')
+  if err then detail = detail .. ': ' .. err end
+  if role == 'compensation' then
+    redis.call('HSET', KEYS[1], f .. 'status', 'failed', f .. 'attempt', attempt + 1, f .. 'updated', now)
+    redis.call('ZREM', KEYS[2], member)
+    local target = ARGV[11]
+    local before = get(target .. '.status') or ''
+    -- the undo failed for good, whether or not its request was recorded yet (topics race)
+    if before ~= '' and before ~= 'compensated' and before ~= 'compensation_failed' then
+      redis.call('HSET', KEYS[1], target .. '.status', 'compensation_failed', target .. '.updated', now,
+                 target .. '.error', detail)
+    end
+    return cjson.encode({a = 'comp_failed', target = target, before = before, attempt = attempt,
+      tries = tries, detail = detail})
+  end
+  -- fail the delivery: steps that may have side effects, the abandoned ones first, then
+  -- the completed ones newest first (reverse order of completion)
+  local done, abandoned = {}, {}
+  for name in string.gmatch(ARGV[12], '[^,]+') do
+    local st = get(name .. '.status')
+    if st == 'completed' then
+      table.insert(done, {name, tonumber(get(name .. '.completed_at') or '0')})
+    elseif st == 'processing' then
+      table.insert(abandoned, name)
+    end
+  end
+  table.sort(done, function(x, y) return x[2] > y[2] end)
+  for _, item in ipairs(done) do table.insert(abandoned, item[1]) end
+  local compensate = table.concat(abandoned, ',')
+  local reason = 'RETRY_BUDGET_SPENT'
+  if status ~= 'failed' then reason = 'DEADLINE_MISSED' end
+  redis.call('HSET', KEYS[1], 'outcome', 'failed', 'fail.by', 'supervisor', 'fail.step', step,
+             'fail.reason', reason, 'fail.detail', detail, 'fail.compensate', compensate, 'fail.at', now,
+             f .. 'status', 'failed', f .. 'attempt', attempt + 1, f .. 'updated', now)
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[9]), member)
+  return cjson.encode({a = 'fail', again = 0, reason = reason, detail = detail, compensate = compensate,
+    attempt = attempt + 1, tries = tries})
+end
+-- the exponent counts the supervisor's own interventions (failures also counts the runner's)
+local round = redis.call('HINCRBY', KEYS[1], f .. 'backoffs', 1)
+local backoff = math.floor(math.min(tonumber(ARGV[8]), tonumber(ARGV[7]) * 2 ^ (round - 1)))
+if backoff < 1 then backoff = 1 end
+local source = get(f .. 'source') or ''
+if source == '' then
+  -- its service never saw it: the trigger is still queued in Kafka; wait longer, keep the
+  -- token valid (a new one would make that queued trigger stale)
+  local complete_by = now + backoff + deadline_ms
+  redis.call('HSET', KEYS[1], f .. 'complete_by', complete_by, f .. 'updated', now)
+  redis.call('ZADD', KEYS[2], complete_by, member)
+  return cjson.encode({a = 'extend', attempt = attempt, backoff = backoff, tries = tries,
+    failures = failures, complete_by = complete_by})
+end
+-- phase 1: claim with a new token (older attempts are stale from now on), publish after back-off
+local claimed = attempt + 1
+redis.call('HSET', KEYS[1], f .. 'attempt', claimed, f .. 'status', 'pending', f .. 'requeue', claimed,
+           f .. 'complete_by', now + backoff + deadline_ms, f .. 'updated', now)
+redis.call('ZADD', KEYS[2], now + backoff, member)
+return cjson.encode({a = 'claim', attempt = claimed, backoff = backoff, tries = tries,
+  failures = failures, was = status})
+"""
+
+_RECORD_REPORT = """
+local f = ARGV[1] .. '.'
+local status = redis.call('HGET', KEYS[1], f .. 'status')
+if not status then return 'unknown' end
+redis.call('HSET', KEYS[1], f .. 'report', ARGV[3] .. ' attempt ' .. ARGV[2] .. ' at ' .. ARGV[4])
+if tonumber(ARGV[2]) < tonumber(redis.call('HGET', KEYS[1], f .. 'attempt') or '1') then return 'stale' end
+if status ~= 'pending' and status ~= 'processing' and status ~= 'failed' then return 'closed' end
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], f .. 'error', ARGV[6]) end
+redis.call('ZADD', KEYS[2], 'LT', ARGV[4], ARGV[5])
+return 'due'
+"""
+
+# Recording facts seen on topics: safe on any instance (not fenced), remembered per event id
+# so an aborted-and-replayed batch is told the same answer and writes the same log records.
+MARK_COMPENSATING = OnceEffect("mark_compensating", """
+if redis.call('EXISTS', KEYS[1]) == 0 then return '[]' end
+local now, delivery = ARGV[1], ARGV[2]
+redis.call('HSET', KEYS[1], 'fail.seen', now)
+if not redis.call('HGET', KEYS[1], 'outcome') then redis.call('HSET', KEYS[1], 'outcome', 'failed') end
+if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], delivery .. '|' .. ARGV[3]) end
+local marked = {}
+for i = 4, #ARGV do
+  local s = ARGV[i]
+  local st = redis.call('HGET', KEYS[1], s .. '.status')
+  if st and st ~= 'compensating' and st ~= 'compensated' and st ~= 'compensation_failed' then
+    redis.call('HSET', KEYS[1], s .. '.status', 'compensating', s .. '.compensating_at', now, s .. '.updated', now)
+    redis.call('ZREM', KEYS[2], delivery .. '|' .. s)
+    table.insert(marked, {step = s, before = st,
+      attempt = tonumber(redis.call('HGET', KEYS[1], s .. '.attempt') or '1')})
+  end
+end
+if #marked == 0 then return '[]' end
+return cjson.encode(marked)
+""")
+
+# The undo is a fact whatever order the topics are read in: a cancellation read before the
+# delivery.failed that asked for it still marks the step compensated (and that one then
+# skips it), so the two events never race each other into a wrong final state.
+MARK_COMPENSATED = OnceEffect("mark_compensated", """
+local f = ARGV[1] .. '.'
+local st = redis.call('HGET', KEYS[1], f .. 'status')
+if not st then return 'ignored:none' end
+if st == 'compensated' then return 'ignored:compensated' end
+redis.call('HSET', KEYS[1], f .. 'status', 'compensated', f .. 'compensated_at', ARGV[2], f .. 'updated', ARGV[2])
+return 'compensated:' .. st .. ':' .. (redis.call('HGET', KEYS[1], f .. 'attempt') or '1')
+""")
+
+
+# -- results -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Action:
+    """One decision of a scan, for the caller to carry out in Kafka (requeue, fail, log)."""
+
+    kind: str  # drop | park | extend | claim | requeue | fail | comp_failed | gone | error
+    delivery_id: str
+    step: str
+    data: dict[str, Any]
+
+
+@dataclass
+class ScanStats:
+    pages: int = 0
+    due: int = 0
+    commands: int = 0  # Redis commands sent (ZRANGEBYSCORE + one script per due step)
+    keys: set[str] = field(default_factory=set)  # distinct keys the scan read or wrote
+    seconds: float = 0.0
+    fenced: bool = False
+    capped: bool = False
+    page_sizes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ScanResult:
+    actions: list[Action]
+    stats: ScanStats
+
+
+class Transitions:
+    """The supervisor's scripts bound to one Redis client."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.supervise = client.register_script(_SUPERVISE)
+        self._record_report = client.register_script(_RECORD_REPORT)
+
+    def record_report(self, delivery_id: str, step: str, attempt: int, kind: str, now_ms: int,
+                      error: str) -> str:
+        """Make a reported step due now (any instance may: it is idempotent and unfenced)."""
+        result = self._record_report(
+            keys=[delivery_key(delivery_id), DEADLINE_INDEX],
+            args=[step, attempt, kind, now_ms, index_member(delivery_id, step), error[:500]],
+        )
+        return result.decode() if isinstance(result, bytes) else str(result)
+
+
+class Scanner:
+    """The bounded, paged scan of the deadline index (only the lease holder runs it)."""
+
+    def __init__(self, client: redis.Redis, settings: SupervisorSettings) -> None:
+        self.client = client
+        self.settings = settings
+        self.transitions = Transitions(client)
+
+    def scan(self, fence: str, lease_key: str, policies: Policies, now_ms: int) -> ScanResult:
+        """Act on every step due at ``now_ms``, page by page, within the result cap and the
+        time window; what is left is found by the next period (the backlog gauge shows it)."""
+        cfg = self.settings
+        stats = ScanStats()
+        actions: list[Action] = []
+        started = time.perf_counter()
+        skip = 0  # due members that stayed due (errors): page past them
+        while True:
+            if stats.due >= cfg.max_per_scan:
+                stats.capped = True
+                break
+            if time.perf_counter() - started > cfg.scan_budget_s:
+                stats.capped = True
+                break
+            want = min(cfg.page_size, cfg.max_per_scan - stats.due)
+            raw = self.client.zrangebyscore(DEADLINE_INDEX, "-inf", now_ms, start=skip, num=want)
+            stats.commands += 1
+            stats.keys.add(DEADLINE_INDEX)
+            members = [m.decode() if isinstance(m, bytes) else str(m) for m in raw]
+            stats.pages += 1
+            stats.page_sizes.append(len(members))
+            PAGE_SIZE.observe(len(members))
+            if not members:
+                break
+            page = self._supervise_page(members, fence, lease_key, policies, now_ms, stats)
+            stats.due += len(members)
+            for action in page:
+                if action.kind == "fenced":
+                    stats.fenced = True
+                elif action.kind == "error":
+                    skip += 1
+                else:
+                    actions.append(action)
+            if stats.fenced or len(members) < want:
+                break
+        stats.seconds = time.perf_counter() - started
+        SCAN_SECONDS.observe(stats.seconds)
+        EXPIRED.set(stats.due)
+        return ScanResult(actions, stats)
+
+    def _supervise_page(self, members: list[str], fence: str, lease_key: str, policies: Policies,
+                        now_ms: int, stats: ScanStats) -> list[Action]:
+        cfg = self.settings
+        pipe = self.client.pipeline(transaction=False)
+        parsed: list[tuple[str, str]] = []
+        compensable = ",".join(policies.compensable)
+        for member in members:
+            delivery_id, _, step = member.rpartition("|")
+            parsed.append((delivery_id, step))
+            policy = policies.of(step)
+            budget = cfg.max_tries or policy.budget
+            self.transitions.supervise(
+                keys=[delivery_key(delivery_id), DEADLINE_INDEX, lease_key],
+                args=[fence, step, member, now_ms, budget, policy.deadline_ms,
+                      int(cfg.backoff_base_s * 1000), int(cfg.backoff_max_s * 1000),
+                      int(cfg.confirm_s * 1000), policy.role, policy.target, compensable,
+                      policies.decider, int(cfg.park_s * 1000)],
+                client=pipe,
+            )
+            stats.keys.add(delivery_key(delivery_id))
+            stats.commands += 1
+        results = pipe.execute(raise_on_error=False)
+        stats.commands += 1  # the pipeline's SCRIPT EXISTS check (redis-py loads missing scripts)
+        actions = []
+        for (delivery_id, step), result in zip(parsed, results):
+            if isinstance(result, Exception):
+                actions.append(Action("error", delivery_id, step, {"error": str(result)[:300]}))
+                continue
+            data = json.loads(result)
+            kind = str(data.pop("a"))
+            actions.append(Action(kind, delivery_id, step, data))
+            ACTIONS.labels(kind, step).inc()
+        return actions
+
+    def backlog(self, now_ms: int) -> int:
+        """Due steps still waiting (one ZCOUNT, O(log n)): the load/delay trade-off made visible."""
+        count = int(self.client.zcount(DEADLINE_INDEX, "-inf", now_ms))
+        DUE_BACKLOG.set(count)
+        return count
+
+
+# -- re-reading a step's input from Kafka -------------------------------------------------------
+
+@dataclass(frozen=True)
+class Source:
+    """Where a step's last started input lies: ``<step>.source`` as the runner records it."""
+
+    handler_topic: str
+    topic: str
+    partition: int
+    offset: int
+
+    @classmethod
+    def parse(cls, raw: str) -> Source | None:
+        parts = raw.split("|")
+        if len(parts) != 4:
+            return None
+        try:
+            return cls(parts[0], parts[1], int(parts[2]), int(parts[3]))
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True)
+class Fetched:
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+
+
+class SourceReader:
+    """Fetches single records by position with one cached consumer (assign + seek, no group
+    commits): requeues are rare, so one fetch each is cheaper than keeping a cache of events."""
+
+    def __init__(self, bootstrap: str, name: str, overrides: dict[str, Any] | None = None) -> None:
+        self.consumer = Consumer({
+            **(overrides or {}),
+            "bootstrap.servers": bootstrap,
+            "group.id": f"{name}-source-reader",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest",
+            "fetch.wait.max.ms": 10,
+            "enable.partition.eof": True,
+        })
+
+    def fetch(self, topic: str, partition: int, offset: int, timeout_s: float = 5.0) -> Fetched | None:
+        self.consumer.assign([TopicPartition(topic, partition, offset)])
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                msg = self.consumer.poll(0.2)
+                if msg is None:
+                    continue
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        return None
+                    continue
+                if msg.offset() == offset:
+                    raw_headers: Any = msg.headers() or []
+                    headers = [(str(k), v if isinstance(v, bytes) else str(v or "").encode())
+                               for k, v in raw_headers]
+                    return Fetched(msg.value(), headers)
+                if (msg.offset() or 0) > offset:  # compacted or aborted away
+                    return None
+            return None
+        finally:
+            self.consumer.unassign()
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+# -- the compensation log ----------------------------------------------------------------------
+
+class KeyedCompensationRecord(CompensationRecord):
+    """A compensation log record keyed by ``delivery|step``: the log is compacted, and keyed by
+    delivery alone it would keep only the last step's record of each delivery."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.delivery_id}|{self.step}"
+
+
+def parse_marked(raw: str | None) -> list[dict[str, Any]]:
+    """MARK_COMPENSATING's answer (cjson encodes an empty list as ``{}``)."""
+    value = json.loads(raw or "[]")
+    return list(value) if isinstance(value, list) else []
+
+
+def split_list(raw: str) -> list[str]:
+    return [s for s in raw.split(",") if s]
+
+
+def labels(items: Iterable[Action]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for action in items:
+        counts[action.kind] = counts.get(action.kind, 0) + 1
+    return counts

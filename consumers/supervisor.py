@@ -1,0 +1,303 @@
+"""Supervisor: the safety net of the choreography. It coordinates nothing; it watches.
+
+* Every instance records what it reads (recovery reports, ``delivery.failed``, the undo
+  facts ``package.cancelled`` / ``drone.released``) into the state table: these writes are
+  conditional and idempotent, so any instance of the consumer group may make them and no
+  report is lost while another instance leads.
+* Only the holder of the ``supervisor`` lease scans the deadline index and acts: it extends
+  steps whose service is down, requeues failed or stuck steps with exponential back-off,
+  fails a delivery whose step spent its retry budget (``delivery.failed``, so the services
+  undo their work) and raises an alert when an undo itself fails past its budget.
+
+Business knowledge lives here: which step undoes which, which fact proves an undo, which
+step decides a delivery's outcome. The mechanics live in ``choreo.supervision``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from choreo.config import settings
+from choreo.envelope import Envelope, derived_id, now_ms
+from choreo.events import Event
+from choreo.lease import Lease
+from choreo.runner import RECOVERY_TOPIC
+from choreo.serde import DecodeFailure, Decoder, RegistryUnavailable, registry_client
+from choreo.service import Context, Service, retry_topic
+from choreo.state import DEADLINE_INDEX, delivery_key
+from choreo.supervision import (
+    COMPENSATION, COMPENSATION_FAILURES, COMPENSATIONS, FORWARD, LEADER, MARK_COMPENSATED,
+    MARK_COMPENSATING, REPORTS, REQUEUES, Action, KeyedCompensationRecord, Policies, Scanner,
+    Source, SourceReader, StepPolicy, SupervisorSettings, Transitions, labels, parse_marked,
+    split_list,
+)
+from choreo.workflow import Workflow
+from schemas.models import (
+    CompensationRecord, DeliveryFailed, DroneReleased, PackageCancelled, StepReport,
+)
+
+NAME = os.environ.get("SUPERVISOR_NAME", "supervisor")  # consumer group and lease name
+PREFIX = os.environ.get("SUPERVISOR_TOPIC_PREFIX", "")  # isolates a test's topics
+WORKFLOW_REF = os.environ.get("SUPERVISOR_WORKFLOW", "consumers.workflow:WORKFLOW")
+SETTINGS = SupervisorSettings.from_env()
+
+# forward step -> (the step that undoes it, the topic whose event proves it was undone)
+UNDO = {"package": ("cancel_package", "package.cancelled"), "drone": ("release_drone", "drone.released")}
+DECIDER = "delivery"  # its completion makes the delivery's recorded outcome final
+
+
+def topic(name: str) -> str:
+    return f"{PREFIX}{name}"
+
+
+DELIVERY_FAILED = topic(DeliveryFailed.topic)
+COMPENSATION_LOG = topic(CompensationRecord.topic)
+
+service = Service(NAME)
+
+
+@dataclass
+class _Runtime:
+    """Per-process state, built on first use (the workflow may list this very module)."""
+
+    lease: Lease
+    scanner: Scanner
+    transitions: Transitions
+    policies: Policies
+    models: dict[tuple[str, str], type[Event]]  # (service, handler topic) -> event type
+    reader: SourceReader | None = None
+    leading: bool = False
+    decoders: dict[tuple[type[Event], str], Decoder[Any]] | None = None
+
+
+_runtime: _Runtime | None = None
+
+
+def _load_workflow(ref: str) -> Workflow:
+    import importlib
+
+    module, _, attr = ref.partition(":")
+    flow = getattr(importlib.import_module(module), attr)
+    if not isinstance(flow, Workflow):
+        raise TypeError(f"{ref} is not a Workflow")
+    return flow
+
+
+def policies_of(flow: Workflow, undo: dict[str, tuple[str, str]] = UNDO,
+                decider: str = DECIDER) -> Policies:
+    """Each step's role, budget (its service's ``retry_budget``: the one budget) and deadline."""
+    undoing = {comp: forward for forward, (comp, _) in undo.items()}
+    services = {s.name: s for s in flow.services}
+    steps = {
+        spec.name: StepPolicy(
+            spec.name, COMPENSATION if spec.name in undoing else FORWARD,
+            services[spec.service].retry_budget, int(spec.deadline_s * 1000), spec.service,
+            undoing.get(spec.name, ""),
+        )
+        for spec in flow.steps
+    }
+    return Policies(steps, compensable=tuple(f for f in undo if f in steps), decider=decider)
+
+
+def _rt(ctx: Context) -> _Runtime:
+    global _runtime
+    if _runtime is None:
+        flow = _load_workflow(WORKFLOW_REF)
+        owner = f"{socket.gethostname()}:{os.getpid()}"
+        models = {(s.name, t): h.model for s in flow.services for t, h in s.handlers.items()}
+        _runtime = _Runtime(
+            lease=Lease(ctx.redis, NAME, owner, int(SETTINGS.lease_ttl_s * 1000)),
+            scanner=Scanner(ctx.redis, SETTINGS), transitions=Transitions(ctx.redis),
+            policies=policies_of(flow), models=models,
+        )
+    return _runtime
+
+
+def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int, reason: str) -> None:
+    """One compensation log record; its id is stable, so a replayed batch writes the same one."""
+    ctx.emit(
+        KeyedCompensationRecord(delivery_id=delivery_id, step=step, status=status,
+                                attempt=attempt, reason=reason[:500], recorded_at=datetime.now(UTC)),
+        topic=COMPENSATION_LOG, event_id=derived_id(delivery_id, step, status),
+    )
+    COMPENSATIONS.labels(step, status).inc()
+
+
+# -- what any instance records ------------------------------------------------------------------
+
+@service.on(RECOVERY_TOPIC, produces=[DeliveryFailed, CompensationRecord])
+def on_report(report: StepReport, ctx: Context) -> None:
+    """A service could not finish a step: make it due now so the leader's next scan acts."""
+    verdict = _rt(ctx).transitions.record_report(report.delivery_id, report.step, report.attempt,
+                                                 report.kind, now_ms(), report.error)
+    REPORTS.labels(report.kind, verdict).inc()
+    if verdict != "unknown":
+        ctx.log.info("step.report_recorded", step=report.step, kind=report.kind,
+                     reported_attempt=report.attempt, verdict=verdict, by=report.service)
+
+
+@service.on(DELIVERY_FAILED, produces=[CompensationRecord])
+def on_delivery_failed(failure: DeliveryFailed, ctx: Context) -> None:
+    """Whoever failed the delivery (the delivery service or us), the steps to undo are now
+    ``compensating``, and the compensation log says so."""
+    raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), DEADLINE_INDEX],
+                   args=[now_ms(), failure.delivery_id, failure.failed_step, *failure.compensate])
+    for marked in parse_marked(raw):
+        _record(ctx, failure.delivery_id, str(marked["step"]), "COMPENSATING",
+                int(marked["attempt"]), f"{failure.reason}: {failure.detail}")
+        ctx.log.info("compensation.requested", step=marked["step"], was=marked["before"],
+                     reason=failure.reason)
+
+
+def _undone(ctx: Context, delivery_id: str, step: str) -> None:
+    raw = ctx.once(MARK_COMPENSATED, keys=[delivery_key(delivery_id)], args=[step, now_ms()]) or ""
+    verdict, _, rest = raw.partition(":")
+    if verdict != "compensated":
+        return
+    before, _, attempt = rest.partition(":")
+    if before not in ("compensating", "compensation_failed"):
+        # the undo was read before the delivery.failed that asked for it (another topic, maybe
+        # another instance): log the request too, first, so the compacted log ends COMPENSATED
+        _record(ctx, delivery_id, step, "COMPENSATING", int(attempt or 1), "undo seen before its request")
+    _record(ctx, delivery_id, step, "COMPENSATED", int(attempt or 1), "")
+    if before == "compensation_failed":
+        ctx.log.warning("compensation.recovered", step=step)  # the alert may be closed
+    else:
+        ctx.log.info("compensation.done", step=step, was=before)
+
+
+@service.on(topic(PackageCancelled.topic), produces=[CompensationRecord])
+def on_package_cancelled(cancelled: PackageCancelled, ctx: Context) -> None:
+    _undone(ctx, cancelled.delivery_id, "package")
+
+
+@service.on(topic(DroneReleased.topic), produces=[CompensationRecord])
+def on_drone_released(released: DroneReleased, ctx: Context) -> None:
+    _undone(ctx, released.delivery_id, "drone")
+
+
+# -- what only the leader does ----------------------------------------------------------------
+
+@service.every(SETTINGS.scan_period_s)
+def scan(ctx: Context) -> None:
+    """Renew (or take) the lease, then act on the due steps; a non-leader does nothing."""
+    rt = _rt(ctx)
+    leading = rt.lease.acquire()
+    if leading != rt.leading:
+        ctx.log.warning("supervisor.leadership", leading=leading, lease_token=rt.lease.token,
+                        lease_holder=rt.lease.owner)
+        rt.leading = leading
+    LEADER.set(1 if leading else 0)
+    if not leading or rt.lease.fence is None:
+        return
+    now = now_ms()
+    result = rt.scanner.scan(rt.lease.fence, rt.lease.key, rt.policies, now)
+    if result.stats.fenced:
+        rt.lease.lost()
+        rt.leading = False
+        LEADER.set(0)
+        ctx.log.warning("supervisor.fenced", note="lease lost mid-scan; decisions stop here")
+    for action in result.actions:
+        try:
+            _carry_out(ctx, rt, action)
+        except (DecodeFailure, ValueError, KeyError) as exc:
+            ctx.log.error("supervisor.action_failed", delivery_id=action.delivery_id,
+                          step=action.step, action=action.kind, error=str(exc)[:300])
+    if result.stats.due or result.stats.capped:
+        ctx.log.info("supervisor.scan", due=result.stats.due, pages=result.stats.pages,
+                     seconds=round(result.stats.seconds, 4), capped=result.stats.capped,
+                     actions=labels(result.actions), backlog=rt.scanner.backlog(now))
+
+
+def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
+    data: dict[str, Any] = action.data
+    log = ctx.log.bind(delivery_id=action.delivery_id, step=action.step)
+    if action.kind == "requeue":
+        _requeue(ctx, rt, action, log)
+    elif action.kind == "fail":
+        compensate = split_list(str(data.get("compensate", "")))
+        cause = Envelope.first(derived_id(action.delivery_id, NAME, "fail"), action.delivery_id,
+                               "SupervisorDecision", NAME)
+        ctx.emit(
+            DeliveryFailed(delivery_id=action.delivery_id, reason=str(data["reason"]),
+                           detail=str(data["detail"])[:500], failed_step=action.step,
+                           compensate=compensate, failed_at=datetime.now(UTC)),
+            topic=DELIVERY_FAILED, event_id=derived_id(action.delivery_id, "delivery.failed"),
+            cause=cause,
+        )
+        log.warning("delivery.failed_by_supervisor", reason=data["reason"], detail=data["detail"],
+                    tries=data.get("tries"), compensate=compensate, again=bool(data.get("again")))
+    elif action.kind == "comp_failed":
+        target = str(data["target"])
+        before = str(data.get("before", ""))
+        if before not in ("", "compensated", "compensation_failed"):
+            if before != "compensating":  # its request is not logged yet: log it first
+                _record(ctx, action.delivery_id, target, "COMPENSATING", int(data["attempt"]),
+                        "request logged with its failure")
+            _record(ctx, action.delivery_id, target, "COMPENSATION_FAILED", int(data["attempt"]),
+                    str(data["detail"]))
+            COMPENSATION_FAILURES.labels(target).inc()
+            log.error("alert.compensation_failed", target=target, tries=data["tries"],
+                      detail=data["detail"], action_needed="undo by hand, then mark compensated")
+        else:
+            log.warning("compensation.step_failed", target=target, target_status=data.get("before"),
+                        detail=data["detail"])
+    elif action.kind == "extend":
+        log.info("step.extended", attempt=data["attempt"], backoff_ms=data["backoff"],
+                 tries=data["tries"], failures=data["failures"])
+    elif action.kind == "claim":
+        log.info("step.claimed", attempt=data["attempt"], backoff_ms=data["backoff"],
+                 tries=data["tries"], failures=data["failures"], was=data["was"])
+    elif action.kind == "park":
+        log.warning("step.unknown", note="no workflow step of this name; looked at again later")
+
+
+def _requeue(ctx: Context, rt: _Runtime, action: Action, log: Any) -> None:
+    """Re-publish the step's input to its retry topic with the claimed token as attempt.
+
+    The event keeps its id: a requeue is the same input tried again, so every remembered
+    answer (``ctx.once``) and the remote call id stay the same (a fan-in that already decided
+    "ship" is told "ship" again, a remote booking is not made twice); the attempt header is
+    what makes the older deliveries of it stale.
+    """
+    data = action.data
+    source = Source.parse(str(data.get("source", "")))
+    policy = rt.policies.of(action.step)
+    model = rt.models.get((policy.service, source.handler_topic)) if source else None
+    if source is None or model is None:
+        log.error("alert.requeue_impossible", source=data.get("source"), service=policy.service)
+        return
+    if rt.reader is None:
+        rt.reader = SourceReader(settings().kafka_bootstrap_servers, NAME)
+    started = time.perf_counter()
+    fetched = rt.reader.fetch(source.topic, source.partition, source.offset)
+    fetch_ms = round((time.perf_counter() - started) * 1000, 1)
+    original = Envelope.from_headers(fetched.headers) if fetched else None
+    if fetched is None or original is None:
+        log.error("alert.requeue_source_missing", source=data.get("source"))
+        return  # the claimed step expires again; past its budget the delivery fails
+    if rt.decoders is None:
+        rt.decoders = {}
+    decoder = rt.decoders.get((model, source.topic))
+    if decoder is None:
+        decoder = rt.decoders[(model, source.topic)] = Decoder(model, source.topic, registry_client())
+    try:
+        event = decoder(fetched.value)
+    except RegistryUnavailable as exc:
+        log.warning("requeue.registry_unavailable", error=str(exc)[:200])
+        return
+    # continue the original story: same trace and cause, a new deadline and attempt
+    cause = Envelope(event_id=original.causation_id, correlation_id=action.delivery_id,
+                     traceparent=original.traceparent, attempt=original.attempt,
+                     deadline_ms=int(data["complete_by"]), hops=original.hops,
+                     event_type=original.event_type, producer=NAME)
+    target = retry_topic(policy.service, source.handler_topic)
+    ctx.emit(event, topic=target, event_id=original.event_id, cause=cause, attempt=int(data["attempt"]))
+    REQUEUES.labels(action.step).inc()
+    log.info("step.requeued", attempt=data["attempt"], topic=target, event_id=original.event_id,
+             fetch_ms=fetch_ms)

@@ -1,0 +1,69 @@
+"""The pipeline's services as managed background processes (pid file, log, start/stop),
+the same way as the broker and Redis, so the demo, the benchmark and the chaos runner
+start every service as its own real process."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+
+from choreo.config import REPO_ROOT, Settings, settings
+from infra.process import ManagedProcess
+
+PIPELINE = {
+    "package": "consumers.package:service",
+    "drone-scheduler": "consumers.drone_scheduler:service",
+    "delivery": "consumers.delivery:service",
+    "notifier": "consumers.notifier:service",
+    "supervisor": "consumers.supervisor:service",
+}
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    ref: str
+    instance: str = "0"
+
+
+def service_process(spec: ServiceSpec, env: dict[str, str] | None = None,
+                    cfg: Settings | None = None) -> ManagedProcess:
+    cfg = cfg or settings()
+    name = f"{spec.name}-{spec.instance}"
+    return ManagedProcess(
+        name=name,
+        argv=[sys.executable, "-m", "choreo.cli", "run", spec.ref, "--instance", spec.instance],
+        workdir=cfg.data_dir / "services",
+        ports=[],
+        ready=lambda: True,
+        marker=f"run {spec.ref} --instance {spec.instance}",
+        env={"PYTHONPATH": str(REPO_ROOT), **(env or {})},
+    )
+
+
+def ingestion_process(url: str, env: dict[str, str] | None = None,
+                      cfg: Settings | None = None) -> ManagedProcess:
+    cfg = cfg or settings()
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 8000
+
+    def ready() -> bool:
+        return httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200
+
+    return ManagedProcess(
+        name="ingestion",
+        argv=[sys.executable, "-m", "producers.cli", "serve", "--host", host, "--port", str(port)],
+        workdir=cfg.data_dir / "services",
+        ports=[(host, port)],
+        ready=ready,
+        marker=f"serve --host {host} --port {port}",
+        env={"PYTHONPATH": str(REPO_ROOT), "INGESTION_URL": url, **(env or {})},
+    )
+
+
+def pipeline_specs(instances: int = 1, names: list[str] | None = None) -> list[ServiceSpec]:
+    chosen = names or list(PIPELINE)
+    return [ServiceSpec(n, PIPELINE[n], str(i)) for n in chosen for i in range(instances)]

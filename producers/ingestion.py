@@ -1,0 +1,288 @@
+"""The ingestion HTTP service: ``POST /deliveries`` turns a request into ``DeliveryRequested``.
+
+It answers 202 as soon as the broker confirmed the event (not when the workflow is done),
+with the delivery id and a ``Location`` to poll. Every failure is a clear JSON 4xx/5xx, never
+a stack trace; errors never echo the request's values (they may be customer data).
+
+Status codes:
+  202 accepted (also for an idempotent retry of an accepted request: same delivery id)
+  400 malformed JSON (syntax, bad UTF-8, nesting too deep) or a malformed Idempotency-Key
+  409 a retry while the first request with the same Idempotency-Key is still unconfirmed
+  413 body over the limit (checked on Content-Length, and while streaming chunked bodies)
+  415 content type other than application/json
+  422 invalid fields (with the field errors); Idempotency-Key reused for another request;
+      a malformed delivery id in GET
+  429 admission control: too many deliveries in flight, or the backlog is past its limit
+  503 this instance's producer queue is full, or the broker refused the write
+  504 no broker confirmation in time (the write may still land: GET the Location)
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from choreo.logs import get_logger
+from choreo.publisher import PublishError
+from producers import metrics
+from producers.errors import (
+    AdmissionRefused, IdempotencyConflict, IdempotencyInProgress, PublishTimeout,
+)
+from producers.model import DeliveryRequestIn, InvalidRequest
+from producers.settings import IngestionSettings
+from producers.submit import Submitter
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
+log = get_logger(component="ingestion-http")
+
+
+def error(status: int, code: str, message: str, headers: Mapping[str, str] | None = None,
+          **extra: Any) -> JSONResponse:
+    """The one error shape: ``{"error": code, "message": ..., ...}``."""
+    return JSONResponse({"error": code, "message": message, **extra}, status_code=status,
+                        headers=headers)
+
+
+class BodyTooLarge(Exception):
+    """The request body passed the limit while it was being received."""
+
+
+class BodyLimit:
+    """Refuse oversized bodies before anything parses them.
+
+    A declared Content-Length over the limit is refused without reading; a chunked body is
+    counted as it streams in and refused the moment it passes the limit, so no route (and
+    no framework parser) ever holds more than ``max_bytes`` of a request in memory.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await error(400, "bad_request", "invalid Content-Length")(scope, receive, send)
+                return
+            if int(declared) > self.max_bytes:
+                metrics.REJECTED.labels("too_large").inc()
+                await self._too_large(scope, receive, send)
+                return
+        received = 0
+        started = False
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge()
+            return message
+
+        async def tracking(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited, tracking)
+        except BodyTooLarge:
+            if started:
+                raise
+            metrics.REJECTED.labels("too_large").inc()
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error(413, "payload_too_large",
+                         f"request body is larger than {self.max_bytes} bytes",
+                         headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+def is_json(content_type: str | None) -> bool:
+    """application/json, optionally with charset=utf-8 (JSON is UTF-8 by definition)."""
+    if not content_type:
+        return False
+    media, _, params = content_type.partition(";")
+    if media.strip().lower() != "application/json":
+        return False
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            return False
+    return True
+
+
+def canonical_uuid(value: str) -> bool:
+    try:
+        return str(uuid.UUID(value)) == value.lower()
+    except ValueError:
+        return False
+
+
+def _document_body(app: FastAPI) -> None:
+    """The body is read by hand (size limit, strict parsing): put its schema in the OpenAPI
+    document all the same, so /docs shows what to send."""
+    schema = DeliveryRequestIn.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs: dict[str, Any] = schema.pop("$defs", {})
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = generate()
+        components = doc.setdefault("components", {}).setdefault("schemas", {})
+        components.update(defs)
+        components["DeliveryRequestIn"] = schema
+        doc["paths"]["/deliveries"]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/DeliveryRequestIn"}}},
+        }
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def create_app(settings: IngestionSettings | None = None,
+               submitter: Submitter | None = None) -> FastAPI:
+    """The app; it starts its own ``Submitter`` (producer, poll thread, admission monitor)
+    on startup unless one is given, and flushes it on shutdown."""
+    cfg = settings or IngestionSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sub = submitter or Submitter(cfg, entry="http")
+        await run_in_threadpool(sub.start)
+        app.state.submitter = sub
+        try:
+            yield
+        finally:
+            if submitter is None:
+                await run_in_threadpool(sub.close)
+
+    app = FastAPI(title="Drone delivery ingestion", version="1", lifespan=lifespan,
+                  docs_url="/docs", redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+
+    def sub_of(request: Request) -> Submitter:
+        found: Submitter = request.app.state.submitter
+        return found
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, __: Exception) -> Response:
+        metrics.REJECTED.labels("too_large").inc()
+        return error(413, "payload_too_large",
+                     f"request body is larger than {cfg.max_body_bytes} bytes",
+                     headers={"Connection": "close"})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error(exc.status_code, code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        errors = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"],
+                   "type": e["type"]} for e in exc.errors()]
+        return error(422, "invalid_request", "the request is invalid", errors=errors)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        log.error("unexpected error", error_type=type(exc).__name__)
+        return error(500, "internal_error", "an internal error occurred; it has been logged")
+
+    @app.post("/deliveries", status_code=202,
+              summary="Request a delivery (202 once the request is durably accepted)")
+    async def submit(request: Request) -> Response:
+        if not is_json(request.headers.get("content-type")):
+            metrics.REJECTED.labels("content_type").inc()
+            return error(415, "unsupported_media_type", "Content-Type must be application/json")
+        key = request.headers.get("idempotency-key")
+        if key is not None and not IDEMPOTENCY_KEY.fullmatch(key):
+            metrics.REJECTED.labels("idempotency_key").inc()
+            return error(400, "invalid_idempotency_key",
+                         "Idempotency-Key must be 1-255 visible ASCII characters")
+        body = await request.body()
+        try:
+            accepted = await sub_of(request).submit_async(body, key)
+        except InvalidRequest as exc:
+            if exc.malformed:
+                metrics.REJECTED.labels("malformed").inc()
+                return error(400, "malformed_json", "the body is not valid JSON: "
+                             + "; ".join(e["message"] for e in exc.errors))
+            metrics.REJECTED.labels("invalid").inc()
+            return error(422, "invalid_request", f"{len(exc.errors)} invalid field(s)",
+                         errors=exc.errors)
+        except IdempotencyConflict as exc:
+            metrics.REJECTED.labels("idempotency_conflict").inc()
+            return error(422, "idempotency_key_reused", str(exc))
+        except IdempotencyInProgress as exc:
+            return error(409, "request_in_progress", str(exc), headers={"Retry-After": "1"},
+                         delivery_id=exc.delivery_id)
+        except AdmissionRefused as exc:
+            return error(exc.status, "overloaded" if exc.status == 429 else "unavailable",
+                         exc.detail, headers={"Retry-After": str(exc.retry_after_s)},
+                         reason=exc.reason, retry_after_s=exc.retry_after_s)
+        except PublishTimeout as exc:
+            return error(504, "confirmation_timeout", exc.detail, delivery_id=exc.delivery_id,
+                         headers={"Location": f"/deliveries/{exc.delivery_id}"})
+        except PublishError as exc:
+            return error(503, "publish_failed", "the request could not be stored; retry",
+                         headers={"Retry-After": "1"}, detail=str(exc)[:300])
+        headers = {"Location": f"/deliveries/{accepted.delivery_id}"}
+        if accepted.replayed:
+            headers["Idempotent-Replayed"] = "true"
+        return JSONResponse({"delivery_id": accepted.delivery_id, "status": "accepted"},
+                            status_code=202, headers=headers)
+
+    @app.get("/deliveries/{delivery_id}", summary="A delivery's status and step states")
+    async def status(delivery_id: str, request: Request) -> Response:
+        if not canonical_uuid(delivery_id):
+            return error(422, "invalid_delivery_id", "a delivery id is a UUID")
+        found = await run_in_threadpool(sub_of(request).status, delivery_id.lower())
+        if found is None:
+            return error(404, "not_found", f"no delivery {delivery_id.lower()}")
+        return JSONResponse(found)
+
+    @app.get("/healthz", summary="Liveness: the process serves requests")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", summary="Readiness: Redis reachable, backlog measured, producer polled")
+    async def readyz(request: Request) -> Response:
+        sub = sub_of(request)
+        checks = sub.ready()
+        ok = all(checks.values())
+        return JSONResponse({"status": "ready" if ok else "not_ready", "checks": checks,
+                             **sub.admission.snapshot(), "pending": sub.pending},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    _document_body(app)
+    return app

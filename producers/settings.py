@@ -1,0 +1,51 @@
+"""Ingestion settings, read from the environment like ``choreo.config``.
+
+They live apart from the shared runtime settings because only the submit path uses them;
+every limit here exists so that overload is refused at the door instead of queued without
+bound somewhere inside the pipeline.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class IngestionSettings(BaseSettings):
+    """Limits and knobs of the submit path (HTTP, Python API and CLI alike)."""
+
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", populate_by_name=True)
+
+    url: str = Field("http://127.0.0.1:8000", alias="INGESTION_URL")
+    # Admission control: deliveries accepted and not yet terminal, across all instances.
+    max_in_flight: int = Field(10_000, ge=1, alias="INGESTION_MAX_IN_FLIGHT")
+    # Admission control: consumer lag on delivery.requested of the slowest step consumer
+    # (0 disables the check).
+    max_backlog: int = Field(20_000, ge=0, alias="INGESTION_MAX_BACKLOG")
+    # Publishes handed to the local producer and not yet confirmed by the broker, per process.
+    max_pending: int = Field(5_000, ge=1, alias="INGESTION_MAX_PENDING")
+    max_body_bytes: int = Field(64 * 1024, ge=1024, alias="INGESTION_MAX_BODY_BYTES")
+    # Consumer groups whose lag counts as backlog; empty: the workflow's consumers of the topic.
+    lag_groups: str = Field("", alias="INGESTION_LAG_GROUPS")
+    lag_interval_s: float = Field(0.5, gt=0, alias="INGESTION_LAG_INTERVAL_S")
+    # A lag figure older than this is not trusted: the service reports not ready.
+    lag_stale_s: float = Field(5.0, gt=0, alias="INGESTION_LAG_STALE_S")
+    inflight_key: str = Field("ingestion:inflight", alias="INGESTION_INFLIGHT_KEY")
+    # Entries older than this leave the in-flight count (the supervisor owns them by then).
+    inflight_max_age_s: float = Field(900.0, gt=0, alias="INGESTION_INFLIGHT_MAX_AGE_S")
+    # Entries examined per trim tick (bounded work, oldest first plus a rotating page).
+    trim_page: int = Field(500, ge=1, alias="INGESTION_TRIM_PAGE")
+    idempotency_ttl_s: int = Field(24 * 3600, ge=60, alias="INGESTION_IDEMPOTENCY_TTL_S")
+    # librdkafka's delivery.timeout.ms is 30 s: a report always arrives before this.
+    publish_timeout_s: float = Field(35.0, gt=0, alias="INGESTION_PUBLISH_TIMEOUT_S")
+    retry_after_s: int = Field(1, ge=1, alias="INGESTION_RETRY_AFTER_S")
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port or 8000

@@ -1,0 +1,391 @@
+"""The one submit path behind HTTP, the Python API and the CLI.
+
+validate → idempotency key → admission → publish → broker confirmation. A delivery counts
+as accepted only when the broker confirmed the write (acks=all, idempotent producer): the
+caller is answered from the delivery report, which a background thread serves by polling
+the producer; nothing flushes per request.
+
+Idempotency (IETF draft "The Idempotency-Key HTTP Header Field"): the key, scoped by
+owner, is claimed with one atomic script that also fixes the delivery id and the
+``requested_at`` of the request. A retry of a confirmed request is answered with the same
+delivery without publishing; the same key with a different request is a conflict; a retry
+while the first is still unconfirmed is told to wait, unless the first is older than the
+publish timeout (its process died): then the same delivery is published again, with the
+same event id, which consumers dedupe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from confluent_kafka import KafkaError, Message
+
+from choreo.config import settings as choreo_settings
+from choreo.envelope import derived_id
+from choreo.logs import get_logger
+from choreo.publisher import Publisher
+from choreo.state import delivery_key, parse_steps
+from choreo.workflow import Workflow
+from producers import metrics
+from producers.admission import Admission
+from producers.errors import (
+    AdmissionRefused, DeliveryPublishError, IdempotencyConflict, IdempotencyInProgress,
+    PublishTimeout, StoreUnavailable,
+)
+from producers.model import DeliveryRequestIn, parse_request
+from producers.settings import IngestionSettings
+from schemas.models import DeliveryRequested
+
+TOPIC = DeliveryRequested.topic
+PRODUCER_NAME = "ingestion"
+
+# KEYS[1] the key's hash. ARGV: fingerprint, new delivery id, requested_at ms, now ms, ttl s.
+# Returns {} when this call claimed the key, else the stored {id, fingerprint, requested_at,
+# claimed_at, confirmed}.
+_CLAIM = """
+local stored = redis.call('HMGET', KEYS[1], 'd', 'f', 'r', 'c', 'ok')
+if stored[1] then return stored end
+redis.call('HSET', KEYS[1], 'd', ARGV[2], 'f', ARGV[1], 'r', ARGV[3], 'c', ARGV[4], 'ok', '0')
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return {}
+"""
+# Take over a stale claim only if nobody else did meanwhile (compare claimed_at).
+_TAKE_OVER = """
+if redis.call('HGET', KEYS[1], 'c') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'c', ARGV[2])
+return 1
+"""
+
+
+def idempotency_redis_key(owner_id: str, key: str) -> str:
+    """Scoped by owner; the client's key is hashed so its length and bytes never matter."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return f"idem:{owner_id}:{digest}"
+
+
+def new_delivery_id() -> str:
+    return str(uuid.uuid4())
+
+
+def event_id_for(delivery_id: str) -> str:
+    """Deterministic: a republished request (stale idempotent retry) keeps its event id."""
+    return derived_id(delivery_id, TOPIC)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    delivery_id: str
+    event_id: str
+    trace_id: str
+    replayed: bool = False  # answered from the idempotency key, nothing published
+
+
+@dataclass
+class Submission:
+    """A publish handed to the producer; ``confirmed`` resolves on the broker's report."""
+
+    accepted: Accepted
+    confirmed: Future[None]
+
+    @property
+    def delivery_id(self) -> str:
+        return self.accepted.delivery_id
+
+
+@dataclass(frozen=True)
+class _Claim:
+    key: str
+    delivery_id: str
+    requested_at_ms: int
+    owned: bool  # this call created the claim (forget it if the publish fails)
+
+
+class Submitter:
+    """Owns the producer, the poll thread and the admission monitor of one process."""
+
+    def __init__(self, cfg: IngestionSettings | None = None, *, workflow: Workflow | None = None,
+                 redis_client: redis.Redis | None = None, publisher: Publisher | None = None,
+                 admission: Admission | None = None, entry: str = "api") -> None:
+        if workflow is None:
+            from consumers.workflow import WORKFLOW
+
+            workflow = WORKFLOW
+        self.cfg = cfg or IngestionSettings()
+        self.entry = entry
+        self.redis = redis_client or redis.Redis.from_url(choreo_settings().redis_url,
+                                                          socket_timeout=5)
+        self.publisher = publisher or Publisher(PRODUCER_NAME, workflow, redis_client=self.redis)
+        self.admission = admission or Admission(self.cfg, self.redis, workflow, TOPIC)
+        self._claim = self.redis.register_script(_CLAIM)
+        self._take_over = self.redis.register_script(_TAKE_OVER)
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self.log = get_logger(component="ingestion", entry=entry)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> Submitter:
+        if self._poller is None:
+            self.admission.start()
+            self._stop.clear()
+            self._poller = threading.Thread(target=self._poll, name="producer-poll", daemon=True)
+            self._poller.start()
+        return self
+
+    def _poll(self) -> None:
+        """Serve delivery reports: this is what resolves every caller's confirmation."""
+        while not self._stop.is_set():
+            self.publisher.poll(0.05)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Wait for outstanding confirmations, then stop the threads."""
+        try:
+            self.publisher.flush(timeout_s)
+        finally:
+            self._stop.set()
+            if self._poller is not None:
+                self._poller.join(timeout=5)
+                self._poller = None
+            self.admission.stop()
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+                self._executor = None
+
+    def ready(self) -> dict[str, bool]:
+        return {**self.admission.ready(),
+                "producer_poll": self._poller is not None and self._poller.is_alive()}
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    # -- submit ------------------------------------------------------------------------
+
+    def submit(self, data: DeliveryRequestIn | dict[str, Any] | bytes | str,
+               idempotency_key: str | None = None) -> Submission:
+        """Validate, admit and hand the event to the producer; returns before confirmation.
+
+        Raises InvalidRequest, IdempotencyConflict, IdempotencyInProgress, AdmissionRefused,
+        StoreUnavailable or DeliveryPublishError; on any of them nothing was accepted.
+        """
+        request = parse_request(data)
+        try:
+            return self._submit(request, idempotency_key)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"state store unreachable: {type(exc).__name__}") from exc
+
+    def _submit(self, request: DeliveryRequestIn, idempotency_key: str | None) -> Submission:
+        claim = self._claim_key(request, idempotency_key) if idempotency_key else None
+        if claim is not None and not claim.owned and claim.requested_at_ms < 0:
+            done: Future[None] = Future()
+            done.set_result(None)
+            metrics.REPLAYED.inc()
+            return Submission(Accepted(claim.delivery_id, event_id_for(claim.delivery_id), "",
+                                       replayed=True), done)
+        delivery_id = claim.delivery_id if claim else new_delivery_id()
+        requested_at_ms = claim.requested_at_ms if claim else int(time.time() * 1000)
+        try:
+            self._admit(delivery_id)
+        except AdmissionRefused:
+            self._forget(claim)
+            raise
+        try:
+            return self._publish(request, delivery_id, requested_at_ms, claim)
+        except BaseException:
+            self.admission.release(delivery_id)
+            self._forget(claim)
+            raise
+
+    def _admit(self, delivery_id: str) -> None:
+        try:
+            with self._pending_lock:
+                if self._pending >= self.cfg.max_pending:
+                    raise AdmissionRefused(
+                        "producer_queue",
+                        f"{self._pending} publishes await the broker's confirmation",
+                        self.cfg.retry_after_s, status=503)
+            self.admission.check_backlog()
+            self.admission.reserve(delivery_id)
+        except AdmissionRefused as refused:
+            metrics.REFUSED.labels(refused.reason).inc()
+            raise
+
+    def _publish(self, request: DeliveryRequestIn, delivery_id: str, requested_at_ms: int,
+                 claim: _Claim | None) -> Submission:
+        event = request.to_event(delivery_id, datetime.fromtimestamp(requested_at_ms / 1000, UTC))
+        event_id = event_id_for(delivery_id)
+        future: Future[None] = Future()
+        started = time.monotonic()
+        trace = [""]  # known once publish returns; the report virtually always comes later
+
+        def on_delivery(err: KafkaError | None, _: Message | None) -> None:
+            self._done(delivery_id, event_id, trace[0], claim, err, future, started)
+
+        with self._pending_lock:
+            self._pending += 1
+        metrics.PENDING.set(self._pending)
+        try:
+            envelope = self.publisher.publish(event, event_id, deadline_ms=request.deadline_ms,
+                                              on_delivery=on_delivery)
+        except BufferError as exc:
+            self._unpend()
+            metrics.REFUSED.labels("producer_queue").inc()
+            raise AdmissionRefused("producer_queue", f"local producer queue full: {exc}",
+                                   self.cfg.retry_after_s, status=503) from None
+        except (redis.RedisError, OSError) as exc:
+            self._unpend()
+            metrics.PUBLISH_FAILED.inc()
+            raise DeliveryPublishError(delivery_id, f"state store: {type(exc).__name__}") from exc
+        except Exception as exc:  # registry unreachable, serialization, KafkaException
+            self._unpend()
+            metrics.PUBLISH_FAILED.inc()
+            raise DeliveryPublishError(delivery_id, f"{type(exc).__name__}: {exc}"[:300]) from exc
+        trace[0] = envelope.trace_id
+        return Submission(Accepted(delivery_id, event_id, envelope.trace_id), future)
+
+    def _done(self, delivery_id: str, event_id: str, trace_id: str, claim: _Claim | None,
+              err: KafkaError | None, future: Future[None], started: float) -> None:
+        """Delivery report (poll thread): settle the caller, the key and the in-flight place."""
+        self._unpend()
+        if err is not None:
+            metrics.PUBLISH_FAILED.inc()
+            self.admission.release(delivery_id)
+            self._forget(claim)
+            self.log.warning("publish not confirmed", delivery_id=delivery_id, event_id=event_id,
+                             error=str(err))
+            _settle(future, exc=DeliveryPublishError(delivery_id, str(err)))
+            return
+        metrics.CONFIRM_SECONDS.observe(time.monotonic() - started)
+        metrics.ACCEPTED.labels(self.entry).inc()
+        if claim is not None:
+            try:
+                self.redis.hset(claim.key, "ok", "1")
+            except redis.RedisError as exc:  # a retry republishes the same event id: harmless
+                self.log.warning("could not confirm idempotency key", delivery_id=delivery_id,
+                                 error=str(exc))
+        self.log.info("delivery accepted", delivery_id=delivery_id, event_id=event_id,
+                      trace_id=trace_id)
+        _settle(future)
+
+    def _unpend(self) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+        metrics.PENDING.set(self._pending)
+
+    # -- idempotency -------------------------------------------------------------------
+
+    def _claim_key(self, request: DeliveryRequestIn, key: str) -> _Claim:
+        """Claim ``key`` for this request, or find who holds it.
+
+        A claim whose request was confirmed comes back with ``requested_at_ms = -1``
+        (answer from it, publish nothing).
+        """
+        rkey = idempotency_redis_key(request.owner_id, key)
+        fingerprint = hashlib.sha256(request.fingerprint().encode()).hexdigest()
+        now = int(time.time() * 1000)
+        fresh_id = new_delivery_id()
+        stored = self._claim(keys=[rkey], args=[fingerprint, fresh_id, now, now,
+                                                self.cfg.idempotency_ttl_s])
+        if not stored:
+            return _Claim(rkey, fresh_id, now, owned=True)
+        delivery_id, held_fp, requested_at, claimed_at, confirmed = (
+            v.decode() if v is not None else "" for v in stored)
+        if held_fp != fingerprint:
+            raise IdempotencyConflict("this Idempotency-Key was already used for a different request")
+        if confirmed == "1":
+            return _Claim(rkey, delivery_id, -1, owned=False)
+        if now - int(claimed_at or "0") < self.cfg.publish_timeout_s * 1000:
+            raise IdempotencyInProgress(delivery_id)
+        if not self._take_over(keys=[rkey], args=[claimed_at, now]):
+            raise IdempotencyInProgress(delivery_id)
+        self.log.info("republishing a stale idempotent request", delivery_id=delivery_id)
+        return _Claim(rkey, delivery_id, int(requested_at), owned=True)
+
+    def _forget(self, claim: _Claim | None) -> None:
+        """The request was not accepted: free its key so a retry starts afresh."""
+        if claim is None or not claim.owned:
+            return
+        try:
+            self.redis.delete(claim.key)
+        except redis.RedisError as exc:  # expires by TTL; a retry meanwhile republishes
+            self.log.warning("could not free idempotency key", error=str(exc))
+
+    # -- waiting -----------------------------------------------------------------------
+
+    def wait(self, submission: Submission, timeout_s: float | None = None) -> Accepted:
+        """Block until the broker's report (for synchronous callers)."""
+        timeout = self.cfg.publish_timeout_s if timeout_s is None else timeout_s
+        try:
+            submission.confirmed.result(timeout)
+            return submission.accepted
+        except TimeoutError:
+            raise PublishTimeout(submission.delivery_id,
+                                 f"no broker confirmation within {timeout}s") from None
+
+    async def submit_async(self, data: bytes | str | dict[str, Any] | DeliveryRequestIn,
+                           idempotency_key: str | None = None) -> Accepted:
+        """``submit`` off the event loop (it does blocking Redis calls), then await the report."""
+        loop = asyncio.get_running_loop()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="submit")
+        submission = await loop.run_in_executor(self._executor, self.submit, data, idempotency_key)
+        waiter = asyncio.wrap_future(submission.confirmed)
+        done, _ = await asyncio.wait({waiter}, timeout=self.cfg.publish_timeout_s)
+        if not done:
+            raise PublishTimeout(submission.delivery_id,
+                                 f"no broker confirmation within {self.cfg.publish_timeout_s}s")
+        waiter.result()  # raises DeliveryPublishError when the broker refused
+        return submission.accepted
+
+    # -- reading -----------------------------------------------------------------------
+
+    def status(self, delivery_id: str) -> dict[str, Any] | None:
+        """The delivery's outcome and step states from the state table; None if unknown."""
+        stored: dict[bytes, bytes] = self.redis.hgetall(delivery_key(delivery_id))  # type: ignore[assignment]
+        raw = {k.decode(): v.decode() for k, v in stored.items()}
+        if not raw:
+            return None
+        steps = parse_steps(raw)
+        outcome = raw.get("outcome")
+        if outcome:
+            status = outcome
+        elif all(s.status == "pending" for s in steps.values()):
+            status = "accepted"
+        else:
+            status = "in_progress"
+        return {
+            "delivery_id": delivery_id,
+            "status": status,
+            "outcome": outcome,
+            "steps": {
+                name: {"status": s.status, "attempt": s.attempt, "tries": s.tries,
+                       "failures": s.failures, "complete_by_ms": s.complete_by,
+                       "updated_ms": s.updated, **({"error": s.error} if s.error else {})}
+                for name, s in sorted(steps.items())
+            },
+        }
+
+
+def _settle(future: Future[None], exc: BaseException | None = None) -> None:
+    """Resolve once; a caller that gave up (cancelled) must not break the poll thread."""
+    if future.done():
+        return
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
+    except Exception:  # InvalidStateError: cancelled concurrently
+        pass

@@ -1,0 +1,500 @@
+"""Ingestion on the real stack: HTTP (uvicorn on a free port), the Python API and the CLI,
+talking to the real Kafka, Redis and registry. Downstream services are not running, so
+accepted deliveries stay in flight, which is what the admission tests need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import uvicorn
+from confluent_kafka import Consumer, TopicPartition
+
+from choreo.config import settings
+from choreo.envelope import derived_id, header_value
+from choreo.serde import Decoder, registry_client
+from choreo.state import StateTable, StepStatus, delivery_key
+from producers.client import DeliveryClient
+from producers.errors import AdmissionRefused
+from producers.ingestion import create_app
+from producers.settings import IngestionSettings
+from producers.submit import Submitter
+from schemas.models import DeliveryRequested
+from tests.factories import request_body
+from tests.helpers import REPO, wait_for
+
+pytestmark = pytest.mark.integration
+
+TOPIC = DeliveryRequested.topic
+
+
+@pytest.fixture(scope="module", autouse=True)
+def topics(stack: None) -> None:
+    from choreo import topology
+    from consumers.workflow import WORKFLOW
+
+    topology.create(WORKFLOW)
+
+
+def ingestion_settings(unique: str, **overrides: Any) -> IngestionSettings:
+    """Isolated from other tests: its own in-flight set; backlog off unless asked for."""
+    values: dict[str, Any] = {"INGESTION_INFLIGHT_KEY": f"test:inflight:{unique}",
+                              "INGESTION_MAX_BACKLOG": 0}
+    values.update(overrides)
+    return IngestionSettings(**values)
+
+
+@contextmanager
+def serving(cfg: IngestionSettings, cleanup: bool = True,
+            submitter: Submitter | None = None) -> Iterator[str]:
+    """The app under uvicorn on a free port, in a thread; yields its base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg, submitter), host="127.0.0.1", port=port,
+                                           log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 30, 0.05, "uvicorn to start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        if cleanup:
+            redis.Redis.from_url(settings().redis_url).delete(cfg.inflight_key)
+
+
+@pytest.fixture(scope="module")
+def base_url(stack: None) -> Iterator[str]:
+    with serving(ingestion_settings("module")) as url:
+        yield url
+
+
+@pytest.fixture()
+def http(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=40) as client:
+        yield client
+
+
+def end_offsets() -> dict[int, int]:
+    consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers,
+                         "group.id": "ingestion-test-reader"})
+    try:
+        parts = consumer.list_topics(TOPIC, timeout=10).topics[TOPIC].partitions
+        return {p: consumer.get_watermark_offsets(TopicPartition(TOPIC, p), timeout=10)[1]
+                for p in parts}
+    finally:
+        consumer.close()
+
+
+def records_since(start: dict[int, int]) -> list[tuple[str, DeliveryRequested, dict[str, str]]]:
+    """(key, event, headers) of every committed record written after ``start``."""
+    ends = end_offsets()
+    decode = Decoder(DeliveryRequested, TOPIC, registry_client())
+    consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers,
+                         "group.id": "ingestion-test-reader", "enable.auto.commit": False,
+                         "isolation.level": "read_committed"})
+    wanted = {p: (start.get(p, 0), end) for p, end in ends.items() if end > start.get(p, 0)}
+    out: list[tuple[str, DeliveryRequested, dict[str, str]]] = []
+    try:
+        consumer.assign([TopicPartition(TOPIC, p, s) for p, (s, _) in wanted.items()])
+        done: set[int] = set()
+        deadline = time.monotonic() + 30
+        while len(done) < len(wanted) and time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is None or msg.error():
+                continue
+            raw = msg.headers() or []
+            headers = {h[0]: header_value(raw, h[0]) or "" for h in raw}
+            key = msg.key()
+            out.append((bytes(key).decode() if key else "", decode(msg.value()), headers))
+            partition, offset = int(msg.partition() or 0), int(msg.offset() or 0)
+            if offset + 1 >= wanted[partition][1]:
+                done.add(partition)
+        assert len(done) == len(wanted), "could not read the topic to its end"
+        return out
+    finally:
+        consumer.close()
+
+
+# -- the happy path -------------------------------------------------------------------------
+
+
+def test_post_answers_202_after_the_event_is_durable(http: httpx.Client, unique: str,
+                                                     redis_client: redis.Redis) -> None:
+    start = end_offsets()
+    deadline = (datetime.now(UTC) + timedelta(hours=2)).replace(microsecond=0)
+    body = request_body(owner_id=f"owner-{unique}", deadline=deadline.isoformat(),
+                        reply_topic=f"acme.replies.{unique}")
+    response = http.post("/deliveries", json=body)
+
+    assert response.status_code == 202, response.text
+    delivery_id = response.json()["delivery_id"]
+    assert response.json() == {"delivery_id": delivery_id, "status": "accepted"}
+    assert response.headers["location"] == f"/deliveries/{delivery_id}"
+
+    # answered only after the broker confirmed: the record is already committed
+    found = [(k, e, h) for k, e, h in records_since(start) if k == delivery_id]
+    assert len(found) == 1
+    _, event, headers = found[0]
+    assert event.owner_id == f"owner-{unique}" and event.pickup.address == body["pickup"]["address"]
+    assert event.deadline == deadline and event.reply_topic == body["reply_topic"]
+    assert headers["event_id"] == derived_id(delivery_id, TOPIC)
+    assert headers["correlation_id"] == delivery_id
+    assert headers["producer"] == "ingestion" and headers["event_type"] == "DeliveryRequested"
+    assert headers["traceparent"].startswith("00-") and len(headers["traceparent"]) == 55
+    assert int(headers["deadline_ms"]) == int(deadline.timestamp() * 1000)
+
+    # both steps were opened before the event was produced; if the package and drone services
+    # happen to run (other suites start them), they may already have moved on
+    steps = StateTable(redis_client).steps(delivery_id)
+    assert {"package", "drone"} <= set(steps)
+    assert all(s.status in {v.value for v in StepStatus} for s in steps.values())
+
+    status = http.get(f"/deliveries/{delivery_id}")
+    assert status.status_code == 200
+    answer = status.json()
+    assert answer["delivery_id"] == delivery_id
+    assert answer["status"] in {"accepted", "in_progress", "shipped", "failed"}
+    assert {"package", "drone"} <= set(answer["steps"])
+    assert all(s["status"] in {v.value for v in StepStatus} for s in answer["steps"].values())
+
+
+def test_get_reflects_the_state_table(http: httpx.Client, redis_client: redis.Redis) -> None:
+    delivery_id = http.post("/deliveries", json=request_body()).json()["delivery_id"]
+    redis_client.hset(delivery_key(delivery_id), "outcome", "shipped")  # as the delivery service does
+    assert http.get(f"/deliveries/{delivery_id}").json()["status"] == "shipped"
+
+
+def test_get_unknown_or_malformed_id(http: httpx.Client) -> None:
+    unknown = http.get("/deliveries/7b0a3c1e-1d2f-4f6a-9b3c-000000000000")
+    assert unknown.status_code == 404 and unknown.json()["error"] == "not_found"
+    malformed = http.get("/deliveries/not-a-uuid")
+    assert malformed.status_code == 422 and malformed.json()["error"] == "invalid_delivery_id"
+    assert http.get("/nowhere").status_code == 404
+    assert http.delete("/deliveries/7b0a3c1e-1d2f-4f6a-9b3c-000000000000").status_code == 405
+
+
+def test_health_readiness_metrics(http: httpx.Client) -> None:
+    assert http.get("/healthz").json() == {"status": "ok"}
+    ready = http.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"]["redis"] is True
+    metrics = http.get("/metrics")
+    assert metrics.status_code == 200 and "ingestion_accepted_total" in metrics.text
+    assert "/deliveries" in http.get("/openapi.json").json()["paths"]
+
+
+# -- bad inputs: the right 4xx, nothing published ---------------------------------------------
+
+
+def chunks(total: int, size: int = 4096) -> Iterator[bytes]:
+    sent = 0
+    while sent < total:
+        yield b" " * min(size, total - sent)
+        sent += size
+
+
+def test_bad_inputs_get_clear_4xx_and_publish_nothing(http: httpx.Client, unique: str) -> None:
+    owner = f"bad-{unique}"
+    good = request_body(owner_id=owner)
+    hostile = "Hostile Road 13"
+    json_type = {"content-type": "application/json"}
+
+    def body(**overrides: Any) -> dict[str, Any]:
+        return {**good, **overrides}
+
+    def without(name: str) -> dict[str, Any]:
+        return {k: v for k, v in good.items() if k != name}
+
+    past = (datetime.now(UTC) - timedelta(minutes=1)).isoformat()
+    cases: list[tuple[str, int, dict[str, Any]]] = [
+        ("missing field", 422, {"json": without("weight_kg")}),
+        ("wrong type", 422, {"json": body(weight_kg="heavy")}),
+        ("number as string", 422, {"json": body(pickup={"lat": "52.5", "lon": 13.4, "address": "a"})}),
+        ("lat out of range", 422, {"json": body(pickup={"lat": 90.5, "lon": 13.4, "address": "a"})}),
+        ("negative weight", 422, {"json": body(weight_kg=-2)}),
+        ("absurd weight", 422, {"json": body(weight_kg=1e9)}),
+        ("bad enum", 422, {"json": body(package_size="XXL")}),
+        ("deadline in the past", 422, {"json": body(deadline=past)}),
+        ("absurd deadline", 422, {"json": body(deadline="9999-12-31T23:59:59Z")}),
+        ("bad reply topic", 422, {"json": body(reply_topic="no spaces allowed")}),
+        ("loop reply topic", 422, {"json": body(reply_topic="delivery.requested")}),
+        ("unknown field", 422, {"json": body(admin=True)}),
+        ("not an object", 422, {"json": [good]}),
+        ("very long address", 422, {"json": body(dropoff={"lat": 1, "lon": 1, "address": hostile * 50})}),
+        ("control chars", 422, {"json": body(dropoff={"lat": 1, "lon": 1, "address": hostile + "\u0000\x07"})}),
+        ("terminal escapes", 422, {"json": body(dropoff={"lat": 1, "lon": 1, "address": "\x1b]0;" + hostile})}),
+        ("bidi override", 422, {"json": body(dropoff={"lat": 1, "lon": 1, "address": hostile + "\u202e"})}),
+        ("NaN", 422, {"content": json.dumps(good).replace("1.5", "NaN"), "headers": json_type}),
+        ("malformed JSON", 400, {"content": b'{"owner_id": "x",', "headers": json_type}),
+        ("empty body", 400, {"content": b"", "headers": json_type}),
+        ("invalid UTF-8", 400, {"content": b'{"owner_id": "\xff\xfe"}', "headers": json_type}),
+        ("huge nesting", 400, {"content": b'{"owner_id": ' + b"[" * 20000 + b"]" * 20000 + b"}",
+                               "headers": json_type}),
+        ("wrong content type", 415, {"content": json.dumps(good), "headers": {"content-type": "text/plain"}}),
+        ("form post", 415, {"data": {"owner_id": owner}}),
+        ("no content type", 415, {"content": json.dumps(good), "headers": {"content-type": ""}}),
+        ("latin-1 JSON", 415, {"content": json.dumps(good),
+                               "headers": {"content-type": "application/json; charset=latin-1"}}),
+        ("oversized body", 413, {"content": json.dumps(body(pad="x" * 70_000)), "headers": json_type}),
+        ("oversized chunked body", 413, {"content": chunks(200_000), "headers": json_type}),
+        ("bad idempotency key", 400, {"json": good, "headers": {"idempotency-key": "has spaces"}}),
+        ("long idempotency key", 400, {"json": good, "headers": {"idempotency-key": "k" * 300}}),
+    ]
+    start = end_offsets()
+    for name, status, kwargs in cases:
+        response = http.post("/deliveries", **kwargs)
+        assert response.status_code == status, f"{name}: {response.status_code} {response.text[:300]}"
+        answer = response.json()
+        assert answer["error"] and answer["message"], name
+        assert "Traceback" not in response.text and hostile not in response.text, name
+        if status == 422 and "errors" in answer:
+            assert all({"field", "message", "type"} <= set(e) for e in answer["errors"]), name
+    invalid = http.post("/deliveries", json=body(weight_kg=-2, pickup={"lat": 99, "lon": 0, "address": "a"}))
+    assert {e["field"] for e in invalid.json()["errors"]} == {"weight_kg", "pickup.lat"}
+
+    assert not [e for _, e, _ in records_since(start) if e.owner_id == owner], "a bad request was published"
+
+
+# -- idempotency --------------------------------------------------------------------------------
+
+
+def test_idempotent_retry_returns_the_same_delivery_and_publishes_once(http: httpx.Client,
+                                                                       unique: str) -> None:
+    start = end_offsets()
+    body = request_body(owner_id=f"idem-{unique}")
+    key = {"idempotency-key": f"order-{unique}"}
+    first = http.post("/deliveries", json=body, headers=key)
+    # the same request, written differently (key order, spacing): still the same request
+    second = http.post("/deliveries", content=json.dumps(body, indent=2, sort_keys=True),
+                       headers={**key, "content-type": "application/json"})
+    assert first.status_code == second.status_code == 202
+    delivery_id = first.json()["delivery_id"]
+    assert second.json()["delivery_id"] == delivery_id
+    assert second.headers["location"] == first.headers["location"]
+    assert second.headers.get("idempotent-replayed") == "true"
+
+    conflict = http.post("/deliveries", json={**body, "weight_kg": 9}, headers=key)
+    assert conflict.status_code == 422 and conflict.json()["error"] == "idempotency_key_reused"
+
+    other_owner = http.post("/deliveries", json={**body, "owner_id": f"other-{unique}"}, headers=key)
+    assert other_owner.status_code == 202 and other_owner.json()["delivery_id"] != delivery_id
+
+    published = [k for k, _, _ in records_since(start) if k == delivery_id]
+    assert published == [delivery_id]
+
+
+def test_concurrent_retries_with_one_key_accept_one_delivery(base_url: str, unique: str) -> None:
+    body = request_body(owner_id=f"race-{unique}")
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=40) as client:
+            return await asyncio.gather(*(
+                client.post("/deliveries", json=body, headers={"idempotency-key": unique})
+                for _ in range(10)))
+
+    start = end_offsets()
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {202, 409} and 202 in codes, codes
+    ids = {r.json()["delivery_id"] for r in responses}
+    assert len(ids) == 1  # a 409 names the delivery in progress too
+    assert len([k for k, _, _ in records_since(start) if k in ids]) == 1
+
+
+# -- admission control --------------------------------------------------------------------------
+
+
+def test_in_flight_cap_refuses_the_flood_with_429(unique: str, redis_client: redis.Redis) -> None:
+    cap, flood = 20, 80
+    # no trim tick during the flood: nothing can finish anyway (no downstream services)
+    cfg = ingestion_settings(unique, INGESTION_MAX_IN_FLIGHT=cap, INGESTION_LAG_INTERVAL_S=3600)
+    start = end_offsets()
+    with serving(cfg, cleanup=False) as url:
+        async def flood_it() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=40) as client:
+                return await asyncio.gather(*(
+                    client.post("/deliveries", json=request_body(owner_id=f"flood-{unique}"))
+                    for _ in range(flood)))
+
+        responses = asyncio.run(flood_it())
+        accepted = [r.json()["delivery_id"] for r in responses if r.status_code == 202]
+        refused = [r for r in responses if r.status_code == 429]
+        assert len(accepted) == cap and len(refused) == flood - cap
+        for r in refused:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"] == "overloaded" and r.json()["reason"] == "in_flight"
+        assert redis_client.zcard(cfg.inflight_key) == cap
+
+        # every accepted one is in the topic, and only those
+        published = [k for k, e, _ in records_since(start) if e.owner_id == f"flood-{unique}"]
+        assert sorted(published) == sorted(accepted)
+
+        with httpx.Client(base_url=url, timeout=40) as client:
+            assert client.post("/deliveries", json=request_body()).status_code == 429
+    redis_client.delete(cfg.inflight_key)
+
+
+def test_terminal_deliveries_free_their_places(unique: str, redis_client: redis.Redis) -> None:
+    """The lazy trim reads the ``outcome`` the delivery service writes into the state hash.
+    Synthetic deliveries (never published) so that running services cannot finish them."""
+    cap = 20
+    key = f"test:inflight:{unique}"
+    ids = [str(uuid.uuid4()) for _ in range(cap)]
+    now_ms = time.time() * 1000
+    redis_client.zadd(key, {d: now_ms for d in ids})
+    for d in ids:
+        redis_client.hset(delivery_key(d), "package.status", "pending")
+    for d in ids[:5]:
+        redis_client.hset(delivery_key(d), "outcome", "shipped")
+    cfg = ingestion_settings(unique, INGESTION_MAX_IN_FLIGHT=cap, INGESTION_LAG_INTERVAL_S=0.1)
+    try:
+        with serving(cfg) as url, httpx.Client(base_url=url, timeout=40) as client:
+            wait_for(lambda: redis_client.zcard(key) <= cap - 5, 10, 0.1, "the trim")
+            remaining = [str(redis_client.zscore(key, d) is not None) for d in ids]
+            assert remaining == ["False"] * 5 + ["True"] * (cap - 5)
+            codes = [client.post("/deliveries", json=request_body()).status_code for _ in range(8)]
+            assert codes == [202] * 5 + [429] * 3
+    finally:
+        redis_client.delete(*(delivery_key(d) for d in ids))
+
+
+def test_backlog_past_its_limit_refuses_with_429(unique: str) -> None:
+    group = f"lagtest-{unique}"
+    consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers,
+                         "group.id": group, "enable.auto.commit": False})
+
+    def catch_up() -> None:  # the "consumer" is at the end of the topic: no backlog
+        consumer.commit(offsets=[TopicPartition(TOPIC, p, o) for p, o in end_offsets().items()],
+                        asynchronous=False)
+
+    catch_up()
+    limit = 5
+    cfg = ingestion_settings(unique, INGESTION_MAX_BACKLOG=limit, INGESTION_LAG_GROUPS=group,
+                             INGESTION_LAG_INTERVAL_S=0.1)
+    try:
+        with serving(cfg) as url, httpx.Client(base_url=url, timeout=40) as client:
+            ready = client.get("/readyz").json()
+            assert ready["groups"] == [group] and ready["checks"]["backlog_measured"]
+            assert client.post("/deliveries", json=request_body()).status_code == 202
+            # each accepted request adds to the group's lag; past the limit the door closes
+            codes: list[int] = []
+            refused = None
+            deadline = time.monotonic() + 20
+            while refused is None and time.monotonic() < deadline:
+                response = client.post("/deliveries", json=request_body())
+                codes.append(response.status_code)
+                if response.status_code == 429:
+                    refused = response
+                time.sleep(0.02)
+            assert refused is not None, codes
+            assert refused.json()["reason"] == "backlog" and refused.json()["error"] == "overloaded"
+            assert 1 <= int(refused.headers["retry-after"]) <= 30
+            assert client.get("/readyz").json()["backlog"] >= limit
+            catch_up()
+            wait_for(lambda: client.get("/readyz").json()["backlog"] < limit, 10, 0.1, "catch-up")
+            assert client.post("/deliveries", json=request_body()).status_code == 202
+    finally:
+        consumer.close()
+
+
+# -- the Python API -----------------------------------------------------------------------------
+
+
+def test_python_client_submits_and_is_refused_past_the_cap(unique: str) -> None:
+    start = end_offsets()
+    cfg = ingestion_settings(unique, INGESTION_MAX_IN_FLIGHT=4, INGESTION_LAG_INTERVAL_S=3600)
+    with DeliveryClient(cfg) as client:
+        one = client.submit(request_body(owner_id=f"py-{unique}"))
+        again = client.submit(request_body(owner_id=f"py-{unique}"), idempotency_key="k1")
+        assert client.submit(request_body(owner_id=f"py-{unique}"), idempotency_key="k1") == again
+        with pytest.raises(AdmissionRefused) as refused:
+            client.submit_many([request_body(owner_id=f"py-{unique}") for _ in range(5)])
+        assert refused.value.reason == "in_flight" and refused.value.retry_after_s >= 1
+        assert len(refused.value.accepted) == 2  # 4 places: one, again, and two of the batch
+    published = {k for k, e, _ in records_since(start) if e.owner_id == f"py-{unique}"}
+    assert published == {one, again, *refused.value.accepted}
+    redis.Redis.from_url(settings().redis_url).delete(cfg.inflight_key)
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+
+def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "producers.cli", *args], cwd=REPO, text=True,
+                          capture_output=True, timeout=120, env={**os.environ, **env})
+
+
+def test_cli_emit_file_skips_bad_lines_and_reports_them(tmp_path: Path, unique: str) -> None:
+    owner = f"cli-{unique}"
+    good = json.dumps(request_body(owner_id=owner))
+    lines = [good, '{"owner_id": "broken', "", good,
+             json.dumps(request_body(owner_id=owner, weight_kg=-1)), good]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    env = {"INGESTION_INFLIGHT_KEY": f"test:inflight:{unique}", "INGESTION_MAX_BACKLOG": "0"}
+    start = end_offsets()
+
+    strict = run_cli("emit", "--file", str(path), "--json", "--strict", env=env)
+    assert strict.returncode == 1 and "Traceback" not in strict.stderr
+    assert json.loads(strict.stdout.strip().splitlines()[-1])["accepted"] == 0
+
+    result = run_cli("emit", "--file", str(path), "--json", "--verbose", env=env)
+    assert result.returncode == 1, result.stderr  # some lines were rejected
+    assert "Traceback" not in result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["accepted"] == 3 and summary["rejected"] == 2
+    assert [e["line"] for e in summary["errors"]] == [2, 5]
+    assert "malformed JSON" in summary["errors"][0]["error"]
+    assert "weight_kg" in summary["errors"][1]["error"]
+    # logs carry ids, never the customer's addresses
+    assert "delivery accepted" in result.stderr
+    assert request_body()["pickup"]["address"] not in result.stderr
+
+    one = run_cli("emit", "--owner", owner, "--pickup", "52.52,13.40,Alexanderplatz 1",
+                  "--dropoff", "52.50,13.37,Potsdamer Platz 2", "--size", "medium",
+                  "--weight", "2.5", env=env)
+    assert one.returncode == 0, one.stderr
+    single_id = one.stdout.strip()
+
+    bad_flags = run_cli("emit", "--owner", owner, "--pickup", "91,13.40,X", "--dropoff",
+                        "52.50,13.37,Y", "--weight", "1", env=env)
+    assert bad_flags.returncode == 1 and "pickup.lat" in bad_flags.stderr
+    assert "Traceback" not in bad_flags.stderr
+
+    published = [(k, e) for k, e, _ in records_since(start) if e.owner_id == owner]
+    assert sorted(k for k, _ in published) == sorted([*summary["delivery_ids"], single_id])
+    assert {e.package_size for k, e in published if k == single_id} == {"MEDIUM"}
+    redis.Redis.from_url(settings().redis_url).delete(env["INGESTION_INFLIGHT_KEY"])
+
+
+def test_an_unreachable_state_store_is_a_503_not_a_500(unique: str) -> None:
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, socket_timeout=0.2)
+    cfg = ingestion_settings(unique)
+    submitter = Submitter(cfg, redis_client=dead)
+    try:
+        with serving(cfg, cleanup=False, submitter=submitter) as url, \
+                httpx.Client(base_url=url, timeout=40) as client:
+            response = client.post("/deliveries", json=request_body())
+            assert response.status_code == 503 and response.json()["error"] == "publish_failed"
+            assert "Traceback" not in response.text
+            assert client.get("/readyz").status_code == 503
+    finally:
+        submitter.close()

@@ -1,0 +1,192 @@
+"""Rebuild after FLUSHALL and the trace of a compensated delivery, on the real stack.
+
+The pipeline runs as real processes with the real business rules, on this test's private
+topics, consumer groups and Redis (``tests/services/ops_pipeline.py``): the shared stack
+may be running a demo or another test's pipeline on the real topics and groups, and a
+FLUSHALL of the shared Redis would pull the rug from under them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import redis
+
+from choreo import topology
+from choreo.kafka import ensure_topics
+from choreo.ops.rebuild import rebuild
+from choreo.ops.trace import trace
+from choreo.publisher import Publisher
+from choreo.workflow import Workflow
+from consumers import fleet
+from schemas.models import ALL_EVENTS
+from tests.factories import delivery_request
+from tests.helpers import ServiceProcess, read_topic, wait_for
+from tests.services import ops_pipeline
+
+pytestmark = pytest.mark.integration
+
+FLEET = 200
+
+
+@pytest.fixture()
+def private_redis() -> Iterator[redis.Redis]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="ops-redis-")
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port),
+                             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout=5)
+    wait_for(lambda: _pings(client), timeout_s=10, interval_s=0.1, what="private redis")
+    yield client
+    proc.terminate()
+    proc.wait(10)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+@dataclass
+class IsolatedPipeline:
+    prefix: str
+    client: redis.Redis
+    env: dict[str, str] = field(default_factory=dict)
+    procs: list[ServiceProcess] = field(default_factory=list)
+
+    @property
+    def flow(self) -> Workflow:
+        return ops_pipeline.workflow(self.prefix, ops_pipeline.build(self.prefix))
+
+    def start(self) -> IsolatedPipeline:
+        url = self.client.connection_pool.connection_kwargs
+        env = {"OPS_PREFIX": self.prefix, "REDIS_URL": f"redis://{url['host']}:{url['port']}/0",
+               "DRONE_FLEET_SIZE": str(FLEET), **self.env}
+        self.procs = [ServiceProcess(f"tests.services.ops_pipeline:{role}", instance=uuid.uuid4().hex[:6],
+                                     env=env, workflow="tests.services.ops_pipeline:WORKFLOW").start()
+                      for role in ops_pipeline.ROLES]
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM to every instance at once, then wait: each finishes its batch and leaves."""
+        for proc in self.procs:
+            if proc.proc is not None and proc.alive():
+                proc.proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            proc.stop()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+
+    def submit(self, n: int, **overrides: float) -> list[str]:
+        publisher = Publisher("test", self.flow, redis_client=self.client)
+        requests = [delivery_request(weight_kg=overrides.get("weight_kg", 1.0 + i % 4)) for i in range(n)]
+        for r in requests:
+            publisher.publish(r, str(uuid.uuid4()), topic=self.prefix + "delivery.requested")
+        publisher.flush(30)
+        return [r.delivery_id for r in requests]
+
+    def terminal(self, ids: set[str]) -> Counter[str]:
+        counts: Counter[str] = Counter()
+        for topic in ("delivery.shipped", "delivery.failed"):
+            for record in read_topic(self.prefix + topic):
+                if record.key and record.key.decode() in ids:
+                    counts[record.key.decode()] += 1
+        return counts
+
+
+@pytest.fixture()
+def isolated(stack: None, private_redis: redis.Redis, unique: str) -> Iterator[IsolatedPipeline]:
+    pipeline = IsolatedPipeline(f"t.ops.{unique}.", private_redis)
+    topology.create(pipeline.flow, partitions=3)
+    # outputs are declared by model (unprefixed names): create their prefixed topics too, so
+    # nothing is auto-created with another partition count
+    ensure_topics({f"{pipeline.prefix}{m.topic}{suffix}": 3 for m in ALL_EVENTS for suffix in ("", ".dlq")
+                   if m.topic not in ("recovery", "compensation.log")})
+    yield pipeline
+    pipeline.kill()
+
+
+def test_flushall_mid_run_then_rebuild_every_delivery_ends_once(isolated: IsolatedPipeline) -> None:
+    isolated.env = {"AGENT_WAREHOUSE_LATENCY_MS": "40", "OPS_BATCH": "10"}
+    client = isolated.client
+    started = int(time.time() * 1000)
+    isolated.start()
+    ids = set(isolated.submit(200))
+    wait_for(lambda: len(isolated.terminal(ids)) >= 20, timeout_s=40, interval_s=0.3, what="first deliveries")
+    with pytest.raises(RuntimeError, match="still consuming"):
+        rebuild(isolated.flow, since_ms=started - 5000, fleet_size=FLEET, client=client, prefix=isolated.prefix)
+    isolated.stop()  # pause: each instance finishes its batch, commits and leaves its group
+    before = isolated.terminal(ids)
+    assert 20 <= len(before) < len(ids), "the wipe must hit deliveries in flight"
+    client.flushall()
+    report = rebuild(isolated.flow, since_ms=started - 5000, fleet_size=FLEET, client=client,
+                     prefix=isolated.prefix)
+    assert report.outcomes == len(before)
+    assert report.booking_conflicts == []
+    assert report.steps > 0 and report.seen_entries > 0
+    isolated.start()  # resume
+    counts = wait_for(lambda: len(c := isolated.terminal(ids)) == len(ids) and c, timeout_s=60,
+                      interval_s=0.5, what="every delivery to end")
+    assert set(counts.values()) == {1}
+    assert fleet.double_bookings(client) == []
+    # every drone came back: the fleet is whole again, no booking leaked
+    wait_for(lambda: not (set(_bookings(client)) & ids), timeout_s=20, what="drones returned")
+    held = {k.decode(): v.decode() for k, v in client.hgetall(fleet.HELD).items()}
+    assert all(_bookings(client).get(d) == drone for drone, d in held.items())
+
+
+def _bookings(client: redis.Redis) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in client.hgetall(fleet.BOOKING).items()}
+
+
+def test_trace_of_a_compensated_delivery_shows_every_hop_in_order(isolated: IsolatedPipeline) -> None:
+    isolated.env = {"AGENT_DISPATCH_PERMANENT_RATE": "1.0"}  # every drone booking is refused
+    isolated.start()
+    ids = isolated.submit(3)
+    target = ids[0]
+    wait_for(lambda: any(r.key == target.encode() for r in read_topic(isolated.prefix + "package.cancelled")),
+             timeout_s=45, interval_s=0.5, what="the package to be cancelled")
+    # the test pipeline declares its outputs by model (unprefixed): name its undo topics
+    undo = [isolated.prefix + t for t in ("package.cancelled", "drone.released")]
+    found = trace(target, isolated.flow, redis_client=isolated.client, extra_topics=undo)
+    assert found.found_start_by == "state table"
+    topics = [h.topic.removeprefix(isolated.prefix) for h in found.hops]
+    assert topics[0] == "delivery.requested"
+    assert set(topics) == {"delivery.requested", "package.ready", "drone.failed", "delivery.failed",
+                           "package.cancelled"}
+    assert topics.index("delivery.failed") > max(topics.index("package.ready"), topics.index("drone.failed"))
+    assert topics.index("package.cancelled") > topics.index("delivery.failed")
+    shown: set[str] = set()
+    for hop in found.hops:  # every hop's cause was shown before it
+        assert not hop.causation_id or hop.causation_id in shown, hop
+        shown.add(hop.event_id)
+    failed = next(h for h in found.hops if h.topic.endswith("delivery.failed"))
+    assert isinstance(failed.body, dict) and failed.body["compensate"] == ["package"]
+    assert failed.note.startswith("reason=")
+    assert all(h.since_previous_ms >= 0 for h in found.hops)
+    # one partition per topic, from the request time on: far less than the topics hold
+    assert found.stats.partitions <= len(found.hops) * 10
+
+
+def test_trace_of_a_requeued_delivery() -> None:
+    pytest.skip("a requeue needs the supervisor in the workflow; consumers/workflow.py does not list "
+                "consumers.supervisor:service yet (the supervisor is being written in parallel): "
+                "retry topics are already traced (kind 'retry') and ordered by attempt and cause")

@@ -1,0 +1,324 @@
+"""The supervisor on the real stack, with every service a real process.
+
+Each test runs the pipeline's real business rules (``tests/services/sup_pipeline.py``) on
+its own topics with 2 s deadlines, against a Redis database of its own (the state table,
+deadline index, lease and fleet are the supervisor tests' alone), plus the real
+``consumers.supervisor`` pointed at those topics.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from confluent_kafka import Consumer, ConsumerGroupState, TopicPartition
+
+from choreo import topology
+from choreo.config import settings
+from choreo.kafka import admin, ensure_topics
+from choreo.lease import holder
+from choreo.publisher import Publisher
+from choreo.runner import RECOVERY_TOPIC
+from choreo.serde import Decoder, registry_client
+from choreo.service import retry_topic
+from choreo.state import DEADLINE_INDEX, delivery_key
+from consumers import fleet
+from schemas.models import CompensationRecord, DeliveryFailed
+from tests.factories import delivery_request
+from tests.helpers import ServiceProcess, read_topic, wait_for
+from tests.services import sup_pipeline
+
+pytestmark = pytest.mark.integration
+
+DB = int(os.environ.get("SUP_TEST_REDIS_DB", "11"))
+DEADLINE_S = 2.0
+BUDGET = 8  # no in-process retries: each attempt costs 2 tries (begin + the failed try)
+ROLE_REF = {"package": "package", "drone": "drone", "delivery": "delivery"}
+
+
+@dataclass
+class World:
+    """One test's private pipeline: topics under ``prefix``, Redis database ``DB``."""
+
+    prefix: str
+    name: str
+    redis: redis.Redis
+    env: dict[str, str]
+    procs: list[ServiceProcess] = field(default_factory=list)
+
+    def topic(self, name: str) -> str:
+        return self.prefix + name
+
+    def start(self, role: str, instance: str = "0", members: int = 1, **env: str) -> ServiceProcess:
+        """Start one instance and wait until its group has ``members`` with partitions (a step
+        published before its service consumes would be late for its 2 s deadline)."""
+        proc = ServiceProcess(f"{sup_pipeline.MODULE}:{ROLE_REF[role]}", instance=instance,
+                              env={**self.env, **env}, workflow=f"{sup_pipeline.MODULE}:WORKFLOW")
+        self.procs.append(proc.start())
+        group = self.prefix + {"drone": "drone-scheduler"}.get(role, role)
+        wait_for(lambda: _group_ready(group, members), timeout_s=45, what=f"{group} consuming")
+        return proc
+
+    def supervisor(self, instance: str = "0", members: int = 1, **env: str) -> ServiceProcess:
+        if members == 1:  # a new group joins the shared recovery topic at its end, as a
+            _start_at_end(self.name, RECOVERY_TOPIC)  # deployed one would (not at its history)
+        proc = ServiceProcess("consumers.supervisor:service", instance=f"{self.name}-{instance}",
+                              env={**self.env, **env}, workflow=f"{sup_pipeline.MODULE}:WORKFLOW")
+        self.procs.append(proc.start())
+        wait_for(lambda: _group_ready(self.name, members), timeout_s=45, what="the supervisor consuming")
+        return proc
+
+    def publish(self, n: int) -> list[str]:
+        flow = sup_pipeline.workflow(self.prefix, sup_pipeline.build(self.prefix, DEADLINE_S, BUDGET, 0))
+        publisher = Publisher("sup-test", workflow=flow, redis_client=self.redis)
+        ids = [str(uuid.uuid4()) for _ in range(n)]
+        for delivery_id in ids:
+            publisher.publish(delivery_request(delivery_id), str(uuid.uuid4()),
+                              topic=self.topic("delivery.requested"))
+        publisher.flush(30)
+        return ids
+
+    def state(self, delivery_id: str) -> dict[str, str]:
+        raw = self.redis.hgetall(delivery_key(delivery_id))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def records(self, name: str) -> list[Any]:
+        return read_topic(self.topic(name))
+
+    def by_delivery(self, name: str) -> dict[str, list[Any]]:
+        found: dict[str, list[Any]] = defaultdict(list)
+        for record in self.records(name):
+            found[(record.key or b"").decode().split("|")[0]].append(record)
+        return found
+
+    def retries(self, service: str) -> dict[str, list[Any]]:
+        found: dict[str, list[Any]] = defaultdict(list)
+        for record in read_topic(retry_topic(self.topic(service), self.topic("delivery.requested"))):
+            found[(record.key or b"").decode()].append(record)
+        return found
+
+    def log(self, proc: ServiceProcess) -> str:
+        path = Path(proc.log_dir) / f"{proc.ref.replace(':', '_')}-{proc.instance}.log"
+        return path.read_text(errors="replace")
+
+
+def _start_at_end(group: str, topic: str) -> None:
+    consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers, "group.id": group,
+                         "enable.auto.commit": False})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        ends = [TopicPartition(topic, p, consumer.get_watermark_offsets(
+            TopicPartition(topic, p), timeout=10)[1]) for p in partitions]
+        consumer.commit(offsets=ends, asynchronous=False)
+    finally:
+        consumer.close()
+
+
+def _group_ready(group: str, members: int) -> bool:
+    client = admin()  # kept alive until the answer is in
+    try:
+        found = client.describe_consumer_groups([group], request_timeout=5)[group].result(timeout=5)
+    except Exception:  # not known yet
+        return False
+    return bool(found.state == ConsumerGroupState.STABLE and len(found.members) == members
+                and all(m.assignment.topic_partitions for m in found.members))
+
+
+@pytest.fixture()
+def world(stack: None, unique: str) -> Iterator[World]:
+    prefix = f"t.sup.{unique}."
+    client = redis.Redis(host="127.0.0.1", port=6379, db=DB)
+    client.flushdb()  # this database belongs to the supervisor tests
+    services = sup_pipeline.build(prefix, DEADLINE_S, BUDGET, 0)
+    topology.create(sup_pipeline.workflow(prefix, services), partitions=3)
+    ensure_topics(sup_pipeline.output_topics(prefix), partitions=3)
+    ensure_topics([prefix + "compensation.log"], partitions=3, config={"cleanup.policy": "compact"})
+    name = f"sup-{unique}"
+    env = {
+        "REDIS_URL": f"redis://127.0.0.1:6379/{DB}",
+        "SUP_PREFIX": prefix, "SUP_DEADLINE_S": str(DEADLINE_S), "SUP_BUDGET": str(BUDGET),
+        "SUP_IN_PROCESS_RETRIES": "0", "DRONE_FLEET_SIZE": "40",
+        "SUPERVISOR_NAME": name, "SUPERVISOR_TOPIC_PREFIX": prefix,
+        "SUPERVISOR_WORKFLOW": f"{sup_pipeline.MODULE}:WORKFLOW",
+        "SUPERVISOR_SCAN_PERIOD_S": "0.2", "SUPERVISOR_BACKOFF_BASE_S": "0.4",
+        "SUPERVISOR_LEASE_TTL_S": "2", "SUPERVISOR_CONFIRM_S": "4",
+    }
+    w = World(prefix, name, client, env)
+    yield w
+    for proc in w.procs:
+        proc.kill()
+    client.close()
+
+
+def _shipped_once(world: World, ids: list[str]) -> None:
+    shipped = wait_for(lambda: (r := world.by_delivery("delivery.shipped")) and set(ids) <= set(r) and r,
+                       timeout_s=45, what="every delivery shipped")
+    for delivery_id in ids:
+        assert len({rec.header("event_id") for rec in shipped[delivery_id]}) == 1
+    assert not set(world.by_delivery("delivery.failed")) & set(ids)
+    assert fleet.double_bookings(world.redis) == []
+
+
+def test_step_of_a_stopped_service_is_extended_and_completes_when_it_is_back(world: World) -> None:
+    world.start("package")
+    world.start("delivery")
+    world.supervisor()
+    ids = world.publish(3)  # the drone scheduler is down
+    wait_for(lambda: all(int(world.state(d).get("drone.failures", 0)) >= 1 for d in ids),
+             timeout_s=30, what="the drone steps extended past their deadline")
+    for d in ids:
+        state = world.state(d)
+        assert state["drone.status"] == "pending" and state["drone.attempt"] == "1"  # same token
+    world.start("drone")
+    _shipped_once(world, ids)
+    for d in ids:
+        state = world.state(d)
+        assert state["drone.status"] == "completed" and state["drone.attempt"] == "1"
+        assert state["outcome"] == "shipped"
+
+
+def test_a_step_killed_mid_work_is_requeued_and_ships_once(world: World) -> None:
+    world.start("package")
+    world.start("delivery")
+    world.supervisor()
+    drone = world.start("drone", SUP_SLOW_FIRST_DRONE_MS="60000")  # hangs in its first attempt
+    ids = world.publish(1)
+    wait_for(lambda: all(world.state(d).get("drone.status") == "processing" for d in ids),
+             timeout_s=30, what="drone step in progress")
+    drone.kill()  # kill -9 mid-step: its batch is neither committed nor finished
+    wait_for(lambda: all(world.retries("drone-scheduler").get(d) for d in ids), timeout_s=30,
+             what="the stuck steps requeued")
+    world.start("drone", instance="1")
+    _shipped_once(world, ids)
+    for d in ids:
+        state = world.state(d)
+        assert state["drone.status"] == "completed" and int(state["drone.attempt"]) >= 2
+
+
+def test_late_answer_of_an_old_attempt_changes_nothing(world: World) -> None:
+    world.start("package")
+    world.start("delivery")
+    world.supervisor()
+    world.start("drone", SUP_SLOW_FIRST_DRONE_MS="3000")  # attempt 1 answers after its deadline
+    ids = world.publish(1)
+    _shipped_once(world, ids)
+    wait_for(lambda: all(world.state(d).get("drone.late") for d in ids), timeout_s=20,
+             what="the late answers recorded")
+    for d in ids:
+        state = world.state(d)
+        assert state["drone.status"] == "completed" and int(state["drone.attempt"]) >= 2
+        assert state["outcome"] == "shipped"
+    reserved = Counter(f[b"delivery"].decode() for _, f in world.redis.xrange(fleet.HISTORY)
+                       if f[b"action"] == b"reserve")
+    assert all(reserved[d] == 1 for d in ids)  # the requeue did not book a second drone
+
+
+@pytest.mark.parametrize("failing", ["drone", "package"])
+def test_failing_step_is_requeued_with_growing_delays_then_compensated(world: World, failing: str) -> None:
+    agent = {"drone": "AGENT_DISPATCH_TRANSIENT_RATE", "package": "AGENT_WAREHOUSE_TRANSIENT_RATE"}
+    world.env["SUP_BUDGET"] = "10"  # every process reads the one budget from the declarations
+    world.start("package", **({agent["package"]: "1.0"} if failing == "package" else {}))
+    world.start("drone", **({agent["drone"]: "1.0"} if failing == "drone" else {}))
+    world.start("delivery")
+    world.supervisor()
+    ids = world.publish(2)
+    failed = wait_for(lambda: (r := world.by_delivery("delivery.failed")) and set(ids) <= set(r) and r,
+                      timeout_s=45, what="the deliveries failed by the supervisor")
+    done, undo = ("package", "package.cancelled") if failing == "drone" else ("drone", "drone.released")
+    wait_for(lambda: all(world.state(d).get(f"{done}.status") == "compensated" for d in ids),
+             timeout_s=30, what=f"{done} compensated")
+    service = "drone-scheduler" if failing == "drone" else "package"
+    retries = world.retries(service)
+    for d in ids:
+        attempts = [int(r.header("attempt") or 0) for r in retries[d]]
+        assert attempts == [2, 3, 4, 5]  # four requeues, then the budget (10 tries) was spent
+        times = [int(r.header("produced_at_ms") or 0) for r in retries[d]]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        # back-off 0.8 s, 1.6 s, 3.2 s between them (plus detection and fetch time)
+        # (the first fetch from a topic new to the supervisor's reader may add up to ~1 s)
+        assert gaps[2] > gaps[0] + 1000 and gaps[2] > gaps[1] + 500, gaps
+        event = Decoder(DeliveryFailed, world.topic("delivery.failed"), registry_client())(
+            failed[d][0].value)
+        assert len({r.header("event_id") for r in failed[d]}) == 1
+        assert event.failed_step == failing and event.compensate == [done]
+        state = world.state(d)
+        assert state["outcome"] == "failed" and state[f"{failing}.status"] == "failed"
+        assert state[f"{failing}.tries"] == "10"
+        assert state[f"{done}.status"] == "compensated"
+    assert set(ids) <= set(world.by_delivery(undo))
+    log = wait_for(lambda: (r := world.by_delivery("compensation.log")) and
+                   all(len(r.get(d, [])) >= 2 for d in ids) and r, what="compensation log")
+    for d in ids:
+        statuses = [Decoder(CompensationRecord, world.topic("compensation.log"), registry_client())(
+            rec.value).status for rec in log[d]]
+        assert statuses == ["COMPENSATING", "COMPENSATED"]
+        assert {rec.key for rec in log[d]} == {f"{d}|{done}".encode()}
+    if failing == "package":  # the released drones are free again
+        assert world.redis.hlen(fleet.BOOKING) == 0
+    wait_for(lambda: world.redis.zcard(DEADLINE_INDEX) == 0, timeout_s=20, what="an empty index")
+
+
+def test_compensation_that_keeps_failing_ends_compensation_failed_with_an_alert(world: World) -> None:
+    world.start("package", AGENT_WAREHOUSE_CANCEL_PERMANENT_RATE="1.0")
+    world.start("drone", AGENT_DISPATCH_PERMANENT_RATE="1.0")  # drone refused: the delivery fails
+    world.start("delivery")
+    supervisor = world.supervisor()
+    ids = world.publish(2)
+    wait_for(lambda: all(world.state(d).get("package.status") == "compensation_failed" for d in ids),
+             timeout_s=45, what="compensation_failed")
+    for d in ids:
+        state = world.state(d)
+        assert state["cancel_package.status"] == "failed"
+        assert state["cancel_package.tries"] == str(BUDGET)
+        assert "cancel refused" in state["package.error"]
+    log = wait_for(lambda: (r := world.by_delivery("compensation.log")) and
+                   all(len(r.get(d, [])) >= 2 for d in ids) and r, what="compensation log")
+    for d in ids:
+        statuses = [Decoder(CompensationRecord, world.topic("compensation.log"), registry_client())(
+            rec.value).status for rec in log[d]]
+        assert statuses == ["COMPENSATING", "COMPENSATION_FAILED"]
+    alerts = [line for line in world.log(supervisor).splitlines() if "alert.compensation_failed" in line]
+    assert {d for d in ids if any(d in line for line in alerts)} == set(ids)
+    assert all('"level": "error"' in line for line in alerts)
+
+
+def test_two_supervisors_act_once_and_the_survivor_takes_over_after_kill_9(world: World) -> None:
+    world.start("package")
+    world.start("drone", AGENT_DISPATCH_TRANSIENT_RATE="1.0")
+    world.start("delivery")
+    supervisors = {p.proc.pid: p for p in (world.supervisor("a"), world.supervisor("b", members=2))
+                   if p.proc}
+    ids = world.publish(6)
+    wait_for(lambda: sum(len(v) for v in world.retries("drone-scheduler").values()) >= 2,
+             timeout_s=30, what="the first requeues")
+    lead = holder(world.redis, world.name)
+    assert lead is not None
+    leader = supervisors[int(lead.owner.rsplit(":", 1)[1])]
+    leader.kill()
+    wait_for(lambda: (h := holder(world.redis, world.name)) is not None and h.token > lead.token,
+             timeout_s=10, what="the other supervisor takes the lease")
+    wait_for(lambda: all(world.state(d).get("package.status") == "compensated" for d in ids),
+             timeout_s=60, what="every delivery failed and compensated")
+    retries = world.retries("drone-scheduler")
+    for d in ids:
+        attempts = [int(r.header("attempt") or 0) for r in retries[d]]
+        assert len(attempts) == len(set(attempts)), attempts  # no attempt requeued twice
+        state = world.state(d)
+        assert state["outcome"] == "failed" and state["drone.status"] == "failed"
+    failed = world.by_delivery("delivery.failed")
+    assert all(len({r.header("event_id") for r in failed[d]}) == 1 for d in ids)
+    log = wait_for(lambda: (r := world.by_delivery("compensation.log")) and
+                   all(len(r.get(d, [])) >= 2 for d in ids) and r, timeout_s=40, what="compensation log")
+    for d in ids:
+        assert len(log[d]) == 2  # one COMPENSATING, one COMPENSATED: never twice
+    cancelled = world.by_delivery("package.cancelled")
+    assert all(len({r.header("event_id") for r in cancelled[d]}) == 1 for d in ids)
+    wait_for(lambda: world.redis.zcard(DEADLINE_INDEX) == 0, timeout_s=20,
+             what="nothing left behind in the deadline index")

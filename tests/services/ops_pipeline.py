@@ -1,0 +1,89 @@
+"""The pipeline's real business rules on one test's private topics and consumer groups.
+
+The ops tests (rebuild after FLUSHALL, trace of a compensated delivery) must not share the
+real topics and groups with whatever else runs on the shared stack (a demo, another
+test's pipeline): those instances would take partitions of the same groups. So this module
+registers the *same handler functions* from ``consumers.*`` on ``OPS_PREFIX``-ed topics and
+service names, and re-routes what they emit onto the prefixed topics.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from choreo.events import Event
+from choreo.service import Context, HandlerResult, Service
+from choreo.workflow import Workflow
+from consumers import delivery as delivery_rules
+from consumers import drone_scheduler as drone_rules
+from consumers import notifier as notifier_rules
+from consumers import package as package_rules
+from schemas.models import (
+    DeliveryFailed, DeliveryRequested, DeliveryShipped, DroneFailed, DroneReleased, DroneScheduled,
+    PackageCancelled, PackageFailed, PackageReady,
+)
+
+MODULE = "tests.services.ops_pipeline"
+ROLES = ("package", "drone", "delivery", "notifier")
+
+
+def _routed(fn: Callable[[Any, Context], HandlerResult], model: type[Event],
+            prefix: str) -> Callable[[Any, Context], None]:
+    def handler(event: Any, ctx: Context) -> None:
+        result = fn(event, ctx)
+        for out in [] if result is None else [result] if isinstance(result, Event) else list(result):
+            ctx.emit(out)
+        for emitted in ctx.emitted:
+            if not emitted.topic.startswith(prefix):
+                emitted.topic = prefix + emitted.topic
+
+    handler.__annotations__ = {"event": model, "ctx": Context, "return": None}
+    handler.__name__ = getattr(fn, "__name__", "handler")
+    return handler
+
+
+def build(prefix: str, batch: int = 500) -> dict[str, Service]:
+    t = lambda name: prefix + name  # noqa: E731
+    package = Service(t("package"), batch_size=batch)
+    package.on(t("delivery.requested"), step="package", deadline_s=30,
+               produces=[PackageReady, PackageFailed])(_routed(package_rules.prepare, DeliveryRequested, prefix))
+    package.on(t("delivery.failed"), step="cancel_package", deadline_s=30,
+               produces=[PackageCancelled])(_routed(package_rules.cancel, DeliveryFailed, prefix))
+    drone = Service(t("drone-scheduler"), batch_size=batch)
+    drone.on_start(drone_rules.seed_fleet)
+    drone.on(t("delivery.requested"), step="drone", deadline_s=30,
+             produces=[DroneScheduled, DroneFailed])(_routed(drone_rules.reserve, DeliveryRequested, prefix))
+    drone.on(t("delivery.failed"), step="release_drone", deadline_s=30,
+             produces=[DroneReleased])(_routed(drone_rules.release, DeliveryFailed, prefix))
+    drone.on(t("delivery.shipped"))(_routed(drone_rules.flight_over, DeliveryShipped, prefix))
+    delivery = Service(t("delivery"), batch_size=batch)
+    for topic, model, fn in (
+        ("package.ready", PackageReady, delivery_rules.package_ready),
+        ("drone.scheduled", DroneScheduled, delivery_rules.drone_scheduled),
+        ("package.failed", PackageFailed, delivery_rules.package_failed),
+        ("drone.failed", DroneFailed, delivery_rules.drone_failed),
+    ):
+        delivery.on(t(topic), step="delivery", deadline_s=60,
+                    produces=list(delivery_rules.OUTCOMES))(_routed(fn, model, prefix))
+    notifier = Service(t("notifier"))
+    notifier.on(t("delivery.shipped"))(_routed(notifier_rules.notify, DeliveryShipped, prefix))
+    return {"package": package, "drone": drone, "delivery": delivery, "notifier": notifier}
+
+
+def workflow(prefix: str, services: dict[str, Service] | None = None) -> Workflow:
+    flow = Workflow(f"ops-{prefix}", service_refs=[f"{MODULE}:{role}" for role in ROLES],
+                    extra_producers={prefix + "delivery.requested": "test"})
+    if services is not None:
+        flow.__dict__["services"] = [services[role] for role in ROLES]
+    return flow
+
+
+PREFIX = os.environ.get("OPS_PREFIX", "t.ops.unset.")
+_services = build(PREFIX, int(os.environ.get("OPS_BATCH", "500")))
+package = _services["package"]
+drone = _services["drone"]
+delivery = _services["delivery"]
+notifier = _services["notifier"]
+WORKFLOW = workflow(PREFIX, _services)

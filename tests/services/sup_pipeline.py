@@ -1,0 +1,120 @@
+"""The pipeline's own business rules, run on one test's private topics with short deadlines.
+
+The supervisor tests need the real package, drone-scheduler and delivery rules, but on
+topics no other test (or demo) reads, with deadlines of seconds rather than 30 s, and with a
+few failure knobs. So this module registers the *same handler functions* from
+``consumers.*`` on prefixed topics (``SUP_PREFIX``), and re-routes what they emit onto the
+prefixed topics too. Knobs (environment):
+
+* ``SUP_DEADLINE_S`` (every step), ``SUP_BUDGET`` (each service's retry budget),
+  ``SUP_IN_PROCESS_RETRIES``;
+* ``SUP_SLOW_FIRST_<ROLE>_MS``: the first attempt of that role's forward step sleeps this
+  long before working (a late answer after the supervisor gave the step away).
+  Failures come from the agents' own knobs (``AGENT_<NAME>_TRANSIENT_RATE``...).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from choreo.events import Event
+from choreo.service import Context, HandlerResult, Service
+from choreo.workflow import Workflow
+from consumers import delivery as delivery_rules
+from consumers import drone_scheduler as drone_rules
+from consumers import package as package_rules
+from schemas.models import (
+    DeliveryFailed, DeliveryRequested, DroneFailed, DroneScheduled, PackageFailed, PackageReady,
+)
+
+MODULE = "tests.services.sup_pipeline"
+ROLES = ("package", "drone", "delivery")
+
+
+def _routed(fn: Callable[[Any, Context], HandlerResult], model: type[Event], prefix: str,
+            before: Callable[[Any, Context], None] | None = None) -> Callable[[Any, Context], None]:
+    def handler(event: Any, ctx: Context) -> None:
+        if before is not None:
+            before(event, ctx)
+        result = fn(event, ctx)
+        outputs = [] if result is None else [result] if isinstance(result, Event) else list(result)
+        for out in outputs:
+            ctx.emit(out)
+        for emitted in ctx.emitted:
+            if not emitted.topic.startswith(prefix):
+                emitted.topic = prefix + emitted.topic
+
+    handler.__annotations__ = {"event": model, "ctx": Context, "return": None}
+    handler.__name__ = getattr(fn, "__name__", "handler")
+    return handler
+
+
+def _slow_first(role: str) -> Callable[[Any, Context], None] | None:
+    ms = float(os.environ.get(f"SUP_SLOW_FIRST_{role.upper()}_MS", "0"))
+    if not ms:
+        return None
+
+    def sleep(_: Any, ctx: Context) -> None:
+        if ctx.attempt == 1:
+            time.sleep(ms / 1000)
+
+    return sleep
+
+
+def build(prefix: str, deadline_s: float, budget: int, in_process: int) -> dict[str, Service]:
+    """The three services of the pipeline on ``prefix``-ed topics."""
+    t = lambda name: prefix + name  # noqa: E731
+    opts: dict[str, Any] = {"retry_budget": budget, "in_process_retries": in_process}
+    package = Service(t("package"), **opts)
+    package.on(t("delivery.requested"), step="package", deadline_s=deadline_s)(
+        _routed(package_rules.prepare, DeliveryRequested, prefix, _slow_first("package")))
+    package.on(t("delivery.failed"), step="cancel_package", deadline_s=deadline_s)(
+        _routed(package_rules.cancel, DeliveryFailed, prefix))
+
+    drone = Service(t("drone-scheduler"), **opts)
+    drone.on_start(drone_rules.seed_fleet)
+    drone.on(t("delivery.requested"), step="drone", deadline_s=deadline_s)(
+        _routed(drone_rules.reserve, DeliveryRequested, prefix, _slow_first("drone")))
+    drone.on(t("delivery.failed"), step="release_drone", deadline_s=deadline_s)(
+        _routed(drone_rules.release, DeliveryFailed, prefix))
+
+    delivery = Service(t("delivery"), **opts)
+    for topic, model, fn in (
+        ("package.ready", PackageReady, delivery_rules.package_ready),
+        ("drone.scheduled", DroneScheduled, delivery_rules.drone_scheduled),
+        ("package.failed", PackageFailed, delivery_rules.package_failed),
+        ("drone.failed", DroneFailed, delivery_rules.drone_failed),
+    ):
+        delivery.on(t(topic), step="delivery", deadline_s=deadline_s)(_routed(fn, model, prefix))
+    return {"package": package, "drone": drone, "delivery": delivery}
+
+
+OUTPUTS = ("package.ready", "package.failed", "package.cancelled", "drone.scheduled", "drone.failed",
+           "drone.released", "delivery.shipped", "delivery.failed")
+
+
+def output_topics(prefix: str) -> list[str]:
+    """What the re-routed rules publish to (their declarations name the unprefixed topics)."""
+    return [prefix + name for name in OUTPUTS]
+
+
+def workflow(prefix: str, services: dict[str, Service] | None = None) -> Workflow:
+    """The test workflow; given ``services``, it uses them instead of importing this module."""
+    flow = Workflow(f"sup-{prefix}", service_refs=[f"{MODULE}:{role}" for role in ROLES],
+                    extra_producers={prefix + "delivery.requested": "test"})
+    if services is not None:
+        flow.__dict__["services"] = [services[role] for role in ROLES]
+    return flow
+
+
+PREFIX = os.environ.get("SUP_PREFIX", "t.sup.unset.")
+_services = build(PREFIX, float(os.environ.get("SUP_DEADLINE_S", "2")),
+                  int(os.environ.get("SUP_BUDGET", "8")),
+                  int(os.environ.get("SUP_IN_PROCESS_RETRIES", "0")))
+package = _services["package"]
+drone = _services["drone"]
+delivery = _services["delivery"]
+WORKFLOW = workflow(PREFIX, _services)

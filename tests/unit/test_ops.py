@@ -1,0 +1,140 @@
+"""Pure logic of the ops tools: partitioners, times, causal order, the topology check on
+deliberately broken topologies, and the generated docs being current."""
+
+from __future__ import annotations
+
+import zlib
+from datetime import UTC, datetime
+
+import pytest
+
+from choreo.envelope import Envelope
+from choreo.ops import flowdoc, topocheck
+from choreo.ops.records import Rec, murmur2, parse_time, partition_for
+from choreo.ops.trace import causal_order
+from choreo.service import Context, Service
+from choreo.workflow import Workflow
+from consumers.workflow import WORKFLOW
+from schemas.models import DeliveryRequested, DroneScheduled, PackageReady
+
+
+@pytest.mark.parametrize("key, expected", [
+    (b"21", -973932308), (b"foobar", -790332482), (b"a-little-bit-long-string", -985981536),
+    (b"a-little-bit-longer-string", -1486304829), (b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8", -58897971),
+    (b"abc", 479470107),
+])
+def test_murmur2_matches_kafka_java_client(key: bytes, expected: int) -> None:
+    assert murmur2(key) == expected  # vectors of Kafka's own UtilsTest
+
+
+def test_default_partitioner_is_librdkafka_crc32() -> None:
+    assert partition_for(b"d-1", 6) == zlib.crc32(b"d-1") % 6
+    assert partition_for(b"21", 6, "murmur2_random") == (murmur2(b"21") & 0x7FFFFFFF) % 6
+
+
+def test_parse_time_forms() -> None:
+    now = 1_800_000_000_000
+    assert parse_time("now", now) == now
+    assert parse_time("-15m", now) == now - 15 * 60_000
+    assert parse_time("2h ago", now) == now - 2 * 3_600_000
+    assert parse_time("1700000000000") == 1_700_000_000_000
+    assert parse_time("2026-11-29T10:00") == int(datetime(2026, 11, 29, 10, tzinfo=UTC).timestamp() * 1000)
+    assert parse_time("2026-11-29T10:00+01:00") == int(datetime(2026, 11, 29, 9, tzinfo=UTC).timestamp() * 1000)
+
+
+def _rec(topic: str, env: Envelope, ts: int) -> Rec:
+    return Rec(topic, 0, ts, ts, b"d", b"", [(k, v if isinstance(v, bytes) else b"") for k, v in env.to_headers()])
+
+
+def test_causal_order_never_shows_an_effect_before_its_cause() -> None:
+    first = Envelope.first("e1", "d", "DeliveryRequested", "ingestion")
+    child = first.child("e2", "PackageReady", "package")
+    grandchild = child.child("e3", "DeliveryShipped", "delivery")
+    # a skewed producer clock puts the effect 5 ms before its cause
+    records = [_rec("c", grandchild, 100), _rec("b", child.__class__(**{**child.__dict__, "produced_at_ms": 10}), 10),
+               _rec("a", first.__class__(**{**first.__dict__, "produced_at_ms": 15}), 15)]
+    ordered = [r.envelope.event_id for r in causal_order(records) if r.envelope]
+    assert ordered == ["e1", "e2", "e3"]
+
+
+def _flow(*services: Service, extra: dict[str, str] | None = None) -> Workflow:
+    flow = Workflow("broken", service_refs=[], extra_producers=extra or {})
+    flow.__dict__["services"] = list(services)
+    return flow
+
+
+def _noop(model: type) -> object:
+    def handle(event: object, ctx: Context) -> None:
+        del event, ctx
+
+    handle.__annotations__ = {"event": model, "ctx": Context, "return": None}
+    return handle
+
+
+def test_the_real_workflow_is_sound() -> None:
+    assert topocheck.check(WORKFLOW) == []
+
+
+def test_a_consumer_of_a_topic_no_one_produces_fails() -> None:
+    orphan = Service("orphan")
+    orphan.on("t.nobody.produces")(_noop(DeliveryRequested))  # type: ignore[arg-type]
+    findings = topocheck.check(_flow(orphan))
+    assert [f.rule for f in findings] == ["producer"]
+    assert "t.nobody.produces" in findings[0].message
+
+
+def test_a_fan_in_pair_with_different_partition_counts_fails() -> None:
+    join = Service("join")
+    join.on("t.left", step="join")(_noop(PackageReady))  # type: ignore[arg-type]
+    join.on("t.right", step="join")(_noop(DroneScheduled))  # type: ignore[arg-type]
+    flow = _flow(join, extra={"t.left": "a", "t.right": "b"})
+    assert topocheck.check(flow) == []
+    findings = topocheck.check(flow, partitions={"t.left": 6, "t.right": 3})
+    assert [f.rule for f in findings] == ["co-partitioned"]
+    assert "t.left=6" in findings[0].message and "t.right=3" in findings[0].message
+
+
+def test_a_fan_in_input_not_keyed_by_delivery_fails() -> None:
+    class OddKey(PackageReady):
+        @property
+        def key(self) -> str:
+            return self.package_id
+
+    join = Service("join")
+    join.on("t.left", step="join")(_noop(OddKey))  # type: ignore[arg-type]
+    join.on("t.right", step="join")(_noop(DroneScheduled))  # type: ignore[arg-type]
+    findings = topocheck.check(_flow(join, extra={"t.left": "a", "t.right": "b"}))
+    assert [(f.rule, f.subject) for f in findings] == [("keyed", "t.left")]
+
+
+def test_a_cycle_without_hop_guard_fails_and_with_one_passes() -> None:
+    def pair(max_hops: int) -> Workflow:
+        ping, pong = Service("ping", max_hops=max_hops), Service("pong")
+        ping.on("t.pong", produces=[PackageReady])(_noop(DroneScheduled))  # type: ignore[arg-type]
+        pong.on("package.ready", produces=[DroneScheduled])(_noop(PackageReady))  # type: ignore[arg-type]
+        # pong's output is drone.scheduled; route ping's input there to close the loop
+        ping.handlers["drone.scheduled"] = ping.handlers.pop("t.pong")
+        return _flow(ping, pong)
+
+    assert topocheck.check(pair(20)) == []
+    findings = topocheck.check(pair(10**9))
+    assert [f.rule for f in findings] == ["cycle"]
+    assert "ping" in findings[0].message
+
+
+def test_schema_rule_needs_a_registered_subject() -> None:
+    findings = topocheck.check(WORKFLOW, subjects=["delivery.requested-value"])
+    assert {f.rule for f in findings} == {"schema"}
+    assert not any(f.subject == "delivery.requested" for f in findings)
+
+
+def test_generated_docs_are_current() -> None:
+    """docs/ is generated from the declarations: regenerate with `choreo ops topology doc`."""
+    spec = flowdoc.asyncapi(WORKFLOW)
+    assert spec["asyncapi"] == "3.0.0"
+    assert spec["channels"]["delivery_requested"]["bindings"]["kafka"]["partitions"] == 6
+    receive = spec["operations"]["delivery_receive_package_ready"]
+    assert receive["action"] == "receive" and receive["x-choreo-step"]["name"] == "delivery"
+    assert (flowdoc.DOCS / "asyncapi.yaml").read_text().endswith(flowdoc.to_yaml(spec))
+    assert (flowdoc.DOCS / "event-flow.md").read_text() == flowdoc.flow_markdown(WORKFLOW)
+    assert "fan-in delivery" in flowdoc.mermaid(WORKFLOW)

@@ -1,0 +1,143 @@
+"""ManagedProcess, the lifecycle under every part of the stack, on small real processes."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from infra.process import ManagedProcess, StackError, cmdline_has, port_in_use, stop_all
+
+SLEEPER = "import time; time.sleep(300)"
+
+
+def sleeper(tmp_path: Path, name: str = "sleeper", ready: bool = True, code: str = SLEEPER,
+            ports: list[tuple[str, int]] | None = None) -> ManagedProcess:
+    marker = str(tmp_path / f"{name}.marker")
+    return ManagedProcess(
+        name=name, argv=[sys.executable, "-c", code, marker], workdir=tmp_path,
+        ports=ports or [], ready=lambda: ready, marker=marker,
+    )
+
+
+@pytest.fixture()
+def bystander() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(["sleep", "300"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_second_start_reuses_the_running_process(tmp_path: Path) -> None:
+    proc = sleeper(tmp_path)
+    try:
+        assert proc.start(timeout_s=5) is True
+        pid = proc.pid()
+        assert pid is not None
+        assert proc.start(timeout_s=5) is False
+        assert proc.pid() == pid
+    finally:
+        assert proc.stop(timeout_s=5) is True
+    assert proc.pid() is None and not proc.pid_file.exists()
+    assert proc.stop() is False
+
+
+def test_stale_pid_files_are_ignored_and_never_kill_a_bystander(
+    tmp_path: Path, bystander: subprocess.Popen[bytes]
+) -> None:
+    proc = sleeper(tmp_path)
+    proc.pid_file.write_text(str(bystander.pid))  # a pid reused by an unrelated process
+    assert proc.pid() is None and not proc.pid_file.exists()
+    proc.pid_file.write_text(str(bystander.pid))
+    assert proc.stop() is False
+    assert bystander.poll() is None
+    proc.pid_file.write_text("garbage")
+    try:
+        assert proc.start(timeout_s=5) is True
+        assert proc.pid() not in (None, bystander.pid)
+    finally:
+        proc.stop(timeout_s=5)
+
+
+def test_marker_matches_whole_arguments_only(tmp_path: Path) -> None:
+    inner = tmp_path / "a" / "kafka-0" / "server.properties"
+    outer = Path("/x") / str(inner).lstrip("/")  # same path under another root
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER, str(outer)])
+    try:
+        deadline = time.monotonic() + 5  # argv shows in /proc a moment after Popen returns
+        while not cmdline_has(proc.pid, str(outer)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cmdline_has(proc.pid, str(outer))
+        assert not cmdline_has(proc.pid, str(inner))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_exit_during_start_up_names_the_log(tmp_path: Path) -> None:
+    proc = sleeper(tmp_path, ready=False, code="import sys; print('boom'); sys.exit(3)")
+    with pytest.raises(StackError, match=r"exited with code 3 during start-up; see .*sleeper\.log"):
+        proc.start(timeout_s=10)
+    assert not proc.pid_file.exists()
+    assert "boom" in proc.log_file.read_text()
+
+
+def test_not_ready_in_time_stops_the_process_and_names_the_log(tmp_path: Path) -> None:
+    proc = sleeper(tmp_path, ready=False)
+    with pytest.raises(StackError, match=r"did not become ready within 0\.5s; see .*sleeper\.log"):
+        proc.start(timeout_s=0.5)
+    assert proc.pid() is None and not proc.pid_file.exists()
+
+
+def test_missing_binary_is_a_clear_sentence(tmp_path: Path) -> None:
+    proc = ManagedProcess(
+        name="thing", argv=["no-such-binary-here"], workdir=tmp_path, ports=[],
+        ready=lambda: True, marker="x", install_hint="Install it with: apt-get install thing.",
+    )
+    with pytest.raises(StackError, match="no-such-binary-here was not found on PATH. Install it"):
+        proc.start(timeout_s=1)
+
+
+def test_port_in_use_sees_listening_and_merely_bound_sockets() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        assert port_in_use("127.0.0.1", port)  # bound, not listening
+        sock.listen()
+        assert port_in_use("127.0.0.1", port)
+    assert not port_in_use("127.0.0.1", port)
+
+
+def test_taken_port_refuses_to_start(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        proc = sleeper(tmp_path, ports=[("127.0.0.1", port)])
+        with pytest.raises(StackError, match=rf"port 127\.0\.0\.1:{port} is already taken.*log: "):
+            proc.start(timeout_s=5)
+    assert proc.pid() is None
+
+
+def test_stop_all_stops_everything_and_kills_who_ignores_sigterm(tmp_path: Path) -> None:
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+    procs = [sleeper(tmp_path, "a"), sleeper(tmp_path, "b", code=stubborn)]
+    for proc in procs:
+        proc.start(timeout_s=5)
+    assert stop_all(procs, timeout_s=1) == ["a", "b"]
+    assert all(proc.pid() is None for proc in procs)
+
+
+def test_kill_leaves_the_pid_file_like_a_crash(tmp_path: Path) -> None:
+    proc = sleeper(tmp_path)
+    proc.start(timeout_s=5)
+    proc.kill()
+    assert proc.pid_file.exists()
+    assert proc.pid() is None  # and the stale file is recognised as such
+    assert proc.start(timeout_s=5) is True
+    proc.stop(timeout_s=5)

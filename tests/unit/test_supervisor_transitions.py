@@ -1,0 +1,225 @@
+"""The supervisor's Lua transitions on a real Redis (a database of its own, flushed per test):
+each rule of the scan, the fencing, the one retry budget and the compensation bookkeeping."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from choreo.lease import Lease
+from choreo.state import DEADLINE_INDEX, StateTable, StepStatus, delivery_key, index_member
+from choreo.supervision import (
+    COMPENSATION, FORWARD, MARK_COMPENSATED, MARK_COMPENSATING, Action, Policies, Scanner,
+    StepPolicy, SupervisorSettings, Transitions, parse_marked,
+)
+
+pytestmark = pytest.mark.integration
+
+DB = int(os.environ.get("SUP_TEST_REDIS_DB", "11"))
+BUDGET = 6
+DEADLINE = 1000
+POLICIES = Policies(
+    {
+        "package": StepPolicy("package", FORWARD, BUDGET, DEADLINE, "package"),
+        "drone": StepPolicy("drone", FORWARD, BUDGET, DEADLINE, "drone-scheduler"),
+        "delivery": StepPolicy("delivery", FORWARD, BUDGET, DEADLINE, "delivery"),
+        "cancel_package": StepPolicy("cancel_package", COMPENSATION, BUDGET, DEADLINE, "package", "package"),
+    },
+    compensable=("package", "drone"), decider="delivery",
+)
+SETTINGS = SupervisorSettings(backoff_base_s=0.1, backoff_max_s=10, confirm_s=5)
+
+
+@pytest.fixture()
+def client(stack: None) -> Iterator[redis.Redis]:
+    client = redis.Redis(host="127.0.0.1", port=6379, db=DB)
+    client.flushdb()  # this database belongs to the supervisor tests
+    yield client
+    client.close()
+
+
+@pytest.fixture()
+def lease(client: redis.Redis) -> Lease:
+    lease = Lease(client, "sup-unit", "me", 60_000)
+    assert lease.acquire()
+    return lease
+
+
+def _scan(client: redis.Redis, lease: Lease, now: int) -> dict[tuple[str, str], Action]:
+    assert lease.fence is not None
+    result = Scanner(client, SETTINGS).scan(lease.fence, lease.key, POLICIES, now)
+    return {(a.delivery_id, a.step): a for a in result.actions}
+
+
+def _fields(client: redis.Redis, delivery_id: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in client.hgetall(delivery_key(delivery_id)).items()}
+
+
+def _new(client: redis.Redis, *steps: str, now: int = 1_000_000) -> str:
+    delivery_id = uuid.uuid4().hex
+    table = StateTable(client)
+    for step in steps:
+        table.open(delivery_id, step, now + DEADLINE, now)
+    return delivery_id
+
+
+def test_pending_step_is_extended_without_a_new_token(client: redis.Redis, lease: Lease) -> None:
+    d = _new(client, "drone")
+    actions = _scan(client, lease, 1_002_000)
+    action = actions[(d, "drone")]
+    assert action.kind == "extend" and action.data["backoff"] == 100
+    f = _fields(client, d)
+    assert f["drone.attempt"] == "1" and f["drone.status"] == "pending"
+    assert f["drone.tries"] == "1"  # a whole period with no try counts against the budget
+    assert int(f["drone.complete_by"]) == 1_002_000 + 100 + DEADLINE
+    assert client.zscore(DEADLINE_INDEX, index_member(d, "drone")) == 1_002_000 + 100 + DEADLINE
+    assert _scan(client, lease, 1_002_000) == {}  # nothing due twice
+
+
+def test_failed_step_is_claimed_then_requeued_after_back_off(client: redis.Redis, lease: Lease) -> None:
+    d = _new(client, "drone")
+    table = StateTable(client)
+    assert table.begin(d, "drone", 1, 1_000_100, DEADLINE, BUDGET, "t|t|2|41").value == "go"
+    table.finish(d, "drone", 1, 1_000_200, StepStatus.FAILED, "boom")
+    claim = _scan(client, lease, 1_000_300)[(d, "drone")]
+    assert claim.kind == "claim" and claim.data["attempt"] == 2 and claim.data["was"] == "failed"
+    f = _fields(client, d)
+    assert f["drone.attempt"] == "2" and f["drone.status"] == "pending" and f["drone.failures"] == "2"
+    # the old attempt is stale from the claim on
+    assert table.finish(d, "drone", 1, 1_000_350, StepStatus.COMPLETED) == "stale"
+    assert _scan(client, lease, 1_000_350) == {}  # still backing off
+    requeue = _scan(client, lease, 1_000_400)[(d, "drone")]
+    assert requeue.kind == "requeue" and requeue.data["source"] == "t|t|2|41"
+    assert requeue.data["attempt"] == 2 and requeue.data["complete_by"] == 1_000_400 + DEADLINE
+    assert table.begin(d, "drone", 2, 1_000_500, DEADLINE, BUDGET, "r|r|0|7").value == "go"
+
+
+def test_back_off_grows_exponentially(client: redis.Redis, lease: Lease) -> None:
+    d = _new(client, "package")
+    now, backoffs = 1_002_000, []
+    for _ in range(4):
+        action = _scan(client, lease, now)[(d, "package")]
+        backoffs.append(action.data["backoff"])
+        now = int(action.data["complete_by"]) + 1
+    assert backoffs == [100, 200, 400, 800]
+
+
+def test_budget_spent_fails_the_delivery_once_with_compensations_newest_first(
+        client: redis.Redis, lease: Lease) -> None:
+    d = _new(client, "package", "drone")
+    table = StateTable(client)
+    table.begin(d, "package", 1, 1_000_010, DEADLINE, BUDGET, "a|a|0|1")
+    table.finish(d, "package", 1, 1_000_020, StepStatus.COMPLETED)
+    table.begin(d, "drone", 1, 1_000_030, DEADLINE, BUDGET, "a|a|0|1")
+    client.hset(delivery_key(d), "drone.tries", BUDGET)
+    table.finish(d, "drone", 1, 1_000_040, StepStatus.FAILED, "dispatch timed out")
+    fail = _scan(client, lease, 1_000_050)[(d, "drone")]
+    assert fail.kind == "fail" and fail.data["compensate"] == "package" and not fail.data["again"]
+    assert "dispatch timed out" in fail.data["detail"]
+    f = _fields(client, d)
+    assert f["outcome"] == "failed" and f["fail.by"] == "supervisor" and f["drone.status"] == "failed"
+    assert f["drone.attempt"] == "2"  # any in-flight attempt is stale now
+    # not confirmed (our delivery.failed not seen yet): published again after confirm_s
+    again = _scan(client, lease, 1_000_050 + 5_001)[(d, "drone")]
+    assert again.kind == "fail" and again.data["again"] == 1
+    # seen: marked compensating, and nothing left in the index
+    raw = MARK_COMPENSATING.run(client, f"once:{{{d}}}:t:1", [delivery_key(d), DEADLINE_INDEX],
+                                [1_000_060, d, "drone", "package"], 60)
+    assert [m["step"] for m in parse_marked(raw)] == ["package"]
+    assert _fields(client, d)["package.status"] == "compensating"
+    assert client.zscore(DEADLINE_INDEX, index_member(d, "drone")) is None
+
+
+def test_compensate_lists_completed_steps_in_reverse_order_and_abandoned_first(
+        client: redis.Redis, lease: Lease) -> None:
+    d = _new(client, "package", "drone", "delivery")
+    key = delivery_key(d)
+    client.hset(key, mapping={"package.status": "completed", "package.completed_at": 10,
+                              "drone.status": "completed", "drone.completed_at": 20,
+                              "delivery.status": "failed", "delivery.tries": BUDGET,
+                              "delivery.source": "x|x|0|0"})
+    client.zadd(DEADLINE_INDEX, {index_member(d, "delivery"): 0})
+    client.zrem(DEADLINE_INDEX, index_member(d, "package"), index_member(d, "drone"))
+    assert _scan(client, lease, 1_000_000)[(d, "delivery")].data["compensate"] == "drone,package"
+    d2 = _new(client, "package", "drone")
+    client.hset(delivery_key(d2), mapping={"package.status": "completed", "package.completed_at": 10,
+                                           "drone.status": "processing", "drone.tries": BUDGET,
+                                           "drone.source": "x|x|0|0"})
+    client.zrem(DEADLINE_INDEX, index_member(d2, "package"))
+    assert _scan(client, lease, 1_002_000)[(d2, "drone")].data["compensate"] == "drone,package"
+
+
+def test_an_outcome_decided_elsewhere_wins(client: redis.Redis, lease: Lease) -> None:
+    d = _new(client, "drone", "delivery")
+    client.hset(delivery_key(d), mapping={"outcome": "shipped", "delivery.status": "completed",
+                                          "drone.status": "failed", "drone.tries": BUDGET})
+    assert _scan(client, lease, 1_002_000)[(d, "drone")].kind == "drop"
+    assert client.hget(delivery_key(d), "outcome") == b"shipped"
+    assert client.zcard(DEADLINE_INDEX) == 0 or client.zscore(DEADLINE_INDEX, index_member(d, "delivery"))
+
+
+def test_a_deposed_supervisor_changes_nothing(client: redis.Redis, lease: Lease) -> None:
+    d = _new(client, "drone")
+    before = _fields(client, d)
+    transitions = Transitions(client)
+    result = Scanner(client, SETTINGS).scan(f"{lease.fence}x", lease.key, POLICIES, 1_002_000)
+    assert result.stats.fenced and result.actions == []
+    assert _fields(client, d) == before
+    assert transitions.record_report(d, "drone", 1, "FAILED", 1_000_500, "e") == "due"
+
+
+def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Redis, lease: Lease) -> None:
+    d = _new(client, "cancel_package")
+    client.hset(delivery_key(d), mapping={"outcome": "failed", "package.status": "compensating",
+                                          "cancel_package.status": "failed",
+                                          "cancel_package.tries": BUDGET,
+                                          "cancel_package.error": "warehouse refused"})
+    action = _scan(client, lease, 1_002_000)[(d, "cancel_package")]
+    assert action.kind == "comp_failed" and action.data["target"] == "package"
+    assert action.data["before"] == "compensating" and "warehouse refused" in action.data["detail"]
+    f = _fields(client, d)
+    assert f["package.status"] == "compensation_failed" and f["cancel_package.status"] == "failed"
+    assert client.zcard(DEADLINE_INDEX) == 0
+
+
+def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis) -> None:
+    d = _new(client, "package")
+    client.hset(delivery_key(d), mapping={"package.status": "completed"})
+    once = f"once:{{{d}}}:t"
+    assert MARK_COMPENSATED.run(client, once + ":1", [delivery_key(d)], ["package", 5], 60) \
+        == "compensated:completed:1"
+    raw = MARK_COMPENSATING.run(client, once + ":2", [delivery_key(d), DEADLINE_INDEX],
+                                [6, d, "drone", "package"], 60)
+    assert parse_marked(raw) == []
+    assert _fields(client, d)["package.status"] == "compensated"
+    # a replay of either is told the same answer
+    assert MARK_COMPENSATED.run(client, once + ":1", [delivery_key(d)], ["package", 5], 60) \
+        == "compensated:completed:1"
+
+
+def test_reports_make_the_current_attempt_due_and_ignore_stale_ones(client: redis.Redis) -> None:
+    d = _new(client, "drone")
+    t = Transitions(client)
+    client.hset(delivery_key(d), "drone.attempt", 3)
+    assert t.record_report(d, "drone", 2, "FAILED", 1_000_001, "old") == "stale"
+    assert t.record_report(d, "drone", 3, "RETRIES_EXHAUSTED", 1_000_002, "spent") == "due"
+    assert client.zscore(DEADLINE_INDEX, index_member(d, "drone")) == 1_000_002
+    assert t.record_report("nobody", "drone", 1, "FAILED", 1, "") == "unknown"
+    assert not client.exists(delivery_key("nobody"))
+
+
+def test_scan_is_paged_and_capped(client: redis.Redis, lease: Lease) -> None:
+    for _ in range(25):
+        _new(client, "package")
+    assert lease.fence is not None
+    capped = SupervisorSettings(page_size=10, max_per_scan=15, backoff_base_s=0.1)
+    first = Scanner(client, capped).scan(lease.fence, lease.key, POLICIES, 1_002_000)
+    assert first.stats.due == 15 and first.stats.capped and first.stats.page_sizes == [10, 5]
+    rest = Scanner(client, capped).scan(lease.fence, lease.key, POLICIES, 1_002_000)
+    assert rest.stats.due == 10 and rest.stats.page_sizes == [10, 0]
+    assert json.dumps(sorted(a.kind for a in rest.actions)) == json.dumps(["extend"] * 10)
