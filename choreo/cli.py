@@ -7,10 +7,13 @@ from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from infra.process import StackError
 from infra.registry.cli import app as registry_app
+from choreo.ops.cli import app as ops_app
+from producers import cli as ingestion_cli
 
 if TYPE_CHECKING:
     from choreo.events import Event
@@ -19,11 +22,11 @@ if TYPE_CHECKING:
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 stack_app = typer.Typer(no_args_is_help=True, help="The local Kafka, Redis and registry.")
 app.add_typer(stack_app, name="stack")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 def fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {escape(message)}")
     raise typer.Exit(1)
 
 
@@ -123,6 +126,10 @@ def create_topics(
 
 
 app.add_typer(registry_app, name="registry", help="The schema registry service.")
+app.add_typer(ops_app, name="ops",
+              help="Incident tooling: replay, rebuild-state, trace, dlq, status, topology.")
+app.command("emit")(ingestion_cli.emit)
+app.command("serve")(ingestion_cli.serve)
 
 schemas_app = typer.Typer(no_args_is_help=True, help="Event contracts in the schema registry.")
 app.add_typer(schemas_app, name="schemas")

@@ -31,7 +31,8 @@ class PublishError(RuntimeError):
 
 class Publisher:
     def __init__(self, name: str, workflow: Workflow | None = None,
-                 redis_client: redis.Redis | None = None) -> None:
+                 redis_client: redis.Redis | None = None,
+                 producer_config: dict[str, Any] | None = None) -> None:
         cfg = settings()
         self.name = name
         self.workflow = workflow
@@ -46,6 +47,7 @@ class Publisher:
             "linger.ms": 2,
             "compression.type": "lz4",
             "delivery.timeout.ms": 30000,
+            **(producer_config or {}),
         })
         self._lock = threading.Lock()
 
@@ -61,11 +63,15 @@ class Publisher:
         target = topic or event.topic
         envelope = Envelope.first(event_id, event.key, type(event).__name__, self.name, deadline_ms)
         self.open_steps(event.key, target)
-        value = self._encoder(event, target)(event)
-        with self._lock:
-            self.producer.produce(target, key=event.key.encode(), value=value,
-                                  headers=envelope.to_headers(), on_delivery=on_delivery)
-            self.producer.poll(0)
+        try:
+            value = self._encoder(event, target)(event)
+            with self._lock:
+                self.producer.produce(target, key=event.key.encode(), value=value,
+                                      headers=envelope.to_headers(), on_delivery=on_delivery)
+                self.producer.poll(0)
+        except BaseException:
+            self.abandon_steps(event.key, target)
+            raise
         return envelope
 
     def open_steps(self, delivery_id: str, topic: str) -> None:
@@ -76,6 +82,14 @@ class Publisher:
         for spec in self.workflow.steps_triggered_by(topic):
             self.state.open(delivery_id, spec.name, now + int(spec.deadline_s * 1000), now, pipe=pipe)
         pipe.execute()
+
+    def abandon_steps(self, delivery_id: str, topic: str) -> None:
+        """The trigger was not accepted: withdraw its pending steps, so the supervisor never
+        chases a delivery nobody accepted."""
+        if self.workflow is None:
+            return
+        for spec in self.workflow.steps_triggered_by(topic):
+            self.state.abandon(delivery_id, spec.name)
 
     def publish_all(self, events: list[tuple[Event, str]], timeout_s: float = 30.0) -> None:
         """Publish many and wait until every one is durable; raise if any is not."""

@@ -161,7 +161,7 @@ class Runner:
             self.producer.send_offsets_to_transaction(
                 _next_offsets(batch), self.consumer.consumer_group_metadata(), 30
             )
-            self.producer.commit_transaction(30)
+            self._commit()
             metrics.BATCH_SIZE.labels(self.service.name).observe(len(batch))
         except BatchTransient as exc:
             self.log.warning("batch.transient", error=str(exc))
@@ -176,6 +176,19 @@ class Runner:
                              retriable=err.retriable(), abortable=err.txn_requires_abort())
             self._abort(batch)
         # after an abort the rewound batch is consumed again (maybe by another instance)
+
+    def _commit(self, attempts: int = 5) -> None:
+        """Commit; a retriable failure (e.g. a timeout: outcome unknown) is retried as
+        librdkafka documents, since aborting a commit in progress only conflicts."""
+        for attempt in range(1, attempts + 1):
+            try:
+                self.producer.commit_transaction(30)
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if not err.retriable() or err.txn_requires_abort() or attempt == attempts:
+                    raise
+                self.log.warning("transaction.commit_retry", error=str(err), attempt=attempt)
 
     def _fresh(self, batch: list[Message]) -> list[bool]:
         """Which messages are not duplicates of an event already handled at another position."""
@@ -204,7 +217,7 @@ class Runner:
             periodic.fn(ctx)
             for emitted in ctx.emitted:
                 self._produce(emitted, tick)
-            self.producer.commit_transaction(30)
+            self._commit()
         except (redis.ConnectionError, redis.TimeoutError, RegistryUnavailable) as exc:
             self.log.warning("tick.transient", error=str(exc))
             self._abort([])
@@ -304,11 +317,18 @@ class Runner:
             break
         for out in _as_events(result):
             ctx.emit(out)
+        if step is not None and not ctx.keep_step_open:
+            # decide first, publish after: an attempt the supervisor gave away meanwhile, or a
+            # step closed under it, is a late answer: recorded, and its outputs dropped, so a
+            # late DeliveryShipped can never join the supervisor's DeliveryFailed
+            finished = self.state.finish(envelope.correlation_id, step, envelope.attempt,
+                                         now_ms(), StepStatus.COMPLETED)
+            if finished in ("stale", "ignored"):
+                metrics.IGNORED.labels(self.service.name, topic, "late").inc()
+                log.info("step.late_answer_dropped", step=step, why=finished)
+                return
         for emitted in ctx.emitted:
             self._produce(emitted, envelope)
-        if step is not None:
-            self.state.finish(envelope.correlation_id, step, envelope.attempt, now_ms(),
-                              StepStatus.COMPLETED)
 
     def _before_deadline(self, envelope: Envelope, delay_s: float) -> bool:
         return envelope.deadline_ms == 0 or now_ms() + delay_s * 1000 < envelope.deadline_ms

@@ -82,6 +82,12 @@ class Context:
     try_no: int = 1  # in-process try of this attempt (1-based)
     once_ttl_s: int = 7 * 24 * 3600
     emitted: list[Emitted] = field(default_factory=list)
+    keep_step_open: bool = False
+
+    def keep_open(self) -> None:
+        """The step is not done with this input (a fan-in still waiting for its other half):
+        it stays ``processing`` under its deadline instead of completing."""
+        self.keep_step_open = True
 
     @property
     def event_id(self) -> str:
@@ -135,7 +141,7 @@ class Service:
     """A named consumer group with its handlers; instances of one service share the group."""
 
     def __init__(self, name: str, *, max_hops: int = 20, batch_size: int = 500,
-                 retry_budget: int = 5, in_process_retries: int = 3) -> None:
+                 retry_budget: int = 10, in_process_retries: int = 1) -> None:
         self.name = name
         self.max_hops = max_hops
         self.batch_size = batch_size

@@ -57,6 +57,16 @@ redis.call('ZADD', KEYS[2], ARGV[2], ARGV[4])
 return 1
 """
 
+_ABANDON = """
+local f = ARGV[1] .. '.'
+if redis.call('HGET', KEYS[1], f .. 'status') ~= 'pending' then return 0 end
+for _, field in ipairs({'status', 'complete_by', 'attempt', 'tries', 'failures', 'updated'}) do
+  redis.call('HDEL', KEYS[1], f .. field)
+end
+redis.call('ZREM', KEYS[2], ARGV[2])
+return 1
+"""
+
 _BEGIN = """
 local f = ARGV[1] .. '.'
 local attempt, now = tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -72,11 +82,13 @@ local token = tonumber(redis.call('HGET', KEYS[1], f .. 'attempt') or '1')
 if attempt < token then return 'stale' end
 if status == 'completed' then return 'replay' end
 if status ~= 'pending' and status ~= 'processing' then return 'closed' end
+-- the service has now seen this input: remember where it lies even if it will not run it,
+-- so the supervisor can requeue it (an expired trigger is consumed and would be lost)
+redis.call('HSET', KEYS[1], f .. 'source', ARGV[7])
 if now > tonumber(redis.call('HGET', KEYS[1], f .. 'complete_by')) then return 'expired' end
 local tries = redis.call('HINCRBY', KEYS[1], f .. 'tries', 1)
 if tries > tonumber(ARGV[5]) then return 'exhausted' end
-redis.call('HSET', KEYS[1], f .. 'status', 'processing', f .. 'attempt', attempt,
-           f .. 'updated', now, f .. 'source', ARGV[7])
+redis.call('HSET', KEYS[1], f .. 'status', 'processing', f .. 'attempt', attempt, f .. 'updated', now)
 return 'go'
 """
 
@@ -97,7 +109,8 @@ if attempt < token then
   return 'stale'
 end
 if status ~= 'pending' and status ~= 'processing' then
-  if status ~= outcome then redis.call('HSET', KEYS[1], f .. 'late', now) end
+  if status == outcome then return 'replay' end
+  redis.call('HSET', KEYS[1], f .. 'late', now)
   return 'ignored'
 end
 redis.call('HSET', KEYS[1], f .. 'status', outcome, f .. 'updated', now)
@@ -134,6 +147,7 @@ class StateTable:
         self.client = client
         self.retention_s = retention_s
         self._open = client.register_script(_OPEN)
+        self._abandon = client.register_script(_ABANDON)
         self._begin = client.register_script(_BEGIN)
         self._try_again = client.register_script(_TRY_AGAIN)
         self._finish = client.register_script(_FINISH)
@@ -146,6 +160,11 @@ class StateTable:
             args=[step, complete_by_ms, now_ms, index_member(delivery_id, step)],
             client=pipe or self.client,
         )
+
+    def abandon(self, delivery_id: str, step: str) -> None:
+        """Withdraw a step opened for a trigger that was never published (still pending)."""
+        self._abandon(keys=[delivery_key(delivery_id), DEADLINE_INDEX],
+                      args=[step, index_member(delivery_id, step)])
 
     def begin(self, delivery_id: str, step: str, attempt: int, now_ms: int,
               default_deadline_ms: int, budget: int, source: str) -> Begin:
@@ -164,6 +183,8 @@ class StateTable:
 
     def finish(self, delivery_id: str, step: str, attempt: int, now_ms: int,
                status: StepStatus, error: str = "") -> str:
+        """``ok``; ``replay`` (already so: a replayed batch); ``stale`` (a newer attempt owns
+        the step) or ``ignored`` (closed meanwhile): a late answer, whose outputs must go."""
         result = self._finish(
             keys=[delivery_key(delivery_id), DEADLINE_INDEX],
             args=[step, attempt, now_ms, status.value, index_member(delivery_id, step), error[:500]],

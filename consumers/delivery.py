@@ -10,6 +10,7 @@ completed, newest first.
 from __future__ import annotations
 
 import json
+import os
 from datetime import UTC, datetime
 
 from choreo.effects import OnceEffect
@@ -24,6 +25,9 @@ from schemas.models import (
 service = Service("delivery")
 flight = Agent.from_env("flight")
 DEADLINE_S = 60.0
+# a decided delivery's state stays this long (compensation and status reads), then expires:
+# Kafka stays the record, and rebuild-state can restore it
+RETENTION_S = int(os.environ.get("CHOREO_RETENTION_S", "3600"))
 OUTCOMES = (DeliveryShipped, DeliveryFailed)
 
 RECORD_RESULT = OnceEffect("record_result", """
@@ -42,9 +46,11 @@ if not (package and drone) then return cjson.encode({decision = 'wait'}) end
 local order = redis.call('HGET', KEYS[1], 'fanin.order') or ''
 if string.sub(package, 1, 3) == 'ok:' and string.sub(drone, 1, 3) == 'ok:' then
   redis.call('HSET', KEYS[1], 'outcome', 'shipped')
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
   return cjson.encode({decision = 'ship', package = string.sub(package, 4), drone = string.sub(drone, 4)})
 end
 redis.call('HSET', KEYS[1], 'outcome', 'failed')
+redis.call('EXPIRE', KEYS[1], ARGV[4])
 local failed, reason = 'package', package
 if string.sub(package, 1, 3) == 'ok:' then failed, reason = 'drone', drone end
 return cjson.encode({decision = 'fail', failed = failed, reason = string.sub(reason, 6), order = order})
@@ -78,7 +84,8 @@ def drone_failed(result: DroneFailed, ctx: Context) -> None:
 
 def decide(ctx: Context, kind: str, ok: str, value: str) -> None:
     """Record one result; ship or fail once both are in (a replay gets the same decision)."""
-    raw = ctx.once(RECORD_RESULT, keys=[delivery_key(ctx.delivery_id)], args=[kind, ok, value])
+    raw = ctx.once(RECORD_RESULT, keys=[delivery_key(ctx.delivery_id)],
+                   args=[kind, ok, value, RETENTION_S])
     decision = json.loads(raw or "{}")
     now = datetime.now(UTC)
     if decision.get("decision") == "ship":
@@ -96,6 +103,8 @@ def decide(ctx: Context, kind: str, ok: str, value: str) -> None:
     elif decision.get("decision") == "fail":
         completed = [step for step in decision["order"].split(",") if step]
         fail(ctx, decision["reason"], f"{decision['failed']} step failed", decision["failed"], completed)
+    elif decision.get("decision") == "wait":
+        ctx.keep_open()  # the step is done only when both halves are in
     elif decision.get("decision") == "late":
         ctx.log.info("result.late", kind=kind)
 

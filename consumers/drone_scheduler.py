@@ -23,7 +23,8 @@ from schemas.models import (
 service = Service("drone-scheduler")
 dispatch = Agent.from_env("dispatch")
 dispatch_release = Agent.from_env("dispatch-release")  # compensation fails on its own terms
-FLEET_SIZE = int(os.environ.get("DRONE_FLEET_SIZE", "2000"))
+# at least the ingestion in-flight cap, so a burst waits on admission, not on a drone
+FLEET_SIZE = int(os.environ.get("DRONE_FLEET_SIZE", "10000"))
 
 
 @service.on_start

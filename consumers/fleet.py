@@ -57,12 +57,13 @@ return drone
 
 
 def seed(client: redis.Redis, size: int) -> int:
-    """Create the fleet once (a no-op when it exists); returns the fleet's size."""
+    """Grow the fleet to ``size`` drones (never shrinks it, never touches existing drones:
+    several instances may seed at once); returns the fleet's size."""
     existing = int(client.hlen(CAPACITY))
-    if existing:
+    if existing >= size:
         return existing
     pipe = client.pipeline(transaction=True)
-    for n in range(size):
+    for n in range(existing, size):
         capacity = CAPACITIES_KG[n % len(CAPACITIES_KG)]
         drone = f"drone-{n:05d}"
         pipe.hsetnx(CAPACITY, drone, capacity)

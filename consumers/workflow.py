@@ -12,6 +12,7 @@ WORKFLOW = Workflow(
         "consumers.drone_scheduler:service",
         "consumers.delivery:service",
         "consumers.notifier:service",
+        "consumers.supervisor:service",
     ],
     extra_producers={"delivery.requested": "ingestion"},
 )

@@ -94,17 +94,18 @@ class Observer:
     def _observe(self) -> None:
         while not self._stop:
             for msg in self.consumer.consume(500, 0.2):
-                if msg.error() or msg.key() is None:
+                key, topic = msg.key(), msg.topic()
+                if msg.error() or key is None or topic is None:
                     continue
                 env = Envelope.from_headers(msg.headers())
                 now = time.monotonic()
-                delivery = msg.key().decode()
+                delivery = key.decode()
                 with self.lock:
                     seen = self.deliveries[delivery]
-                    seen.timeline.append((now, msg.topic(), env.producer if env else "?",
+                    seen.timeline.append((now, topic, env.producer if env else "?",
                                           env.attempt if env else 0))
-                    if msg.topic() in ("delivery.shipped", "delivery.failed"):
-                        seen.terminal.append(msg.topic())
+                    if topic in ("delivery.shipped", "delivery.failed"):
+                        seen.terminal.append(topic)
                         seen.terminal_at = seen.terminal_at or now
                     if msg.topic() == "delivery.failed":
                         seen.compensate = list(self.failed(msg.value()).compensate)

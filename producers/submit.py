@@ -262,6 +262,10 @@ class Submitter:
         if err is not None:
             metrics.PUBLISH_FAILED.inc()
             self.admission.release(delivery_id)
+            try:
+                self.publisher.abandon_steps(delivery_id, DeliveryRequested.topic)
+            except redis.RedisError:  # the supervisor then finds steps with no source: it fails them
+                pass
             self._forget(claim)
             self.log.warning("publish not confirmed", delivery_id=delivery_id, event_id=event_id,
                              error=str(err))

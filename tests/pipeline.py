@@ -13,7 +13,8 @@ from schemas.models import DeliveryRequested
 from tests.helpers import Record, ServiceProcess, read_topic, wait_for
 
 SERVICES = ["consumers.package:service", "consumers.drone_scheduler:service",
-            "consumers.delivery:service", "consumers.notifier:service"]
+            "consumers.delivery:service", "consumers.notifier:service",
+            "consumers.supervisor:service"]
 
 
 @dataclass
