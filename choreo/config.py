@@ -26,6 +26,13 @@ class Settings(BaseSettings):
     kafka_heap: str = Field("-Xms256m -Xmx768m", validation_alias="KAFKA_HEAP_OPTS")
     start_timeout_s: float = Field(90.0, validation_alias="CHOREO_START_TIMEOUT")
     dedupe_ttl_s: int = Field(24 * 3600, validation_alias="CHOREO_DEDUPE_TTL_S")
+    # Kafka security (SASL/SCRAM over the local stack's SASL listener); secrets may come
+    # from a file (``KAFKA_SASL_PASSWORD_FILE``), never from the repository
+    kafka_security_protocol: str = Field("PLAINTEXT", validation_alias="KAFKA_SECURITY_PROTOCOL")
+    kafka_sasl_mechanism: str = Field("SCRAM-SHA-256", validation_alias="KAFKA_SASL_MECHANISM")
+    kafka_sasl_username: str = Field("", validation_alias="KAFKA_SASL_USERNAME")
+    kafka_sasl_password: str = Field("", validation_alias="KAFKA_SASL_PASSWORD")
+    kafka_sasl_password_file: Path | None = Field(None, validation_alias="KAFKA_SASL_PASSWORD_FILE")
     log_level: str = Field("INFO", validation_alias="CHOREO_LOG_LEVEL")
 
 

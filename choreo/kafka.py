@@ -12,7 +12,21 @@ from choreo.config import settings
 
 
 def base_config(bootstrap: str | None = None) -> dict[str, Any]:
-    return {"bootstrap.servers": bootstrap or settings().kafka_bootstrap_servers}
+    """Connection settings every client shares: the bootstrap servers and, when configured,
+    SASL credentials (each service runs as its own principal under the broker's ACLs)."""
+    cfg = settings()
+    config: dict[str, Any] = {"bootstrap.servers": bootstrap or cfg.kafka_bootstrap_servers}
+    if cfg.kafka_security_protocol != "PLAINTEXT":
+        password = cfg.kafka_sasl_password
+        if cfg.kafka_sasl_password_file is not None:
+            password = cfg.kafka_sasl_password_file.read_text().strip()
+        config.update({
+            "security.protocol": cfg.kafka_security_protocol,
+            "sasl.mechanism": cfg.kafka_sasl_mechanism,
+            "sasl.username": cfg.kafka_sasl_username,
+            "sasl.password": password,
+        })
+    return config
 
 
 def admin(bootstrap: str | None = None) -> AdminClient:

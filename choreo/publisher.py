@@ -15,6 +15,7 @@ from typing import Any
 import redis
 from confluent_kafka import KafkaError, Message, Producer
 
+from choreo.kafka import base_config
 from choreo.config import settings
 from choreo.envelope import Envelope, now_ms
 from choreo.events import Event
@@ -41,7 +42,7 @@ class Publisher:
         self.registry = registry_client()
         self._encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}
         self.producer = Producer({
-            "bootstrap.servers": cfg.kafka_bootstrap_servers,
+            **base_config(),
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": 2,

@@ -29,6 +29,7 @@ import redis
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from choreo import metrics
+from choreo.kafka import base_config
 from choreo.config import settings
 from choreo.dedupe import Deduper
 from choreo.envelope import Envelope, HeaderList, pairs, derived_id, now_ms
@@ -77,7 +78,7 @@ class Runner:
         self.encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}
         self.running = False
         self.consumer = Consumer({
-            "bootstrap.servers": self.cfg.kafka_bootstrap_servers,
+            **base_config(),
             "group.id": service.name,
             "client.id": f"{service.name}-{self.options.instance}",
             "enable.auto.commit": False,
@@ -93,7 +94,7 @@ class Runner:
 
     def _new_producer(self) -> Producer:
         producer = Producer({
-            "bootstrap.servers": self.cfg.kafka_bootstrap_servers,
+            **base_config(),
             # stable per instance: a restarted instance fences its zombie predecessor
             "transactional.id": f"{self.service.name}-{self.options.instance}",
             "linger.ms": 2,

@@ -27,7 +27,7 @@ from rich.table import Table
 
 from choreo import contracts, topology
 from choreo.config import settings
-from choreo.kafka import admin as kafka_admin
+from choreo.kafka import base_config, admin as kafka_admin
 from choreo.envelope import Envelope
 from choreo.serde import Decoder, registry_client
 from consumers.workflow import WORKFLOW
@@ -58,7 +58,7 @@ class Observer:
 
     def __init__(self) -> None:
         self.consumer = Consumer({
-            "bootstrap.servers": settings().kafka_bootstrap_servers,
+            **base_config(),
             "group.id": "demo-observer", "enable.auto.commit": False,
             "isolation.level": "read_committed", "fetch.wait.max.ms": 10,
         })

@@ -42,7 +42,7 @@ from confluent_kafka import Producer
 from choreo.config import settings
 from choreo.dedupe import seen_key
 from choreo.envelope import HeaderList, now_ms
-from choreo.kafka import ensure_topics
+from choreo.kafka import base_config, ensure_topics
 from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
 
 REDRIVEN_TOPIC = "choreo.dlq.redriven"
@@ -198,7 +198,7 @@ def redrive(selection: Selection, *, dry_run: bool = False, progress: Progress |
     producer: Producer | None = None
     if not dry_run:
         producer = Producer({
-            "bootstrap.servers": cfg.kafka_bootstrap_servers,
+            **base_config(),
             "transactional.id": REDRIVE_TXN_ID,
             "transaction.timeout.ms": 60000,
             "linger.ms": 5,

@@ -22,6 +22,7 @@ from confluent_kafka import Consumer, Message, TopicPartition
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
+from choreo.kafka import base_config
 from choreo.config import settings
 from choreo.envelope import Envelope, header_value, pairs
 from choreo.serde import MAGIC_BYTE, registry_client
@@ -150,7 +151,7 @@ class Rec:
 def reader(bootstrap: str | None = None, **overrides: Any) -> Consumer:
     """A read_committed consumer that never commits; its group id is unique and unused."""
     config: dict[str, Any] = {
-        "bootstrap.servers": bootstrap or settings().kafka_bootstrap_servers,
+        **base_config(bootstrap),
         "group.id": f"choreo-ops-reader-{uuid.uuid4().hex[:8]}",
         "enable.auto.commit": False,
         "enable.auto.offset.store": False,

@@ -45,7 +45,7 @@ from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from confluent_kafka import ConsumerGroupTopicPartitions
 
 from choreo.config import settings
-from choreo.kafka import admin
+from choreo.kafka import base_config, admin
 from choreo.ops.records import Span, reader, resolve
 from choreo.runner import Runner, RunnerOptions
 from choreo.service import Service
@@ -111,7 +111,7 @@ class ReplayRunner(Runner):
         self.consumer.close()  # the live group's consumer: never subscribed, never used
         self.group = group
         self.consumer = Consumer({
-            "bootstrap.servers": self.cfg.kafka_bootstrap_servers,
+            **base_config(),
             "group.id": group,
             "client.id": f"{service.name}-replay-{replay_id}",
             "enable.auto.commit": False,
