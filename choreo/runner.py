@@ -49,6 +49,20 @@ class BatchTransient(Exception):
 
 
 @dataclass
+class Work:
+    """One decoded input on its way through the phases of a batch."""
+
+    message: Message
+    topic: str
+    handler: Handler
+    envelope: Envelope
+    event: Event
+    log: Any
+    verdict: Begin | None = None
+    ctx: Context | None = None
+
+
+@dataclass
 class RunnerOptions:
     instance: str = "0"
     poll_timeout_s: float = 0.05
@@ -151,19 +165,24 @@ class Runner:
     # -- one batch, one transaction -------------------------------------------------------
 
     def _process(self, batch: list[Message]) -> None:
+        """One transaction for the batch, with Redis work batched per phase: dedupe, begin
+        (one round trip each for the whole batch), handlers (their own effects), then
+        finish for all and only then the outputs of the attempts that still own their step."""
         try:
             fresh = self._fresh(batch)
             self.producer.begin_transaction()
-            for message, is_fresh in zip(batch, fresh):
-                if is_fresh:
-                    self._handle(message)
-                else:
-                    metrics.IGNORED.labels(self.service.name, message.topic(), "duplicate").inc()
+            work = [w for m, f in zip(batch, fresh) if (w := self._prepare(m, f)) is not None]
+            self._begin_all(work)
+            self._finish_all([w for w in work if self._run(w)])
             self.producer.send_offsets_to_transaction(
                 _next_offsets(batch), self.consumer.consumer_group_metadata(), 30
             )
             self._commit()
             metrics.BATCH_SIZE.labels(self.service.name).observe(len(batch))
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self.log.warning("batch.transient", error=f"redis: {exc}")
+            self._abort(batch)
+            time.sleep(0.5 + random.random())
         except BatchTransient as exc:
             self.log.warning("batch.transient", error=str(exc))
             self._abort(batch)
@@ -216,6 +235,7 @@ class Runner:
         try:
             self.producer.begin_transaction()
             periodic.fn(ctx)
+            self._open_steps(ctx.emitted)
             for emitted in ctx.emitted:
                 self._produce(emitted, tick)
             self._commit()
@@ -242,57 +262,68 @@ class Runner:
 
     # -- one message -------------------------------------------------------------------
 
-    def _handle(self, message: Message) -> None:
+    def _prepare(self, message: Message, fresh: bool) -> Work | None:
+        """Decode and guard one message; what can never succeed is dead-lettered here."""
         topic = message.topic() or ""
-        handler = self.service.handlers[topic]
         metrics.EVENTS_IN.labels(self.service.name, topic).inc()
+        if not fresh:
+            metrics.IGNORED.labels(self.service.name, topic, "duplicate").inc()
+            return None
         envelope = Envelope.from_headers(message.headers())
         if envelope is None:
-            return self._dead_letter(message, DeadLetterReason.MISSING_HEADERS,
-                                     "no event_id / correlation_id headers")
+            self._dead_letter(message, DeadLetterReason.MISSING_HEADERS,
+                              "no event_id / correlation_id headers")
+            return None
         if envelope.hops > self.service.max_hops:
-            return self._dead_letter(message, DeadLetterReason.HOP_LIMIT,
-                                     f"{envelope.hops} hops > limit {self.service.max_hops}")
+            self._dead_letter(message, DeadLetterReason.HOP_LIMIT,
+                              f"{envelope.hops} hops > limit {self.service.max_hops}")
+            return None
         try:
             event = self.decoders[topic](message.value())
         except DecodeFailure as exc:
-            return self._dead_letter(message, exc.reason, str(exc))
+            self._dead_letter(message, exc.reason, str(exc))
+            return None
         except RegistryUnavailable as exc:
             raise BatchTransient(f"registry: {exc}") from exc
         log = self.log.bind(event_id=envelope.event_id, delivery_id=envelope.correlation_id,
                             trace_id=envelope.trace_id, topic=topic, attempt=envelope.attempt)
-        try:
-            self._run_step(handler, event, envelope, message, log)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise BatchTransient(f"redis: {exc}") from exc
+        return Work(message, topic, self.service.handlers[topic], envelope, event, log)
 
-    def _run_step(self, handler: Handler, event: Event, envelope: Envelope,
-                  message: Message, log: Any) -> None:
-        step = handler.step
-        topic = message.topic() or ""
+    def _begin_all(self, work: list[Work]) -> None:
+        stepped = [w for w in work if w.handler.step is not None]
+        now = now_ms()
+        verdicts = self.state.begin_many([
+            (w.envelope.correlation_id, w.handler.step or "", w.envelope.attempt, now,
+             int(w.handler.deadline_s * 1000),
+             f"{w.handler.topic}|{w.topic}|{w.message.partition()}|{w.message.offset()}")
+            for w in stepped
+        ], self.service.retry_budget)
+        for w, verdict in zip(stepped, verdicts):
+            w.verdict = verdict
+
+    def _run(self, w: Work) -> bool:
+        """Run the handler (with in-process retries); True when its outputs await ``finish``."""
+        step, envelope, message, log = w.handler.step, w.envelope, w.message, w.log
         if step is not None:
-            verdict = self.state.begin(
-                envelope.correlation_id, step, envelope.attempt, now_ms(),
-                int(handler.deadline_s * 1000), self.service.retry_budget,
-                source=f"{handler.topic}|{topic}|{message.partition()}|{message.offset()}",
-            )
-            if verdict in (Begin.STALE, Begin.CLOSED):
-                metrics.IGNORED.labels(self.service.name, topic, verdict.value).inc()
-                log.info("step.ignored", step=step, why=verdict.value)
-                return
-            if verdict in (Begin.EXPIRED, Begin.EXHAUSTED):
-                kind = "DEADLINE_MISSED" if verdict is Begin.EXPIRED else "RETRIES_EXHAUSTED"
-                return self._report(message, envelope, step, kind, verdict.value, log)
+            if w.verdict in (Begin.STALE, Begin.CLOSED):
+                assert w.verdict is not None
+                metrics.IGNORED.labels(self.service.name, w.topic, w.verdict.value).inc()
+                log.info("step.ignored", step=step, why=w.verdict.value)
+                return False
+            if w.verdict in (Begin.EXPIRED, Begin.EXHAUSTED):
+                kind = "DEADLINE_MISSED" if w.verdict is Begin.EXPIRED else "RETRIES_EXHAUSTED"
+                self._report(message, envelope, step, kind, str(w.verdict), log)
+                return False
         tries = 0
         while True:
-            ctx = Context(self.service.name, envelope, topic, message.partition() or 0,
+            ctx = Context(self.service.name, envelope, w.topic, message.partition() or 0,
                           message.offset() or 0, self.redis, log, try_no=tries + 1)
             started = time.perf_counter()
             try:
-                result = handler.fn(event, ctx)
+                result = w.handler.fn(w.event, ctx)
             except Retryable as exc:
                 tries += 1
-                metrics.RETRIES.labels(self.service.name, topic).inc()
+                metrics.RETRIES.labels(self.service.name, w.topic).inc()
                 delay = min(2.0, 0.05 * 2 ** tries) * (0.5 + random.random() / 2)
                 in_time = step is None or self._before_deadline(envelope, delay)
                 budget_left = step is None or self.state.try_again(
@@ -302,34 +333,47 @@ class Runner:
                     time.sleep(delay)
                     continue
                 if step is None:
-                    return self._dead_letter(message, DeadLetterReason.REJECTED,
-                                             f"retries exhausted: {exc}")
+                    self._dead_letter(message, DeadLetterReason.REJECTED, f"retries exhausted: {exc}")
+                    return False
                 self.state.finish(envelope.correlation_id, step, envelope.attempt, now_ms(),
                                   StepStatus.FAILED, str(exc))
-                return self._report(message, envelope, step, "FAILED", str(exc), log)
+                self._report(message, envelope, step, "FAILED", str(exc), log)
+                return False
             except Rejected as exc:
                 if step is not None:
                     self.state.finish(envelope.correlation_id, step, envelope.attempt, now_ms(),
                                       StepStatus.FAILED, str(exc))
-                return self._dead_letter(message, exc.reason, str(exc))
+                self._dead_letter(message, exc.reason, str(exc))
+                return False
             finally:
-                metrics.HANDLER_SECONDS.labels(self.service.name, topic).observe(
+                metrics.HANDLER_SECONDS.labels(self.service.name, w.topic).observe(
                     time.perf_counter() - started)
             break
         for out in _as_events(result):
             ctx.emit(out)
-        if step is not None and not ctx.keep_step_open:
-            # decide first, publish after: an attempt the supervisor gave away meanwhile, or a
-            # step closed under it, is a late answer: recorded, and its outputs dropped, so a
-            # late DeliveryShipped can never join the supervisor's DeliveryFailed
-            finished = self.state.finish(envelope.correlation_id, step, envelope.attempt,
-                                         now_ms(), StepStatus.COMPLETED)
+        w.ctx = ctx
+        return True
+
+    def _finish_all(self, done: list[Work]) -> None:
+        """Decide first, publish after: an attempt the supervisor gave away meanwhile, or a
+        step closed under it, is a late answer: recorded, and its outputs dropped, so a late
+        DeliveryShipped can never join the supervisor's DeliveryFailed."""
+        closing = [w for w in done if w.handler.step is not None and w.ctx is not None
+                   and not w.ctx.keep_step_open]
+        verdicts = dict(zip(map(id, closing), self.state.complete_many(
+            [(w.envelope.correlation_id, w.handler.step or "", w.envelope.attempt) for w in closing],
+            now_ms())))
+        publish: list[tuple[Emitted, Envelope]] = []
+        for w in done:
+            finished = verdicts.get(id(w), "ok")
             if finished in ("stale", "ignored"):
-                metrics.IGNORED.labels(self.service.name, topic, "late").inc()
-                log.info("step.late_answer_dropped", step=step, why=finished)
-                return
-        for emitted in ctx.emitted:
-            self._produce(emitted, envelope)
+                metrics.IGNORED.labels(self.service.name, w.topic, "late").inc()
+                w.log.info("step.late_answer_dropped", step=w.handler.step, why=finished)
+                continue
+            publish += [(emitted, w.envelope) for emitted in (w.ctx.emitted if w.ctx else ())]
+        self._open_steps([emitted for emitted, _ in publish])
+        for emitted, cause in publish:
+            self._produce(emitted, cause)
 
     def _before_deadline(self, envelope: Envelope, delay_s: float) -> bool:
         return envelope.deadline_ms == 0 or now_ms() + delay_s * 1000 < envelope.deadline_ms
@@ -342,13 +386,23 @@ class Runner:
             self.encoders[key] = Encoder(model, topic, self.registry)
         return self.encoders[key]
 
+    def _open_steps(self, outputs: list[Emitted]) -> None:
+        """Register the steps the outputs trigger, before they are produced (one round trip)."""
+        if self.workflow is None:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        now = now_ms()
+        for emitted in outputs:
+            for spec in self.workflow.steps_triggered_by(emitted.topic):
+                self.state.open(emitted.event.key, spec.name, now + int(spec.deadline_s * 1000),
+                                now, pipe=pipe)
+        if len(pipe):
+            pipe.execute()
+
     def _produce(self, emitted: Emitted, cause: Envelope) -> None:
+        """Produce in the open transaction (steps it triggers were opened by ``_open_steps``)."""
         envelope = (emitted.cause or cause).child(
             emitted.event_id, type(emitted.event).__name__, self.service.name, attempt=emitted.attempt)
-        if self.workflow is not None:
-            for spec in self.workflow.steps_triggered_by(emitted.topic):
-                now = now_ms()
-                self.state.open(emitted.event.key, spec.name, now + int(spec.deadline_s * 1000), now)
         value = self.encoder(type(emitted.event), emitted.topic)(emitted.event)
         self.producer.produce(emitted.topic, key=emitted.event.key.encode(), value=value,
                               headers=envelope.to_headers())
@@ -387,6 +441,7 @@ class Runner:
         )
         event_id = derived_id(envelope.event_id, self.service.name, RECOVERY_TOPIC, kind,
                               str(envelope.attempt))
+        self._open_steps([Emitted(report, RECOVERY_TOPIC, event_id)])
         self._produce(Emitted(report, RECOVERY_TOPIC, event_id), envelope)
         metrics.REPORTS.labels(self.service.name, kind).inc()
         log.warning("step.reported", step=step, kind=kind, error=error[:300])

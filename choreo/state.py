@@ -177,6 +177,29 @@ class StateTable:
         )
         return Begin(result.decode())
 
+    def begin_many(self, items: list[tuple[str, str, int, int, int, str]], budget: int) -> list[Begin]:
+        """``begin`` for a whole batch in one round trip: (delivery, step, attempt, now,
+        default deadline ms, source) per item."""
+        if not items:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for delivery_id, step, attempt, now, default_deadline_ms, source in items:
+            self._begin(keys=[delivery_key(delivery_id), DEADLINE_INDEX],
+                        args=[step, attempt, now, default_deadline_ms, budget,
+                              index_member(delivery_id, step), source], client=pipe)
+        return [Begin(_text(r)) for r in pipe.execute()]
+
+    def complete_many(self, items: list[tuple[str, str, int]], now_ms: int) -> list[str]:
+        """``finish(COMPLETED)`` for a whole batch in one round trip: (delivery, step, attempt)."""
+        if not items:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for delivery_id, step, attempt in items:
+            self._finish(keys=[delivery_key(delivery_id), DEADLINE_INDEX],
+                         args=[step, attempt, now_ms, StepStatus.COMPLETED.value,
+                               index_member(delivery_id, step), ""], client=pipe)
+        return [_text(r) for r in pipe.execute()]
+
     def try_again(self, delivery_id: str, step: str, attempt: int) -> int:
         """Count one more try against the step's budget; -1 when this attempt is stale."""
         return int(self._try_again(keys=[delivery_key(delivery_id)], args=[step, attempt]))

@@ -12,6 +12,11 @@ The transitions, for a step found due (deadline passed, or failed and re-indexed
 
 * the delivery already has a final ``outcome`` (and it is a forward step): drop it from
   the index; nothing can help it and nothing needs it;
+* a fan-in step (``waits_for``) that is not failed, while an upstream step that owes it a
+  half is open or closed less than one deadline ago: **wait**: ``complete_by`` follows the
+  upstream's deadline, the token stays and no try is counted. The fan-in keeps its step
+  open until both halves are in, and the awaited half carries its upstream's attempt: a new
+  token would make it stale on arrival and the delivery could never decide;
 * ``pending`` and never seen by its service (no ``<step>.source``: the service is down or
   behind): extend ``complete_by`` with back-off **without** a new token: the original
   trigger is still queued in Kafka and a bumped token would make it stale;
@@ -127,6 +132,8 @@ class StepPolicy:
     deadline_ms: int
     service: str = ""
     target: str = ""  # for a compensation step: the forward step it undoes
+    # for a fan-in step: the upstream steps whose results it joins (it waits for them)
+    waits_for: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,33 @@ if tonumber(get(f .. 'requeue') or '0') == attempt then
   redis.call('ZADD', KEYS[2], complete_by, member)
   return cjson.encode({a = 'requeue', attempt = attempt, source = get(f .. 'source') or '',
     complete_by = complete_by})
+end
+if ARGV[15] ~= '' and status ~= 'failed' then
+  -- a fan-in step still waiting for a half is not stuck while the upstream step that owes
+  -- that half is open (or closed less than a deadline ago: the half is on its way): the
+  -- supervisor watches that step on its own. A new token here would make the awaited half,
+  -- which carries its upstream's attempt, stale on arrival and the delivery would never
+  -- decide; so keep the token, count no try, and follow the upstream's deadline
+  local until_ms, on = 0, {}
+  for name in string.gmatch(ARGV[15], '[^,]+') do
+    local st = get(name .. '.status')
+    local due = 0
+    if st == 'completed' then
+      due = tonumber(get(name .. '.completed_at') or '0') + deadline_ms
+    elseif st then
+      due = math.max(now, tonumber(get(name .. '.complete_by') or '0')) + deadline_ms
+    end
+    if due > now then
+      table.insert(on, name)
+      if due > until_ms then until_ms = due end
+    end
+  end
+  if #on > 0 then
+    redis.call('HSET', KEYS[1], f .. 'complete_by', until_ms, f .. 'waiting', table.concat(on, ','))
+    redis.call('ZADD', KEYS[2], until_ms, member)
+    return cjson.encode({a = 'wait', attempt = attempt, on = table.concat(on, ','),
+      complete_by = until_ms, was = status})
+  end
 end
 local tries = tonumber(get(f .. 'tries') or '0')
 if tries <= tonumber(get(f .. 'tries_seen') or '0') then
@@ -312,7 +346,7 @@ return 'compensated:' .. st .. ':' .. (redis.call('HGET', KEYS[1], f .. 'attempt
 class Action:
     """One decision of a scan, for the caller to carry out in Kafka (requeue, fail, log)."""
 
-    kind: str  # drop | park | extend | claim | requeue | fail | comp_failed | gone | error
+    kind: str  # drop | park | wait | extend | claim | requeue | fail | comp_failed | gone | error
     delivery_id: str
     step: str
     data: dict[str, Any]
@@ -419,7 +453,7 @@ class Scanner:
                 args=[fence, step, member, now_ms, budget, policy.deadline_ms,
                       int(cfg.backoff_base_s * 1000), int(cfg.backoff_max_s * 1000),
                       int(cfg.confirm_s * 1000), policy.role, policy.target, compensable,
-                      policies.decider, int(cfg.park_s * 1000)],
+                      policies.decider, int(cfg.park_s * 1000), ",".join(policy.waits_for)],
                 client=pipe,
             )
             stats.keys.add(delivery_key(delivery_id))

@@ -49,6 +49,9 @@ SETTINGS = SupervisorSettings.from_env()
 # forward step -> (the step that undoes it, the topic whose event proves it was undone)
 UNDO = {"package": ("cancel_package", "package.cancelled"), "drone": ("release_drone", "drone.released")}
 DECIDER = "delivery"  # its completion makes the delivery's recorded outcome final
+# fan-in step -> the upstream steps whose results it joins: while one of them is still at work
+# the fan-in waits (same token) instead of being requeued (see ``choreo.supervision``)
+FAN_IN: dict[str, tuple[str, ...]] = {"delivery": ("package", "drone")}
 
 
 def topic(name: str) -> str:
@@ -89,15 +92,19 @@ def _load_workflow(ref: str) -> Workflow:
 
 
 def policies_of(flow: Workflow, undo: dict[str, tuple[str, str]] = UNDO,
-                decider: str = DECIDER) -> Policies:
-    """Each step's role, budget (its service's ``retry_budget``: the one budget) and deadline."""
+                decider: str = DECIDER,
+                fan_in: dict[str, tuple[str, ...]] = FAN_IN) -> Policies:
+    """Each step's role, budget (its service's ``retry_budget``: the one budget), deadline,
+    and for a fan-in step the upstream steps it waits for."""
     undoing = {comp: forward for forward, (comp, _) in undo.items()}
     services = {s.name: s for s in flow.services}
+    names = {spec.name for spec in flow.steps}
     steps = {
         spec.name: StepPolicy(
             spec.name, COMPENSATION if spec.name in undoing else FORWARD,
             services[spec.service].retry_budget, int(spec.deadline_s * 1000), spec.service,
             undoing.get(spec.name, ""),
+            tuple(up for up in fan_in.get(spec.name, ()) if up in names),
         )
         for spec in flow.steps
     }
@@ -250,6 +257,9 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
     elif action.kind == "extend":
         log.info("step.extended", attempt=data["attempt"], backoff_ms=data["backoff"],
                  tries=data["tries"], failures=data["failures"])
+    elif action.kind == "wait":
+        log.info("step.waiting", attempt=data["attempt"], on=data["on"], was=data["was"],
+                 complete_by=data["complete_by"])
     elif action.kind == "claim":
         log.info("step.claimed", attempt=data["attempt"], backoff_ms=data["backoff"],
                  tries=data["tries"], failures=data["failures"], was=data["was"])

@@ -9,17 +9,30 @@ after one broker dies, and ``NOT_ENOUGH_REPLICAS`` (min ISR 2) once two are gone
 also Kafka's recommended production layout (dedicated controllers).
 
 Each node formats its storage once, then runs ``kafka.Kafka`` with a config written here.
+
+Secured mode (``security=KafkaSecurity(...)``, off by default): clients connect over a
+``SASL_PLAINTEXT`` listener with SCRAM-SHA-256 and are authorized by the KRaft
+``StandardAuthorizer`` (``allow.everyone.if.no.acl.found=false``, ``super.users=User:admin``).
+Inter-broker traffic uses the same listener as ``admin``; the controller listener speaks
+SASL/PLAIN with a static ``admin`` entry (SCRAM credentials live in the metadata log, which a
+controller cannot read before it is up, so Kafka does not support SCRAM there; a PLAINTEXT
+controller listener would have to make ``User:ANONYMOUS`` a super user, i.e. anyone who can
+reach its port). The admin's SCRAM credential is added when storage is formatted; every
+other principal and its ACLs come from ``infra.security``. The properties file then holds the
+admin password: it is written with mode 0600 into the node's own (private) data dir.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 import shutil
 import subprocess
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka.admin import AdminClient
 
@@ -40,6 +53,63 @@ def java_binary() -> str:
     return java
 
 
+SASL_LISTENER = "SASL_PLAINTEXT"
+STANDARD_AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+
+
+@dataclass(frozen=True)
+class KafkaSecurity:
+    """SASL/SCRAM authentication and ACL authorization for a cluster (see the module doc).
+
+    ``admin_password`` is the super user's secret; pass it from the environment or a file
+    (``infra.security.Secrets``), never from the repository.
+    """
+
+    admin_password: str
+    admin_user: str = "admin"
+    mechanism: str = "SCRAM-SHA-256"
+    scram_iterations: int = 8192
+
+    def __post_init__(self) -> None:
+        for value in (self.admin_user, self.admin_password):
+            if not value or any(c in value for c in '"\\\n\r\t,=[]'):
+                raise ValueError("the admin user and password must be non-empty and free of "
+                                 "quotes, backslashes, whitespace controls, commas, '=' and brackets")
+
+    def client_config(self) -> dict[str, Any]:
+        """librdkafka settings for the admin principal."""
+        return {
+            "security.protocol": SASL_LISTENER,
+            "sasl.mechanism": self.mechanism,
+            "sasl.username": self.admin_user,
+            "sasl.password": self.admin_password,
+        }
+
+    def scram_argument(self) -> str:
+        """``StorageTool format --add-scram`` value that creates the admin's credential."""
+        return (f"{self.mechanism}=[name={self.admin_user},password={self.admin_password},"
+                f"iterations={self.scram_iterations}]")
+
+    def properties(self) -> list[str]:
+        """Authentication and authorization settings every node shares."""
+        scram_jaas = (f'org.apache.kafka.common.security.scram.ScramLoginModule required '
+                      f'username="{self.admin_user}" password="{self.admin_password}";')
+        plain_jaas = (f'org.apache.kafka.common.security.plain.PlainLoginModule required '
+                      f'username="{self.admin_user}" password="{self.admin_password}" '
+                      f'user_{self.admin_user}="{self.admin_password}";')
+        return [
+            f"sasl.enabled.mechanisms={self.mechanism}",
+            f"sasl.mechanism.inter.broker.protocol={self.mechanism}",
+            f"listener.name.{SASL_LISTENER.lower()}.{self.mechanism.lower()}.sasl.jaas.config={scram_jaas}",
+            "sasl.mechanism.controller.protocol=PLAIN",
+            "listener.name.controller.sasl.enabled.mechanisms=PLAIN",
+            f"listener.name.controller.plain.sasl.jaas.config={plain_jaas}",
+            f"authorizer.class.name={STANDARD_AUTHORIZER}",
+            f"super.users=User:{self.admin_user}",
+            "allow.everyone.if.no.acl.found=false",
+        ]
+
+
 @dataclass(frozen=True)
 class KafkaCluster:
     """A KRaft cluster on loopback; broker ``n`` listens on ``base_port + 2n``.
@@ -54,6 +124,19 @@ class KafkaCluster:
     base_port: int = 9092
     heap: str = "-Xms256m -Xmx768m"
     controller_heap: str = "-Xms64m -Xmx256m"
+    security: KafkaSecurity | None = None  # None: PLAINTEXT, no authorizer (the default)
+
+    @property
+    def listener(self) -> str:
+        """The client (and inter-broker) listener's name, which is also its protocol."""
+        return "PLAINTEXT" if self.security is None else SASL_LISTENER
+
+    def client_config(self) -> dict[str, Any]:
+        """What an admin client needs to reach this cluster (SASL credentials when secured)."""
+        config: dict[str, Any] = {"bootstrap.servers": self.bootstrap_servers}
+        if self.security is not None:
+            config.update(self.security.client_config())
+        return config
 
     def broker_port(self, node: int) -> int:
         return self.base_port + 2 * node
@@ -80,9 +163,16 @@ class KafkaCluster:
         """Settings every node shares (in KRaft the controller applies topic defaults)."""
         replicas = min(self.nodes, 3)
         min_isr = 2 if self.nodes >= 3 else 1
+        if self.security is None:
+            protocols = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
+            secured: list[str] = []
+        else:
+            protocols = f"{SASL_LISTENER}:{SASL_LISTENER},CONTROLLER:SASL_PLAINTEXT"
+            secured = self.security.properties()
         return [
             "controller.listener.names=CONTROLLER",
-            "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            f"listener.security.protocol.map={protocols}",
+            *secured,
             "num.partitions=6",
             f"default.replication.factor={replicas}",
             f"min.insync.replicas={min_isr}",
@@ -105,10 +195,10 @@ class KafkaCluster:
             lines = [
                 "process.roles=broker,controller",
                 "node.id=1",
-                f"listeners=PLAINTEXT://{HOST}:{self.broker_port(0)},"
+                f"listeners={self.listener}://{HOST}:{self.broker_port(0)},"
                 f"CONTROLLER://{HOST}:{self.controller_port(0)}",
-                f"advertised.listeners=PLAINTEXT://{HOST}:{self.broker_port(0)}",
-                "inter.broker.listener.name=PLAINTEXT",
+                f"advertised.listeners={self.listener}://{HOST}:{self.broker_port(0)}",
+                f"inter.broker.listener.name={self.listener}",
                 f"controller.quorum.bootstrap.servers={HOST}:{self.controller_port(0)}",
                 f"log.dirs={self.node_dir(0) / 'data'}",
             ]
@@ -116,9 +206,9 @@ class KafkaCluster:
             lines = [
                 "process.roles=broker",
                 f"node.id={node + 1}",
-                f"listeners=PLAINTEXT://{HOST}:{self.broker_port(node)}",
-                f"advertised.listeners=PLAINTEXT://{HOST}:{self.broker_port(node)}",
-                "inter.broker.listener.name=PLAINTEXT",
+                f"listeners={self.listener}://{HOST}:{self.broker_port(node)}",
+                f"advertised.listeners={self.listener}://{HOST}:{self.broker_port(node)}",
+                f"inter.broker.listener.name={self.listener}",
                 f"controller.quorum.voters={CONTROLLER_ID}@{HOST}:{self.controller_port(0)}",
                 f"log.dirs={self.node_dir(node) / 'data'}",
                 # a killed broker is fenced (and leaves every ISR) after ~4 s instead of 9 s
@@ -182,15 +272,24 @@ class KafkaCluster:
         """
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "server.properties"
+        if self.security is not None:
+            # the file holds the admin's password: private to this user from its first byte
+            workdir.chmod(0o700)
+            if not config.exists():
+                os.close(os.open(config, os.O_WRONLY | os.O_CREAT, 0o600))
+            config.chmod(0o600)
         if not config.exists() or config.read_text() != properties:
             config.write_text(properties)
         if (workdir / "data" / "meta.properties").exists():
             return None
         # --standalone bootstraps the single node's dynamic quorum; static voters need nothing
         standalone = ["--standalone"] if self.combined else []
+        # the admin's SCRAM credential goes into the bootstrap metadata (brokers need it to
+        # authenticate to each other before anyone could create it through the API)
+        scram = ["--add-scram", self.security.scram_argument()] if self.security is not None else []
         return subprocess.Popen(
             [java, "-cp", f"{self.libs}/*", "kafka.tools.StorageTool", "format",
-             "-t", cluster_id, "-c", str(config), *standalone],
+             "-t", cluster_id, "-c", str(config), *standalone, *scram],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
         )
 
@@ -259,9 +358,7 @@ class KafkaCluster:
             if all(port_listening(HOST, self.broker_port(n)) for n in range(self.nodes)):
                 try:
                     # log_level 0: connection refusals while starting are expected, not news
-                    admin = admin or AdminClient(
-                        {"bootstrap.servers": self.bootstrap_servers, "log_level": 0}
-                    )
+                    admin = admin or AdminClient({**self.client_config(), "log_level": 0})
                     brokers = len(admin.list_topics(timeout=2).brokers)
                     if brokers >= self.nodes:
                         return

@@ -1,10 +1,21 @@
-"""Redis 7 from Debian's ``redis-server``, with append-only persistence for the local stack."""
+"""Redis 7 from Debian's ``redis-server``, with append-only persistence for the local stack.
+
+ACL mode (off by default): when the URL names a user other than ``default``
+(``redis://package:secret@127.0.0.1:6379/0``), Redis starts with an ACL file written into its
+private work dir (0600) in which that user may run the pipeline (every command but the
+``@admin`` and ``@dangerous`` categories, on every key and channel) and the ``default`` user
+is switched off, so a connection without credentials, or with a wrong password, is refused.
+More users (e.g. one per service) can be given to ``redis_process(..., users=...)``.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import redis
 
@@ -12,10 +23,41 @@ from infra.process import ManagedProcess
 
 
 INSTALL_HINT = "Install it with: apt-get install -y redis-server (bash infra/setup.sh does this)."
+# what a pipeline user may do: its scripts (EVALSHA/SCRIPT LOAD), hashes, sorted sets, ...
+PIPELINE_RULES = "~* &* +@all -@admin -@dangerous"
 
 
-def redis_process(url: str, data_dir: Path) -> ManagedProcess:
-    """Redis for ``url``, with its files under ``data_dir/redis``.
+def acl_file_text(users: Mapping[str, str], rules: str = PIPELINE_RULES) -> str:
+    """An ACL file: ``default`` off, each user on with its password (stored as SHA-256)."""
+    lines = ["user default off resetpass -@all"]
+    for name, password in sorted(users.items()):
+        if not name or any(c.isspace() for c in name) or name == "default":
+            raise ValueError(f"invalid Redis ACL user name {name!r}")
+        if not password:
+            raise ValueError(f"Redis ACL user {name} needs a password")
+        digest = hashlib.sha256(password.encode()).hexdigest()
+        lines.append(f"user {name} on resetpass #{digest} resetkeys resetchannels {rules}")
+    return "\n".join(lines) + "\n"
+
+
+def _write_acl_file(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.chmod(0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    path.chmod(0o600)
+
+
+def redis_process(url: str, data_dir: Path, users: Mapping[str, str] | None = None,
+                  name: str = "redis") -> ManagedProcess:
+    """Redis for ``url``, with its files under ``data_dir/<name>``.
+
+    ACL mode when the URL names a user other than ``default`` or ``users`` is given (see the
+    module doc); otherwise exactly the local stack's Redis (``requirepass`` if the URL has a
+    password).
 
     The binary is looked up lazily (start raises a clear sentence when it is missing), so that
     status and stop work on a machine without it.
@@ -24,7 +66,7 @@ def redis_process(url: str, data_dir: Path) -> ManagedProcess:
     host = parsed.hostname or "127.0.0.1"
     port = parsed.port or 6379
     binary = shutil.which("redis-server") or "redis-server"
-    workdir = data_dir / "redis"
+    workdir = data_dir / name
     argv = [
         binary,
         "--bind", host,
@@ -36,8 +78,16 @@ def redis_process(url: str, data_dir: Path) -> ManagedProcess:
         "--daemonize", "no",
         "--protected-mode", "no",
     ]
-    password = parsed.password
-    if password:
+    password = unquote(parsed.password) if parsed.password else None  # redis-py unquotes too
+    username = unquote(parsed.username) if parsed.username else None
+    acl_users = dict(users or {})
+    if username and username != "default":
+        acl_users.setdefault(username, password or "")
+    if acl_users:
+        acl_file = workdir / "users.acl"
+        _write_acl_file(acl_file, acl_file_text(acl_users))
+        argv += ["--aclfile", str(acl_file)]
+    elif password:
         argv += ["--requirepass", password]
 
     def ready() -> bool:
@@ -45,7 +95,7 @@ def redis_process(url: str, data_dir: Path) -> ManagedProcess:
             return bool(client.ping())
 
     return ManagedProcess(
-        name="redis", argv=argv, workdir=workdir, ports=[(host, port)], ready=ready,
+        name=name, argv=argv, workdir=workdir, ports=[(host, port)], ready=ready,
         # Redis rewrites its title to "redis-server <host>:<port>", which is what stays visible
         marker=f"{host}:{port}",
         install_hint=INSTALL_HINT,

@@ -15,10 +15,21 @@ Status codes:
   429 admission control: too many deliveries in flight, or the backlog is past its limit
   503 this instance's producer queue is full, or the broker refused the write
   504 no broker confirmation in time (the write may still land: GET the Location)
+
+Owner tokens (on when ``INGESTION_TOKENS`` or ``INGESTION_TOKENS_FILE`` is set): every
+``/deliveries`` call needs ``Authorization: Bearer <token>``; the token maps to one owner id.
+  401 no token, or an unknown one (``WWW-Authenticate: Bearer``)
+  403 a POST for another ``owner_id`` than the token's
+  404 GET of another owner's delivery (indistinguishable from an unknown delivery)
+Tokens are kept only as SHA-256 digests and compared in constant time; neither they nor
+the request's fields are ever logged.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
@@ -38,9 +49,9 @@ from producers import metrics
 from producers.errors import (
     AdmissionRefused, IdempotencyConflict, IdempotencyInProgress, PublishTimeout,
 )
-from producers.model import DeliveryRequestIn, InvalidRequest
+from producers.model import OWNER_ID_PATTERN, DeliveryRequestIn, InvalidRequest
 from producers.settings import IngestionSettings
-from producers.submit import Submitter
+from producers.submit import OwnerMismatch, Submitter
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -50,6 +61,75 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 log = get_logger(component="ingestion-http")
+
+
+TOKEN_PATTERN = re.compile(r"^[A-Za-z0-9._~+/-]{16,512}=*$")  # RFC 6750 b64token, >= 16 chars
+
+
+def parse_tokens(text: str) -> dict[str, str]:
+    """``{"<token>": "<owner_id>"}`` (JSON) or ``<token>=<owner_id>`` entries separated by
+    new lines or commas; ``#`` starts a comment line. Errors never quote a token."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        loaded = json.loads(text)
+        if not isinstance(loaded, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
+            raise ValueError("owner tokens JSON must map token strings to owner id strings")
+        pairs = list(loaded.items())
+    else:
+        pairs = []
+        for number, raw in enumerate(text.replace(",", "\n").splitlines(), 1):
+            entry = raw.strip()
+            if not entry or entry.startswith("#"):
+                continue
+            token, sep, owner = entry.rpartition("=")
+            if not sep or not token:
+                raise ValueError(f"owner token entry {number} must look like <token>=<owner_id>")
+            pairs.append((token.strip(), owner.strip()))
+    owner_pattern = re.compile(OWNER_ID_PATTERN)
+    tokens: dict[str, str] = {}
+    for number, (token, owner) in enumerate(pairs, 1):
+        if not TOKEN_PATTERN.fullmatch(token):
+            raise ValueError(f"owner token entry {number}: a token is 16-512 characters of "
+                             "A-Z a-z 0-9 . _ ~ + / - (then optional '=')")
+        if not owner_pattern.fullmatch(owner):
+            raise ValueError(f"owner token entry {number}: invalid owner id")
+        tokens[token] = owner
+    return tokens
+
+
+class OwnerTokens:
+    """Bearer token -> owner id. Only digests are held; every lookup compares them all."""
+
+    def __init__(self, tokens: Mapping[str, str]) -> None:
+        self._digests = [(hashlib.sha256(t.encode()).digest(), owner) for t, owner in tokens.items()]
+
+    @classmethod
+    def from_settings(cls, cfg: IngestionSettings) -> OwnerTokens | None:
+        if not cfg.auth_enabled:
+            return None
+        tokens = parse_tokens(cfg.tokens)
+        if cfg.tokens_file is not None:
+            tokens.update(parse_tokens(cfg.tokens_file.read_text()))
+        if not tokens:
+            raise ValueError("owner tokens are configured but none were found")
+        return cls(tokens)
+
+    def owner(self, authorization: str | None) -> str | None:
+        """The owner of a ``Bearer`` token, or None (no header, wrong scheme, unknown token)."""
+        if not authorization:
+            return None
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        presented = hashlib.sha256(token.strip().encode()).digest()
+        found: str | None = None
+        for digest, owner in self._digests:  # no early exit: the time does not depend on which
+            if hmac.compare_digest(digest, presented):
+                found = owner
+        return found
 
 
 def error(status: int, code: str, message: str, headers: Mapping[str, str] | None = None,
@@ -169,6 +249,7 @@ def create_app(settings: IngestionSettings | None = None,
     """The app; it starts its own ``Submitter`` (producer, poll thread, admission monitor)
     on startup unless one is given, and flushes it on shutdown."""
     cfg = settings or IngestionSettings()
+    tokens = OwnerTokens.from_settings(cfg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -188,6 +269,12 @@ def create_app(settings: IngestionSettings | None = None,
     def sub_of(request: Request) -> Submitter:
         found: Submitter = request.app.state.submitter
         return found
+
+    def unauthorized() -> Response:
+        metrics.REJECTED.labels("unauthorized").inc()
+        log.warning("request.unauthorized")  # never the header: it may hold a valid token
+        return error(401, "unauthorized", "a valid owner token is required (Authorization: Bearer)",
+                     headers={"WWW-Authenticate": 'Bearer realm="deliveries"'})
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(_: Request, __: Exception) -> Response:
@@ -217,6 +304,11 @@ def create_app(settings: IngestionSettings | None = None,
     @app.post("/deliveries", status_code=202,
               summary="Request a delivery (202 once the request is durably accepted)")
     async def submit(request: Request) -> Response:
+        owner: str | None = None
+        if tokens is not None:
+            owner = tokens.owner(request.headers.get("authorization"))
+            if owner is None:
+                return unauthorized()
         if not is_json(request.headers.get("content-type")):
             metrics.REJECTED.labels("content_type").inc()
             return error(415, "unsupported_media_type", "Content-Type must be application/json")
@@ -227,7 +319,7 @@ def create_app(settings: IngestionSettings | None = None,
                          "Idempotency-Key must be 1-255 visible ASCII characters")
         body = await request.body()
         try:
-            accepted = await sub_of(request).submit_async(body, key)
+            accepted = await sub_of(request).submit_async(body, key, owner=owner)
         except InvalidRequest as exc:
             if exc.malformed:
                 metrics.REJECTED.labels("malformed").inc()
@@ -236,6 +328,10 @@ def create_app(settings: IngestionSettings | None = None,
             metrics.REJECTED.labels("invalid").inc()
             return error(422, "invalid_request", f"{len(exc.errors)} invalid field(s)",
                          errors=exc.errors)
+        except OwnerMismatch as exc:
+            metrics.REJECTED.labels("forbidden").inc()
+            log.warning("request.forbidden", why="owner_mismatch")
+            return error(403, "forbidden", str(exc))
         except IdempotencyConflict as exc:
             metrics.REJECTED.labels("idempotency_conflict").inc()
             return error(422, "idempotency_key_reused", str(exc))
@@ -260,8 +356,18 @@ def create_app(settings: IngestionSettings | None = None,
 
     @app.get("/deliveries/{delivery_id}", summary="A delivery's status and step states")
     async def status(delivery_id: str, request: Request) -> Response:
+        owner: str | None = None
+        if tokens is not None:
+            owner = tokens.owner(request.headers.get("authorization"))
+            if owner is None:
+                return unauthorized()
         if not canonical_uuid(delivery_id):
             return error(422, "invalid_delivery_id", "a delivery id is a UUID")
+        if owner is not None:
+            recorded = await run_in_threadpool(sub_of(request).owner_of, delivery_id.lower())
+            if recorded is None or not hmac.compare_digest(recorded.encode(), owner.encode()):
+                # another owner's delivery answers exactly like an unknown one: no oracle
+                return error(404, "not_found", f"no delivery {delivery_id.lower()}")
         found = await run_in_threadpool(sub_of(request).status, delivery_id.lower())
         if found is None:
             return error(404, "not_found", f"no delivery {delivery_id.lower()}")

@@ -7,6 +7,7 @@ bound somewhere inside the pipeline.
 
 from __future__ import annotations
 
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from pydantic import Field
@@ -41,6 +42,17 @@ class IngestionSettings(BaseSettings):
     # librdkafka's delivery.timeout.ms is 30 s: a report always arrives before this.
     publish_timeout_s: float = Field(35.0, gt=0, alias="INGESTION_PUBLISH_TIMEOUT_S")
     retry_after_s: int = Field(1, ge=1, alias="INGESTION_RETRY_AFTER_S")
+    # Owner tokens (authentication is off unless one of these is set): a JSON object
+    # {"<token>": "<owner_id>"} or lines/commas of "<token>=<owner_id>". The file is the
+    # place for real secrets (mode 0600, outside the repository); the variable is for tests.
+    tokens: str = Field("", alias="INGESTION_TOKENS", repr=False)
+    tokens_file: Path | None = Field(None, alias="INGESTION_TOKENS_FILE")
+    # How long the delivery -> owner record (who may read its status) is kept.
+    owner_ttl_s: int = Field(30 * 24 * 3600, ge=60, alias="INGESTION_OWNER_TTL_S")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.tokens.strip()) or self.tokens_file is not None
 
     @property
     def host(self) -> str:

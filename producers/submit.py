@@ -17,7 +17,9 @@ same event id, which consumers dedupe.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import hmac
 import threading
 import time
 import uuid
@@ -64,6 +66,16 @@ if redis.call('HGET', KEYS[1], 'c') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'c', ARGV[2])
 return 1
 """
+
+
+class OwnerMismatch(Exception):
+    """An authenticated caller submitted a delivery for another owner (nothing was accepted)."""
+
+
+def owner_redis_key(delivery_id: str) -> str:
+    """Who owns a delivery (kept when owner tokens are on): the status endpoint checks it.
+    Hash-tagged by delivery id like the rest of the delivery's state."""
+    return f"owner:{{{delivery_id}}}"
 
 
 def idempotency_redis_key(owner_id: str, key: str) -> str:
@@ -174,19 +186,26 @@ class Submitter:
     # -- submit ------------------------------------------------------------------------
 
     def submit(self, data: DeliveryRequestIn | dict[str, Any] | bytes | str,
-               idempotency_key: str | None = None) -> Submission:
+               idempotency_key: str | None = None, *, owner: str | None = None) -> Submission:
         """Validate, admit and hand the event to the producer; returns before confirmation.
 
-        Raises InvalidRequest, IdempotencyConflict, IdempotencyInProgress, AdmissionRefused,
-        StoreUnavailable or DeliveryPublishError; on any of them nothing was accepted.
+        ``owner`` is the authenticated caller's owner id (owner tokens on): the request must
+        be for that owner, and the delivery's owner is recorded for status reads.
+
+        Raises InvalidRequest, OwnerMismatch, IdempotencyConflict, IdempotencyInProgress,
+        AdmissionRefused, StoreUnavailable or DeliveryPublishError; on any of them nothing
+        was accepted.
         """
         request = parse_request(data)
+        if owner is not None and not hmac.compare_digest(request.owner_id.encode(), owner.encode()):
+            raise OwnerMismatch("the request's owner_id is not the authenticated owner")
         try:
-            return self._submit(request, idempotency_key)
+            return self._submit(request, idempotency_key, record_owner=owner is not None)
         except redis.RedisError as exc:
             raise StoreUnavailable(f"state store unreachable: {type(exc).__name__}") from exc
 
-    def _submit(self, request: DeliveryRequestIn, idempotency_key: str | None) -> Submission:
+    def _submit(self, request: DeliveryRequestIn, idempotency_key: str | None,
+                record_owner: bool = False) -> Submission:
         claim = self._claim_key(request, idempotency_key) if idempotency_key else None
         if claim is not None and not claim.owned and claim.requested_at_ms < 0:
             done: Future[None] = Future()
@@ -196,6 +215,8 @@ class Submitter:
                                        replayed=True), done)
         delivery_id = claim.delivery_id if claim else new_delivery_id()
         requested_at_ms = claim.requested_at_ms if claim else int(time.time() * 1000)
+        if record_owner:  # before the event exists, so its status is never readable by others
+            self.redis.set(owner_redis_key(delivery_id), request.owner_id, ex=self.cfg.owner_ttl_s)
         try:
             self._admit(delivery_id)
         except AdmissionRefused:
@@ -339,12 +360,14 @@ class Submitter:
                                  f"no broker confirmation within {timeout}s") from None
 
     async def submit_async(self, data: bytes | str | dict[str, Any] | DeliveryRequestIn,
-                           idempotency_key: str | None = None) -> Accepted:
+                           idempotency_key: str | None = None, *,
+                           owner: str | None = None) -> Accepted:
         """``submit`` off the event loop (it does blocking Redis calls), then await the report."""
         loop = asyncio.get_running_loop()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="submit")
-        submission = await loop.run_in_executor(self._executor, self.submit, data, idempotency_key)
+        submission = await loop.run_in_executor(
+            self._executor, functools.partial(self.submit, data, idempotency_key, owner=owner))
         waiter = asyncio.wrap_future(submission.confirmed)
         done, _ = await asyncio.wait({waiter}, timeout=self.cfg.publish_timeout_s)
         if not done:
@@ -354,6 +377,11 @@ class Submitter:
         return submission.accepted
 
     # -- reading -----------------------------------------------------------------------
+
+    def owner_of(self, delivery_id: str) -> str | None:
+        """The owner recorded at submission (owner tokens on), or None."""
+        raw = self.redis.get(owner_redis_key(delivery_id))
+        return raw.decode() if isinstance(raw, bytes) else None
 
     def status(self, delivery_id: str) -> dict[str, Any] | None:
         """The delivery's outcome and step states from the state table; None if unknown."""

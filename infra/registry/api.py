@@ -6,12 +6,21 @@ the decoded path would let a subject's slash, dot-dot or control character chang
 endpoint answers. Every answer, including unknown paths, wrong methods, bad media types,
 oversized bodies and unexpected failures, is a JSON ``{"error_code", "message"}`` body with
 the real registry's status; a stack trace never leaves the process.
+
+Optional HTTP basic authentication (``BasicAuth``; off by default): write endpoints (register,
+delete, config and mode changes) require a known user; reads too when ``protect_reads`` is
+set, except ``/`` and ``/_health`` (probes). A refusal is 401 with ``WWW-Authenticate`` and
+the Confluent error body. Passwords are compared in constant time; a forwarded write carries
+the caller's ``Authorization`` to the leader, which checks it again.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hmac
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -56,6 +65,61 @@ class Call:
 
 
 Handler = Callable[[Call], Any]
+OPEN_PATHS = frozenset({(), ("_health",)})
+
+
+@dataclass(frozen=True)
+class BasicAuth:
+    """Users allowed to call protected endpoints: ``{username: password}``."""
+
+    users: Mapping[str, str]
+    protect_reads: bool = False
+    realm: str = "schema-registry"
+
+    def __post_init__(self) -> None:
+        if not self.users or any(not u or ":" in u or not pw for u, pw in self.users.items()):
+            raise ValueError("basic auth needs at least one user; names without ':' and non-empty passwords")
+
+    def required(self, endpoint: Endpoint) -> bool:
+        if endpoint.pattern in OPEN_PATHS:
+            return False
+        return endpoint.writes or self.protect_reads
+
+    def check(self, header: str | None) -> str | None:
+        """The authenticated user, or None. Every known user is compared (constant time)."""
+        if not header:
+            return None
+        scheme, _, encoded = header.partition(" ")
+        if scheme.lower() != "basic":
+            return None
+        try:
+            decoded = base64.b64decode(encoded.strip(), validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            return None
+        user, sep, password = decoded.partition(":")
+        if not sep:
+            return None
+        found: str | None = None
+        for name, secret in self.users.items():
+            same_user = hmac.compare_digest(name.encode(), user.encode())
+            same_password = hmac.compare_digest(secret.encode(), password.encode())
+            if same_user and same_password:
+                found = name
+        return found
+
+
+def parse_users(text: str) -> dict[str, str]:
+    """``user:password`` entries separated by commas or new lines (``#`` starts a comment)."""
+    users: dict[str, str] = {}
+    for raw in text.replace(",", "\n").splitlines():
+        entry = raw.strip()
+        if not entry or entry.startswith("#"):
+            continue
+        user, sep, password = entry.partition(":")
+        if not sep or not user.strip() or not password.strip():
+            raise ValueError("a registry user entry must look like user:password")
+        users[user.strip()] = password.strip()
+    return users
 
 
 @dataclass(frozen=True)
@@ -176,8 +240,10 @@ def _error(exc: errors.RegistryError) -> Response:
 class Api:
     """Binds the endpoint table to a registry, with body limits and write forwarding."""
 
-    def __init__(self, registry: Registry, max_body: int = 1 << 20, forward_timeout_s: float = 15.0) -> None:
+    def __init__(self, registry: Registry, max_body: int = 1 << 20, forward_timeout_s: float = 15.0,
+                 auth: BasicAuth | None = None) -> None:
         self.registry = registry
+        self.auth = auth
         self.max_body = max_body
         self.endpoints = endpoints()
         self.http = httpx.Client(timeout=forward_timeout_s)
@@ -209,6 +275,10 @@ class Api:
         if chosen is None:
             raise errors.http_error(405, "Method Not Allowed")
         endpoint, params = chosen
+        if self.auth is not None and self.auth.required(endpoint):
+            if self.auth.check(request.headers.get("authorization")) is None:
+                return _json({"error_code": 401, "message": "Unauthorized"}, 401,
+                             headers={"WWW-Authenticate": f'Basic realm="{self.auth.realm}"'})
         if not self.ready and endpoint.pattern != ("_health",):
             raise errors.RegistryError(503, errors.OPERATION_TIMEOUT, "The registry is still reading its store")
         body_bytes = await self._body(request) if endpoint.has_body else b""
@@ -265,10 +335,10 @@ class Api:
         query = request.url.query
         url = exc.leader_url.rstrip("/") + raw_path + (f"?{query}" if query else "")
         try:
-            answer = self.http.request(
-                request.method, url, content=body or None,
-                headers={"content-type": request.headers.get("content-type", CONTENT_TYPE), FORWARDED_HEADER: "1"},
-            )
+            headers = {"content-type": request.headers.get("content-type", CONTENT_TYPE), FORWARDED_HEADER: "1"}
+            if request.headers.get("authorization"):  # the leader authenticates the caller again
+                headers["authorization"] = request.headers["authorization"]
+            answer = self.http.request(request.method, url, content=body or None, headers=headers)
         except httpx.HTTPError as failure:
             log.warning("forward_failed", leader=exc.leader_url, error=str(failure))
             raise exc from None

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
 import uvicorn
 
 from choreo.config import Settings
 from choreo.logs import get_logger
-from infra.registry.api import Api, create_app
+
+from infra.registry.api import Api, BasicAuth, create_app, parse_users
 from infra.registry.leader import LeaderElection
 from infra.registry.registry import Registry
 from infra.registry.state import State
@@ -33,6 +35,7 @@ class RegistryConfig:
     leader_eligible: bool = True
     max_body: int = 1 << 20
     advertised_url: str = ""
+    auth: BasicAuth | None = None  # None: no authentication (the default)
 
     @classmethod
     def from_settings(cls, cfg: Settings, host: str | None = None, port: int | None = None) -> RegistryConfig:
@@ -51,7 +54,23 @@ class RegistryConfig:
             leader_eligible=env.get("SCHEMA_REGISTRY_LEADER_ELIGIBLE", "true").strip().lower() != "false",
             max_body=int(env.get("SCHEMA_REGISTRY_MAX_BODY", str(1 << 20))),
             advertised_url=env.get("SCHEMA_REGISTRY_ADVERTISED_URL", f"http://{bind_host}:{bind_port}"),
+            auth=auth_from_env(env),
         )
+
+
+def auth_from_env(env: dict[str, str] | os._Environ[str]) -> BasicAuth | None:
+    """Basic auth from ``SCHEMA_REGISTRY_AUTH_USERS`` (``user:pass,...``) and/or
+    ``SCHEMA_REGISTRY_AUTH_USERS_FILE`` (one ``user:pass`` a line); reads are protected too
+    when ``SCHEMA_REGISTRY_AUTH_READS=true``. Neither set: no authentication."""
+    users: dict[str, str] = {}
+    path = env.get("SCHEMA_REGISTRY_AUTH_USERS_FILE", "").strip()
+    if path:
+        users.update(parse_users(Path(path).read_text()))
+    users.update(parse_users(env.get("SCHEMA_REGISTRY_AUTH_USERS", "")))
+    if not users:
+        return None
+    reads = env.get("SCHEMA_REGISTRY_AUTH_READS", "false").strip().lower() == "true"
+    return BasicAuth(users, protect_reads=reads)
 
 
 def build(config: RegistryConfig) -> tuple[Api, Registry]:
@@ -61,7 +80,7 @@ def build(config: RegistryConfig) -> tuple[Api, Registry]:
     election = LeaderElection(config.redis_url, config.topic, instance, config.advertised_url,
                               ttl_ms=config.lease_ms, eligible=config.leader_eligible)
     registry = Registry(state, store, election)
-    return Api(registry, max_body=config.max_body), registry
+    return Api(registry, max_body=config.max_body, auth=config.auth), registry
 
 
 def serve(config: RegistryConfig) -> None:

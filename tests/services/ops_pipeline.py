@@ -5,6 +5,10 @@ real topics and groups with whatever else runs on the shared stack (a demo, anot
 test's pipeline): those instances would take partitions of the same groups. So this module
 registers the *same handler functions* from ``consumers.*`` on ``OPS_PREFIX``-ed topics and
 service names, and re-routes what they emit onto the prefixed topics.
+
+``OPS_FAIL_FIRST_<ROLE>=1`` makes the first attempt of that role's forward step fail with a
+transient error on every try (so the step is reported, and requeued by a supervisor run
+against this pipeline, whose attempt 2 then works).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from choreo.errors import Retryable
 from choreo.events import Event
 from choreo.service import Context, HandlerResult, Service
 from choreo.workflow import Workflow
@@ -29,9 +34,11 @@ MODULE = "tests.services.ops_pipeline"
 ROLES = ("package", "drone", "delivery", "notifier")
 
 
-def _routed(fn: Callable[[Any, Context], HandlerResult], model: type[Event],
-            prefix: str) -> Callable[[Any, Context], None]:
+def _routed(fn: Callable[[Any, Context], HandlerResult], model: type[Event], prefix: str,
+            before: Callable[[Any, Context], None] | None = None) -> Callable[[Any, Context], None]:
     def handler(event: Any, ctx: Context) -> None:
+        if before is not None:
+            before(event, ctx)
         result = fn(event, ctx)
         for out in [] if result is None else [result] if isinstance(result, Event) else list(result):
             ctx.emit(out)
@@ -44,17 +51,30 @@ def _routed(fn: Callable[[Any, Context], HandlerResult], model: type[Event],
     return handler
 
 
+def _fail_first(role: str) -> Callable[[Any, Context], None] | None:
+    if os.environ.get(f"OPS_FAIL_FIRST_{role.upper()}", "") not in ("1", "true"):
+        return None
+
+    def fail(_: Any, ctx: Context) -> None:
+        if ctx.attempt == 1:
+            raise Retryable(f"{role} attempt 1 fails (OPS_FAIL_FIRST_{role.upper()})")
+
+    return fail
+
+
 def build(prefix: str, batch: int = 500) -> dict[str, Service]:
     t = lambda name: prefix + name  # noqa: E731
     package = Service(t("package"), batch_size=batch)
     package.on(t("delivery.requested"), step="package", deadline_s=30,
-               produces=[PackageReady, PackageFailed])(_routed(package_rules.prepare, DeliveryRequested, prefix))
+               produces=[PackageReady, PackageFailed])(_routed(package_rules.prepare, DeliveryRequested, prefix,
+                                                                _fail_first("package")))
     package.on(t("delivery.failed"), step="cancel_package", deadline_s=30,
                produces=[PackageCancelled])(_routed(package_rules.cancel, DeliveryFailed, prefix))
     drone = Service(t("drone-scheduler"), batch_size=batch)
     drone.on_start(drone_rules.seed_fleet)
     drone.on(t("delivery.requested"), step="drone", deadline_s=30,
-             produces=[DroneScheduled, DroneFailed])(_routed(drone_rules.reserve, DeliveryRequested, prefix))
+             produces=[DroneScheduled, DroneFailed])(_routed(drone_rules.reserve, DeliveryRequested, prefix,
+                                                              _fail_first("drone")))
     drone.on(t("delivery.failed"), step="release_drone", deadline_s=30,
              produces=[DroneReleased])(_routed(drone_rules.release, DeliveryFailed, prefix))
     drone.on(t("delivery.shipped"))(_routed(drone_rules.flight_over, DeliveryShipped, prefix))

@@ -27,7 +27,8 @@ POLICIES = Policies(
     {
         "package": StepPolicy("package", FORWARD, BUDGET, DEADLINE, "package"),
         "drone": StepPolicy("drone", FORWARD, BUDGET, DEADLINE, "drone-scheduler"),
-        "delivery": StepPolicy("delivery", FORWARD, BUDGET, DEADLINE, "delivery"),
+        "delivery": StepPolicy("delivery", FORWARD, BUDGET, DEADLINE, "delivery",
+                               waits_for=("package", "drone")),
         "cancel_package": StepPolicy("cancel_package", COMPENSATION, BUDGET, DEADLINE, "package", "package"),
     },
     compensable=("package", "drone"), decider="delivery",
@@ -97,6 +98,57 @@ def test_failed_step_is_claimed_then_requeued_after_back_off(client: redis.Redis
     assert requeue.kind == "requeue" and requeue.data["source"] == "t|t|2|41"
     assert requeue.data["attempt"] == 2 and requeue.data["complete_by"] == 1_000_400 + DEADLINE
     assert table.begin(d, "drone", 2, 1_000_500, DEADLINE, BUDGET, "r|r|0|7").value == "go"
+
+
+def test_a_fan_in_waiting_for_an_open_upstream_step_keeps_its_token(
+        client: redis.Redis, lease: Lease) -> None:
+    """The fan-in kept its step open on the first half; the drone step that owes the second
+    half is still pending (its service is down). Requeueing the fan-in would take a new token
+    and make the drone's half (attempt 1) stale on arrival: it waits instead."""
+    d = _new(client, "package", "drone", "delivery")
+    table = StateTable(client)
+    assert table.begin(d, "package", 1, 1_000_010, DEADLINE, BUDGET, "q|q|0|1").value == "go"
+    assert table.finish(d, "package", 1, 1_000_020, StepStatus.COMPLETED) == "ok"
+    assert table.begin(d, "delivery", 1, 1_000_030, DEADLINE, BUDGET, "p|p|0|5").value == "go"
+    actions = _scan(client, lease, 1_002_000)
+    wait = actions[(d, "delivery")]
+    assert wait.kind == "wait" and wait.data["on"] == "drone" and wait.data["attempt"] == 1
+    assert actions[(d, "drone")].kind == "extend"
+    f = _fields(client, d)
+    assert f["delivery.attempt"] == "1" and f["delivery.status"] == "processing"
+    assert f["delivery.tries"] == "1" and "delivery.requeue" not in f  # no try counted, no claim
+    assert int(f["delivery.complete_by"]) >= 1_002_000 + DEADLINE
+    # still waiting while the drone step is extended again and again
+    later = int(f["delivery.complete_by"])
+    assert _scan(client, lease, later)[(d, "delivery")].kind == "wait"
+    # the drone service is back: its half (attempt 1) is not stale for the fan-in
+    now = later + 10
+    assert table.begin(d, "drone", 1, now, DEADLINE, BUDGET, "q|q|0|1").value == "go"
+    assert table.finish(d, "drone", 1, now + 10, StepStatus.COMPLETED) == "ok"
+    assert table.begin(d, "delivery", 1, now + 20, DEADLINE, BUDGET, "s|s|0|9").value == "go"
+    assert table.finish(d, "delivery", 1, now + 30, StepStatus.COMPLETED) == "ok"
+
+
+def test_a_fan_in_still_open_a_deadline_after_its_halves_is_claimed(
+        client: redis.Redis, lease: Lease) -> None:
+    d = _new(client, "package", "drone", "delivery")
+    table = StateTable(client)
+    for step, at in (("package", 1_000_010), ("drone", 1_000_500)):
+        table.begin(d, step, 1, at, DEADLINE, BUDGET, "q|q|0|1")
+        table.finish(d, step, 1, at + 10, StepStatus.COMPLETED)
+    table.begin(d, "delivery", 1, 1_000_600, DEADLINE, BUDGET, "s|s|0|9")
+    # the drone's half came out less than a deadline ago: it is on its way
+    wait = _scan(client, lease, 1_001_200)[(d, "delivery")]
+    assert wait.kind == "wait" and wait.data["on"] == "drone"
+    assert wait.data["complete_by"] == 1_000_510 + DEADLINE
+    # a deadline after the last half, the fan-in itself is stuck: claimed as any step
+    claim = _scan(client, lease, 1_001_600)[(d, "delivery")]
+    assert claim.kind == "claim" and claim.data["attempt"] == 2
+    # a failed fan-in (its own error) is claimed at once, whatever its upstream does
+    d2 = _new(client, "package", "drone", "delivery")
+    table.begin(d2, "delivery", 1, 1_000_010, DEADLINE, BUDGET, "p|p|0|5")
+    table.finish(d2, "delivery", 1, 1_000_020, StepStatus.FAILED, "flight timed out")
+    assert _scan(client, lease, 1_000_030)[(d2, "delivery")].kind == "claim"
 
 
 def test_back_off_grows_exponentially(client: redis.Redis, lease: Lease) -> None:

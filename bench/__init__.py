@@ -1,0 +1,1 @@
+"""Benchmarks: each writes its figures to a JSON file under bench/results/."""

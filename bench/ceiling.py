@@ -1,0 +1,176 @@
+"""The ceiling: the pipeline's happy path as plain consume→produce stages with no logic.
+
+Each stage of ``bench.common.HAPPY_PATH`` runs as its own process (as each service does),
+with the runtime's consumer and producer settings (batches of up to 500, 50 ms poll,
+``fetch.wait.max.ms`` 10, linger 2 ms, lz4), on its own fresh topics with the pipeline's
+partition count, and produces records of the same sizes (the pipeline's own values and
+headers, captured from a warm-up run). In ``transactional`` mode each batch is one Kafka
+transaction with its input offsets, as in ``choreo.runner``; in plain mode offsets are
+committed asynchronously per batch. What the stages lack is exactly the pipeline's logic:
+decoding, validation, Redis, state table, encoding.
+
+    python -m bench.ceiling stage SPEC.json   # run one stage until SIGTERM
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
+
+from choreo.kafka import base_config
+
+BATCH = 500
+POLL_S = 0.05
+
+Headers = list[tuple[str, str | bytes | None]]
+
+
+@dataclass(frozen=True)
+class Record:
+    value: bytes
+    headers: Headers
+
+    def to_json(self) -> dict[str, Any]:
+        return {"value": base64.b64encode(self.value).decode(),
+                "headers": [[k, base64.b64encode(_raw(v)).decode()] for k, v in self.headers]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Record:
+        return cls(base64.b64decode(data["value"]),
+                   [(str(k), base64.b64decode(v)) for k, v in data["headers"]])
+
+    @property
+    def size(self) -> int:
+        return len(self.value) + sum(len(k) + len(_raw(v)) for k, v in self.headers)
+
+
+def _raw(value: str | bytes | None) -> bytes:
+    if value is None:
+        return b""
+    return value.encode() if isinstance(value, str) else value
+
+
+def save_samples(path: Path, samples: dict[str, Record]) -> None:
+    path.write_text(json.dumps({t: r.to_json() for t, r in samples.items()}))
+
+
+def load_samples(path: Path) -> dict[str, Record]:
+    return {t: Record.from_json(r) for t, r in json.loads(path.read_text()).items()}
+
+
+def consumer_config(group: str, client_id: str) -> dict[str, Any]:
+    """The runtime's consumer settings (``choreo.runner.Runner``)."""
+    return {
+        **base_config(),
+        "group.id": group,
+        "client.id": client_id,
+        "enable.auto.commit": False,
+        "isolation.level": "read_committed",
+        "auto.offset.reset": "earliest",
+        "partition.assignment.strategy": "cooperative-sticky",
+        "session.timeout.ms": 10000,
+        "heartbeat.interval.ms": 1000,
+        "max.poll.interval.ms": 60000,
+        "fetch.wait.max.ms": 10,
+    }
+
+
+def producer_config(transactional_id: str | None) -> dict[str, Any]:
+    """The runtime's producer settings; idempotent (acks=all) in both modes."""
+    config: dict[str, Any] = {**base_config(), "linger.ms": 2, "compression.type": "lz4",
+                              "enable.idempotence": True, "acks": "all"}
+    if transactional_id:
+        config.update({"transactional.id": transactional_id, "transaction.timeout.ms": 30000})
+    return config
+
+
+def next_offsets(batch: list[Message]) -> list[TopicPartition]:
+    last: dict[tuple[str, int], int] = {}
+    for m in batch:
+        key = (m.topic() or "", m.partition() or 0)
+        last[key] = max(last.get(key, -1), m.offset() or 0)
+    return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
+
+
+class FanIn:
+    """Emit once per key when the last of ``need`` inputs for it has arrived."""
+
+    def __init__(self, need: int) -> None:
+        self.need = need
+        self.seen: dict[bytes, int] = {}
+
+    def arrive(self, key: bytes) -> bool:
+        n = self.seen.get(key, 0) + 1
+        if n >= self.need:
+            self.seen.pop(key, None)
+            return True
+        self.seen[key] = n
+        return False
+
+
+def run_stage(spec: dict[str, Any]) -> None:
+    """Consume → produce until SIGTERM. ``spec``: name, group, routes {in: out|None},
+    fan_in, transactional, samples (path of the captured records, by original topic),
+    originals {ceiling topic: original topic}."""
+    routes: dict[str, str | None] = spec["routes"]
+    samples = load_samples(Path(spec["samples"]))
+    originals: dict[str, str] = spec["originals"]
+    payload = {out: samples[originals[out]] for out in routes.values() if out is not None}
+    transactional = bool(spec["transactional"])
+    fan_in = FanIn(sum(1 for out in routes.values() if out is not None)) if spec["fan_in"] else None
+    consumer = Consumer(consumer_config(spec["group"], spec["name"]))
+    producer = Producer(producer_config(spec["group"] if transactional else None))
+    if transactional:
+        producer.init_transactions(30)
+    running = [True]
+
+    def stop(*_: Any) -> None:
+        running[0] = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    consumer.subscribe(list(routes))
+    try:
+        while running[0]:
+            batch = [m for m in consumer.consume(BATCH, POLL_S) if m.error() is None]
+            if not batch:
+                continue
+            if transactional:
+                producer.begin_transaction()
+            for m in batch:
+                out = routes.get(m.topic() or "")
+                if out is None:
+                    continue
+                key = m.key() or b""
+                if fan_in is not None and not fan_in.arrive(key):
+                    continue
+                record = payload[out]
+                producer.produce(out, key=key, value=record.value, headers=record.headers)
+                producer.poll(0)
+            if transactional:
+                producer.send_offsets_to_transaction(next_offsets(batch),
+                                                     consumer.consumer_group_metadata(), 30)
+                producer.commit_transaction(30)
+            else:
+                producer.poll(0)
+                consumer.commit(offsets=next_offsets(batch), asynchronous=True)
+    finally:
+        producer.flush(10)
+        consumer.close()
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2 or argv[0] != "stage":
+        raise SystemExit("usage: python -m bench.ceiling stage SPEC.json")
+    run_stage(json.loads(Path(argv[1]).read_text()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

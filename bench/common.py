@@ -1,0 +1,273 @@
+"""Pure helpers of the benchmarks: statistics, the happy path's hop count, /proc readings,
+Prometheus scraping and Redis memory, so the drivers stay short and the logic is testable."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+# -- statistics -----------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The ``p``-th percentile (0..100) by linear interpolation between closest ranks
+    (numpy's default); 0.0 for no values."""
+    if not values:
+        return 0.0
+    if not 0.0 <= p <= 100.0:
+        raise ValueError(f"percentile {p} is not within 0..100")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def latency_summary(latencies_ms: Sequence[float]) -> dict[str, float]:
+    """p50/p95/p99/max/mean of a list of latencies in ms, rounded to 0.1 ms."""
+    if not latencies_ms:
+        return {"count": 0, "p50_ms": 0.0, "p95_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0,
+                "mean_ms": 0.0}
+    return {
+        "count": len(latencies_ms),
+        "p50_ms": round(percentile(latencies_ms, 50), 1),
+        "p95_ms": round(percentile(latencies_ms, 95), 1),
+        "p99_ms": round(percentile(latencies_ms, 99), 1),
+        "max_ms": round(max(latencies_ms), 1),
+        "mean_ms": round(statistics.fmean(latencies_ms), 1),
+    }
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of repeated measurements with their range, for noisy machines."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+    @property
+    def spread_pct(self) -> float:
+        """(high - low) / median in percent; 0 when the median is 0."""
+        return 0.0 if self.median == 0 else 100.0 * (self.high - self.low) / abs(self.median)
+
+    def as_dict(self, digits: int = 1) -> dict[str, float]:
+        return {"median": round(self.median, digits), "min": round(self.low, digits),
+                "max": round(self.high, digits), "n": self.n,
+                "spread_pct": round(self.spread_pct, 1)}
+
+
+def spread(values: Iterable[float]) -> Spread:
+    found = [float(v) for v in values]
+    if not found:
+        return Spread(0.0, 0.0, 0.0, 0)
+    return Spread(statistics.median(found), min(found), max(found), len(found))
+
+
+def summarise_repeats(runs: Sequence[Mapping[str, Any]], keys: Sequence[str],
+                      digits: int = 1) -> dict[str, dict[str, float]]:
+    """For each numeric ``key`` (dotted for nested dicts), the median and range over runs."""
+    return {key: spread(_dig(run, key) for run in runs).as_dict(digits) for key in keys}
+
+
+def _dig(data: Mapping[str, Any], dotted: str) -> float:
+    value: Any = data
+    for part in dotted.split("."):
+        value = value[part]
+    return float(value)
+
+
+# -- the happy path as stages ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One consume→produce process of the ceiling chain, mirroring one pipeline service.
+
+    ``routes`` maps each input topic to the topic it produces on (None: consume only).
+    A ``fan_in`` stage produces once per delivery, when the last of its inputs arrived.
+    """
+
+    name: str
+    routes: Mapping[str, str | None]
+    fan_in: bool = False
+
+    @property
+    def inputs(self) -> list[str]:
+        return list(self.routes)
+
+    @property
+    def outputs(self) -> list[str]:
+        return sorted({t for t in self.routes.values() if t is not None})
+
+
+SOURCE_TOPIC = "delivery.requested"
+TERMINAL_TOPIC = "delivery.shipped"
+
+# The happy path of one delivery through the real services (no failure injected): which
+# service consumes what and produces what. tests/unit/test_bench.py checks it against the
+# services' own declarations, so it cannot drift from the workflow silently.
+HAPPY_PATH: tuple[Stage, ...] = (
+    Stage("package", {"delivery.requested": "package.ready"}),
+    Stage("drone-scheduler", {"delivery.requested": "drone.scheduled", "delivery.shipped": None}),
+    Stage("delivery", {"package.ready": "delivery.shipped", "drone.scheduled": "delivery.shipped"},
+          fan_in=True),
+    Stage("notifier", {"delivery.shipped": None}),
+)
+
+
+@dataclass(frozen=True)
+class Hops:
+    """Messages per delivery on each topic, and the totals a chain of stages moves."""
+
+    per_topic: dict[str, int]
+    produced: int  # records written per delivery (the source's included)
+    consumed: int  # records read by stages per delivery (produce→consume hops)
+    topics: int = field(default=0)
+
+
+def hop_count(stages: Sequence[Stage], source: str = SOURCE_TOPIC) -> Hops:
+    """Propagate one source record through ``stages``: how many records each topic gets,
+    how many are produced in all and how many consumed (each consuming stage reads its own
+    copy). A fan-in stage emits once per delivery, whatever the number of inputs."""
+    counts: dict[str, int] = {source: 1}
+    for _ in range(len(stages) + 1):  # enough passes for any acyclic order of stages
+        new: dict[str, int] = {source: 1}
+        for stage in stages:
+            if stage.fan_in:
+                by_output: dict[str, list[int]] = {}
+                for topic, out in stage.routes.items():
+                    if out is not None:
+                        by_output.setdefault(out, []).append(counts.get(topic, 0))
+                for out, ins in by_output.items():
+                    new[out] = new.get(out, 0) + min(ins)
+            else:
+                for topic, out in stage.routes.items():
+                    if out is not None:
+                        new[out] = new.get(out, 0) + counts.get(topic, 0)
+        if new == counts:
+            break
+        counts = new
+    else:
+        raise ValueError("the stages form a cycle: the hop count does not settle")
+    consumed = sum(counts.get(topic, 0) for stage in stages for topic in stage.inputs)
+    return Hops(dict(sorted(counts.items())), sum(counts.values()), consumed, len(counts))
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    cpu_s: float  # user + system seconds since the process started
+    rss_kb: int
+    hwm_kb: int  # peak resident set size (VmHWM)
+
+
+def parse_stat_cpu(stat_line: str, clk_tck: int = CLK_TCK) -> float:
+    """utime + stime in seconds from a /proc/<pid>/stat line (the name may hold spaces)."""
+    fields = stat_line.rsplit(")", 1)[1].split()
+    # after the name: state is field 3, utime 14 and stime 15 (1-based) of the full line
+    return (int(fields[11]) + int(fields[12])) / clk_tck
+
+
+def parse_status_kb(status_text: str, name: str) -> int:
+    for line in status_text.splitlines():
+        if line.startswith(name + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def sample_process(pid: int) -> ProcSample | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return ProcSample(parse_stat_cpu(stat), parse_status_kb(status, "VmRSS"),
+                      parse_status_kb(status, "VmHWM"))
+
+
+def load_average() -> list[float]:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
+
+
+# -- Prometheus -----------------------------------------------------------------------------
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text → {'name{label="v",...}': value} for every sample (labels sorted)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            found[f"{sample.name}{{{labels}}}"] = float(sample.value)
+    return found
+
+
+def metric_sum(samples: Mapping[str, float], name: str, **labels: str) -> float:
+    """The sum of every sample of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    for key, value in samples.items():
+        base, _, rest = key.partition("{")
+        if base == name and all(w in rest for w in wanted):
+            total += value
+    return total
+
+
+def batch_figures(before: Mapping[str, float], after: Mapping[str, float], service: str,
+                  seconds: float) -> dict[str, float]:
+    """Transactions (batches), their mean size and rate, and aborts, between two scrapes."""
+    count = (metric_sum(after, "choreo_batch_size_count", service=service)
+             - metric_sum(before, "choreo_batch_size_count", service=service))
+    total = (metric_sum(after, "choreo_batch_size_sum", service=service)
+             - metric_sum(before, "choreo_batch_size_sum", service=service))
+    aborts = (metric_sum(after, "choreo_transaction_aborts_total", service=service)
+              - metric_sum(before, "choreo_transaction_aborts_total", service=service))
+    return {
+        "transactions": count,
+        "events_in_batches": total,
+        "mean_batch": round(total / count, 1) if count else 0.0,
+        "transactions_per_s": round(count / seconds, 1) if seconds > 0 else 0.0,
+        "aborts": aborts,
+    }
+
+
+# -- misc -----------------------------------------------------------------------------------
+
+
+def free_port(pair: bool = False) -> int:
+    """A free loopback port (and the one after it when ``pair``: Kafka's controller)."""
+    for _ in range(50):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if not pair:
+            return port
+        with socket.socket() as other:
+            try:
+                other.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair found")
+
+
+def rate(count: float, seconds: float) -> float:
+    return round(count / seconds, 1) if seconds > 0 else 0.0

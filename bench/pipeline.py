@@ -1,0 +1,695 @@
+"""Pipeline throughput, latency and memory, beside the ceiling of the same machine.
+
+    .venv/bin/python -m bench.pipeline --deliveries 2000 --repeats 3 --rates 500,1000 \\
+        --out bench/results/pipeline.json
+
+Starts a **private** stack (Kafka, Redis, schema registry on free ports, data under a
+temporary ``CHOREO_DATA_DIR``) and the five services as their own processes (exactly-once:
+every batch is one Kafka transaction), so nothing else on the machine shares its topics,
+consumer groups, transactional ids or Redis, and Redis memory figures are its own. Then,
+per repeat:
+
+1. **pipeline, closed loop**: N deliveries through the Python producer API
+   (``producers.client.DeliveryClient``: validation, admission, state table, Avro) at full
+   speed, from a driver process; a ``read_committed`` observer in this process times each
+   delivery from its broker confirmation to its committed ``delivery.shipped``;
+2. **ceiling, transactional** and 3. **ceiling, plain**: the same happy path
+   (``bench.common.HAPPY_PATH``: the same consume→produce hops, topics of the same partition
+   count, records of the same sizes, the runtime's client settings, one process per
+   stage) with confluent-kafka and no logic, through the same broker.
+
+Then open-loop runs at each ``--rates`` (requests on a fixed schedule), a Redis memory probe
+(bytes per accepted and per completed delivery, and the keys one delivery leaves), and,
+with ``--profile SERVICE,...``, py-spy profiles of those services under closed-loop load.
+
+Figures go to the JSON file (its path is printed); the last line printed is the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+from confluent_kafka import Consumer, TopicPartition
+
+from bench.ceiling import Record, save_samples
+from bench.common import (
+    HAPPY_PATH, SOURCE_TOPIC, TERMINAL_TOPIC, Hops, ProcSample, Stage, batch_figures,
+    free_port, hop_count, latency_summary, load_average, parse_metrics, rate, sample_process,
+    summarise_repeats,
+)
+from choreo.config import REPO_ROOT, settings
+
+RESULTS = REPO_ROOT / "bench" / "results"
+SERVICES = ["package", "drone-scheduler", "delivery", "notifier", "supervisor"]
+OUTCOME_TOPICS = ["delivery.shipped", "delivery.failed"]
+TARGETS = {"deliveries_per_s": 5000.0, "ratio": 0.5, "p99_ms_at_1000": 150.0,
+           "rss_mb_per_service": 150.0, "redis_bytes_per_inflight": 1024.0}
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -- the private stack ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Private:
+    """A stack of our own: its data directory, ports and the env that points at it."""
+
+    data_dir: Path
+    kafka: int
+    redis: int
+    registry: int
+    owned_dir: bool
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{self.kafka}",
+            "REDIS_URL": f"redis://127.0.0.1:{self.redis}/0",
+            "SCHEMA_REGISTRY_URL": f"http://127.0.0.1:{self.registry}",
+            "CHOREO_DATA_DIR": str(self.data_dir),
+        }
+
+    @classmethod
+    def at(cls, directory: str | None) -> Private:
+        data_dir = Path(directory or tempfile.mkdtemp(prefix="choreo-bench-")).resolve()
+        data_dir.mkdir(parents=True, exist_ok=True)
+        ports_file = data_dir / "bench-ports.json"
+        if ports_file.exists():
+            ports = json.loads(ports_file.read_text())
+        else:
+            ports = {"kafka": free_port(pair=True), "redis": free_port(), "registry": free_port()}
+            ports_file.write_text(json.dumps(ports))
+        return cls(data_dir, ports["kafka"], ports["redis"], ports["registry"],
+                   owned_dir=directory is None)
+
+    def activate(self) -> None:
+        """Point this process (and every child it starts) at the private stack."""
+        os.environ.update(self.env)
+        settings.cache_clear()
+
+
+def stack_pids() -> dict[str, int]:
+    from infra import stack
+    from infra.redis_server import redis_process
+    from infra.registry.launch import registry_process
+
+    cfg = settings()
+    found = {"kafka": stack.kafka_cluster(cfg).node(0).pid(),
+             "redis": redis_process(cfg.redis_url, cfg.data_dir).pid(),
+             "registry": registry_process(cfg).pid()}
+    return {name: pid for name, pid in found.items() if pid is not None}
+
+
+# -- processes we watch ---------------------------------------------------------------------
+
+
+class Watch:
+    """CPU seconds and peak RSS of named processes between two moments."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = dict(pids)
+        self.start: dict[str, ProcSample] = {}
+        self.t0 = 0.0
+
+    def begin(self) -> None:
+        self.t0 = time.monotonic()
+        self.start = {n: s for n, p in self.pids.items() if (s := sample_process(p)) is not None}
+
+    def end(self) -> dict[str, dict[str, float]]:
+        elapsed = time.monotonic() - self.t0
+        out: dict[str, dict[str, float]] = {}
+        for name, pid in self.pids.items():
+            now = sample_process(pid)
+            first = self.start.get(name)
+            if now is None or first is None:
+                continue
+            cpu = now.cpu_s - first.cpu_s
+            out[name] = {"cpu_s": round(cpu, 2), "cpu_pct": round(100 * cpu / elapsed, 1),
+                         "rss_mb": round(now.rss_kb / 1024, 1),
+                         "peak_rss_mb": round(now.hwm_kb / 1024, 1)}
+        return out
+
+
+def scrape(ports: dict[str, int]) -> dict[str, float]:
+    samples: dict[str, float] = {}
+    for port in ports.values():
+        try:
+            samples.update(parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics",
+                                                   timeout=2.0).text))
+        except httpx.HTTPError:
+            pass
+    return samples
+
+
+# -- the observer ---------------------------------------------------------------------------
+
+
+class Observer:
+    """A read_committed consumer of outcome topics from their current end: when each key's
+    first outcome was committed (seen), on which topic, and how often (doubles)."""
+
+    def __init__(self, topics: Sequence[str]) -> None:
+        from choreo.kafka import base_config
+
+        self.consumer = Consumer({**base_config(), "group.id": f"bench-observer-{uuid.uuid4().hex[:8]}",
+                                  "enable.auto.commit": False, "isolation.level": "read_committed",
+                                  "fetch.wait.max.ms": 5})
+        meta = self.consumer.list_topics(timeout=10)
+        self.consumer.assign([
+            TopicPartition(t, p, self.consumer.get_watermark_offsets(TopicPartition(t, p), timeout=10)[1])
+            for t in topics for p in meta.topics[t].partitions
+        ])
+        self.seen: dict[str, tuple[float, str]] = {}
+        self.count: Counter[str] = Counter()
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for msg in self.consumer.consume(1000, 0.05):
+                now = time.monotonic()
+                key = msg.key()
+                if msg.error() is not None or key is None:
+                    continue
+                delivery = key.decode()
+                with self.lock:
+                    self.count[delivery] += 1
+                    self.seen.setdefault(delivery, (now, msg.topic() or ""))
+
+    def wait_for(self, keys: Sequence[str], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                if all(k in self.seen for k in keys):
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.consumer.close()
+
+
+# -- one measured run -----------------------------------------------------------------------
+
+
+def run_driver(argv: list[str], work: Path, tag: str) -> dict[str, Any]:
+    out = work / f"drive-{tag}.json"
+    with open(work / f"drive-{tag}.log", "wb") as logf:
+        code = subprocess.call([sys.executable, "-m", "bench.drive", *argv, "--out", str(out)],
+                               cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    if code != 0:
+        raise RuntimeError(f"driver {tag} failed ({code}); see {work / f'drive-{tag}.log'}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def outcome_figures(driven: dict[str, Any], observer: Observer, hops: Hops,
+                    waited: bool) -> dict[str, Any]:
+    accepted: list[list[Any]] = driven["accepted"]
+    with observer.lock:
+        seen = dict(observer.seen)
+        counts = Counter(observer.count)
+    ends = [(seen[i][0], seen[i][1]) for i, _, _ in accepted if i in seen]
+    shipped = sum(1 for _, topic in ends if topic == TERMINAL_TOPIC)
+    last = max((t for t, _ in ends), default=driven["end"])
+    elapsed = last - driven["start"]
+    from_accept = [(seen[i][0] - acc) * 1000 for i, _, acc in accepted if i in seen]
+    from_due = [(seen[i][0] - due) * 1000 for i, due, _ in accepted if i in seen]
+    done = len(ends)
+    return {
+        "accepted": len(accepted),
+        "refused": driven.get("refused", {}),
+        "publish_errors": driven.get("errors", {}),
+        "terminal": done,
+        "shipped": shipped,
+        "failed": done - shipped,
+        "lost_or_stuck": len(accepted) - done,
+        "more_than_one_outcome": sum(1 for i, _, _ in accepted if counts[i] > 1),
+        "all_terminal_in_time": waited,
+        "elapsed_s": round(elapsed, 3),
+        "submit_s": round(driven["submitted"] - driven["start"], 3),
+        "submit_per_s": rate(len(accepted), driven["submitted"] - driven["start"]),
+        "deliveries_per_s": rate(done, elapsed),
+        "events_per_s": rate(done * hops.produced, elapsed),
+        "consumes_per_s": rate(done * hops.consumed, elapsed),
+        "latency": latency_summary(from_accept),
+        "latency_from_schedule": latency_summary(from_due),
+    }
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, private: Private) -> None:
+        self.args = args
+        self.private = private
+        self.work = private.data_dir / "bench-work"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.services: dict[str, Any] = {}  # name -> ManagedProcess
+        self.metrics_ports: dict[str, int] = {}
+        self.hops = hop_count(HAPPY_PATH)
+        self.samples: dict[str, Record] = {}
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        from choreo import contracts, topology
+        from consumers.workflow import WORKFLOW
+        from infra import stack
+        from infra.demo import wait_for_groups
+        from infra.services import pipeline_specs, service_process
+        from schemas.models import CompensationRecord, StepReport
+
+        log(f"private stack in {self.private.data_dir} (Kafka :{self.private.kafka}, "
+            f"Redis :{self.private.redis}, registry :{self.private.registry})")
+        stack.start()
+        topology.create(WORKFLOW, self.args.partitions)
+        contracts.register(contracts.topic_models(WORKFLOW, (StepReport, CompensationRecord)))
+        env = {**self.private.env, "CHOREO_LOG_LEVEL": self.args.log_level}
+        for spec in pipeline_specs(self.args.instances):
+            port = free_port()
+            proc = service_process(spec, env)
+            proc = dataclasses.replace(proc, argv=[*proc.argv, "--metrics-port", str(port)])
+            proc.start(timeout_s=30)
+            key = spec.name if self.args.instances == 1 else f"{spec.name}-{spec.instance}"
+            self.services[key] = proc
+            self.metrics_ports[key] = port
+        wait_for_groups(SERVICES, 90)
+        log("services up: " + ", ".join(f"{n} (pid {p.pid()})" for n, p in self.services.items()))
+
+    def stop(self) -> None:
+        from infra.process import stop_all
+
+        stop_all(list(self.services.values()), timeout_s=15)
+
+    def pids(self) -> dict[str, int]:
+        found = {n: pid for n, p in self.services.items() if (pid := p.pid()) is not None}
+        return {**found, **stack_pids()}
+
+    # -- the pipeline ------------------------------------------------------------------------
+
+    def pipeline_run(self, n: int, rate_per_s: float, tag: str,
+                     profile: Sequence[str] = ()) -> dict[str, Any]:
+        client = redis.Redis.from_url(settings().redis_url)
+        watch = Watch(self.pids())
+        observer = Observer(OUTCOME_TOPICS)
+        before = scrape(self.metrics_ports)
+        mem_before = int(client.info("memory")["used_memory"])
+        spies = self._start_profilers(profile, tag)
+        watch.begin()
+        t0 = time.monotonic()
+        driven = run_driver(["pipeline", "--n", str(n), "--rate", str(rate_per_s),
+                             "--seed", str(abs(hash(tag)) % 10_000)], self.work, tag)
+        ids = [i for i, _, _ in driven["accepted"]]
+        waited = observer.wait_for(ids, self.args.timeout)
+        time.sleep(0.5)  # the notifier and the drone's return consume delivery.shipped too
+        seconds = time.monotonic() - t0
+        procs = watch.end()
+        profiles = self._stop_profilers(spies)
+        after = scrape(self.metrics_ports)
+        mem_after = int(client.info("memory")["used_memory"])
+        observer.close()
+        figures = outcome_figures(driven, observer, self.hops, waited)
+        figures.update({
+            "mode": "closed" if rate_per_s <= 0 else "open", "offered_per_s": rate_per_s,
+            "processes": procs,
+            "batches": {s: batch_figures(before, after, s, seconds) for s in SERVICES},
+            "redis_used_memory_before": mem_before, "redis_used_memory_after": mem_after,
+            "redis_bytes_retained_per_delivery": round((mem_after - mem_before) / max(1, len(ids))),
+            "load_average": load_average(),
+        })
+        if profiles:
+            figures["profile"] = profiles
+        log(f"{tag}: {figures['terminal']}/{n} terminal, {figures['deliveries_per_s']}/s, "
+            f"p50 {figures['latency']['p50_ms']} p99 {figures['latency']['p99_ms']} ms")
+        return figures
+
+    def _start_profilers(self, names: Sequence[str], tag: str) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        started = []
+        for name in names:
+            pid = self.services[name].pid()
+            out = self.work / f"profile-{tag}-{name}.txt"
+            proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "200", "--format",
+                                     "raw", "--output", str(out), "--nonblocking"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            started.append((name, proc, out))
+        if started:
+            time.sleep(1.0)  # py-spy attaches
+        return started
+
+    def _stop_profilers(self, spies: list[tuple[str, subprocess.Popen[bytes], Path]]) -> dict[str, Any]:
+        from bench.profile import summarise
+
+        found: dict[str, Any] = {}
+        for name, proc, out in spies:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+            if out.exists():
+                found[name] = {"raw": str(out), **summarise(out.read_text(), top=self.args.profile_top)}
+        return found
+
+    # -- the ceiling -------------------------------------------------------------------------
+
+    def capture_samples(self) -> dict[str, Record]:
+        """One committed record (value and headers) per happy-path topic, from the warm-up."""
+        from choreo.kafka import base_config
+
+        consumer = Consumer({**base_config(), "group.id": "bench-samples", "enable.auto.commit": False,
+                             "isolation.level": "read_committed"})
+        samples: dict[str, Record] = {}
+        try:
+            for topic in self.hops.per_topic:
+                meta = consumer.list_topics(topic, timeout=10).topics[topic]
+                for partition in meta.partitions:
+                    low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+                    if high > low:
+                        consumer.assign([TopicPartition(topic, partition, max(low, high - 20))])
+                        msgs = [m for m in consumer.consume(20, 5) if m.error() is None]
+                        if msgs:
+                            headers: list[tuple[str, str | bytes | None]] = list(msgs[-1].headers() or [])
+                            samples[topic] = Record(msgs[-1].value() or b"", headers)
+                            break
+        finally:
+            consumer.close()
+        missing = set(self.hops.per_topic) - set(samples)
+        if missing:
+            raise RuntimeError(f"no sample records on {sorted(missing)} after the warm-up")
+        return samples
+
+    def ceiling_run(self, n: int, transactional: bool, tag: str) -> dict[str, Any]:
+        from choreo.kafka import ensure_topics
+        from infra.demo import wait_for_groups
+
+        prefix = f"ceil.{tag}."
+        topics = {prefix + t: self.args.partitions for t in self.hops.per_topic}
+        ensure_topics(topics)
+        samples_path = self.work / "samples.json"
+        save_samples(samples_path, self.samples)
+        originals = {prefix + t: t for t in self.hops.per_topic}
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        groups = []
+        try:
+            for stage in HAPPY_PATH:
+                spec = self._stage_spec(stage, prefix, tag, transactional, samples_path, originals)
+                groups.append(spec["group"])
+                spec_path = self.work / f"stage-{tag}-{stage.name}.json"
+                spec_path.write_text(json.dumps(spec))
+                with open(self.work / f"stage-{tag}-{stage.name}.log", "wb") as logf:
+                    procs[f"ceiling-{stage.name}"] = subprocess.Popen(
+                        [sys.executable, "-m", "bench.ceiling", "stage", str(spec_path)],
+                        cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+            wait_for_groups(groups, 60)
+            watch = Watch({**{n_: p.pid for n_, p in procs.items()}, **stack_pids()})
+            observer = Observer([prefix + TERMINAL_TOPIC])
+            watch.begin()
+            driven = run_driver(["ceiling", "--n", str(n), "--topic", prefix + SOURCE_TOPIC,
+                                 "--samples", str(samples_path)], self.work, tag)
+            waited = observer.wait_for([i for i, _, _ in driven["accepted"]], self.args.timeout)
+            used = watch.end()
+            observer.close()
+        finally:
+            for proc in procs.values():
+                proc.send_signal(signal.SIGTERM)
+            for proc in procs.values():
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+        self._delete_topics(list(topics))
+        figures = outcome_figures(driven, observer, self.hops, waited)
+        figures.update({"mode": "transactional" if transactional else "plain", "processes": used,
+                        "load_average": load_average()})
+        log(f"{tag}: {figures['terminal']}/{n} terminal, {figures['deliveries_per_s']}/s, "
+            f"p50 {figures['latency']['p50_ms']} p99 {figures['latency']['p99_ms']} ms")
+        return figures
+
+    def _stage_spec(self, stage: Stage, prefix: str, tag: str, transactional: bool,
+                    samples_path: Path, originals: dict[str, str]) -> dict[str, Any]:
+        return {
+            "name": f"ceiling-{stage.name}",
+            "group": f"ceil-{tag}-{stage.name}",
+            "routes": {prefix + t: (prefix + o if o else None) for t, o in stage.routes.items()},
+            "fan_in": stage.fan_in,
+            "transactional": transactional,
+            "samples": str(samples_path),
+            "originals": originals,
+        }
+
+    def _delete_topics(self, topics: list[str]) -> None:
+        from choreo.kafka import admin
+
+        for future in admin().delete_topics(topics, request_timeout=30).values():
+            try:
+                future.result(30)
+            except Exception:  # best effort: the private stack goes away anyway
+                pass
+
+    # -- Redis memory ------------------------------------------------------------------------
+
+    def memory_probe(self, n: int) -> dict[str, Any]:
+        """Bytes per delivery while accepted but not yet worked (the step consumers paused
+        with SIGSTOP for a moment), and once completed; and the keys one delivery leaves."""
+        client = redis.Redis.from_url(settings().redis_url)
+        paused = [self.services[s].pid() for s in ("package", "drone-scheduler") if s in self.services]
+        base = int(client.info("memory")["used_memory"])
+        observer = Observer(OUTCOME_TOPICS)
+        for pid in paused:
+            if pid:
+                os.kill(pid, signal.SIGSTOP)
+        try:
+            driven = run_driver(["pipeline", "--n", str(n), "--seed", "99"], self.work, "memory")
+            accepted_mem = int(client.info("memory")["used_memory"])
+        finally:
+            for pid in paused:
+                if pid:
+                    os.kill(pid, signal.SIGCONT)
+        ids = [i for i, _, _ in driven["accepted"]]
+        waited = observer.wait_for(ids, self.args.timeout)
+        time.sleep(1.0)
+        done_mem = int(client.info("memory")["used_memory"])
+        observer.close()
+        keys = self._keys_of(client, ids[0]) if ids else {}
+        per_accepted = (accepted_mem - base) / max(1, len(ids))
+        per_done = (done_mem - base) / max(1, len(ids))
+        return {
+            "deliveries": len(ids), "all_terminal": waited,
+            "used_memory_base": base, "used_memory_accepted": accepted_mem,
+            "used_memory_completed": done_mem,
+            "bytes_per_accepted_delivery": round(per_accepted),
+            "bytes_per_completed_delivery": round(per_done),
+            "bytes_per_inflight_delivery_upper_bound": round(max(per_accepted, per_done)),
+            "keys_of_one_delivery": keys,
+            "keys_total_after": int(client.dbsize()),
+        }
+
+    def _keys_of(self, client: redis.Redis, delivery_id: str) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for key in client.scan_iter(match=f"*{{{delivery_id}}}*", count=5000):
+            name = key.decode()
+            found[name.replace(delivery_id, "<id>")] = {
+                "type": client.type(key).decode(),  # type: ignore[union-attr]
+                "bytes": client.memory_usage(key), "ttl_s": client.ttl(key)}
+        for shared in ("ingestion:inflight", "deadlines", "notifications", "fleet:history",
+                       "fleet:booking"):
+            if client.exists(shared):
+                found[f"(shared) {shared}"] = {"type": client.type(shared).decode(),  # type: ignore[union-attr]
+                                               "bytes": client.memory_usage(shared),
+                                               "ttl_s": client.ttl(shared)}
+        return found
+
+
+# -- the whole run ----------------------------------------------------------------------------
+
+
+def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return summarise_repeats(runs, ["deliveries_per_s", "events_per_s", "latency.p50_ms",
+                                    "latency.p95_ms", "latency.p99_ms", "latency.max_ms"])
+
+
+def evaluate(summary: dict[str, Any]) -> dict[str, Any]:
+    """Each target of issue 8 with the measured figure, met or not, and by how much."""
+    def check(name: str, value: float | None, target: float, higher_is_better: bool) -> dict[str, Any]:
+        if value is None:
+            return {"target": target, "measured": None, "met": None}
+        met = value >= target if higher_is_better else value <= target
+        factor = (target / value if higher_is_better else value / target) if value else float("inf")
+        return {"target": target, "measured": value, "met": met,
+                "off_by_factor": None if met else round(factor, 2)}
+
+    return {
+        "deliveries_per_s": check("deliveries_per_s", summary.get("deliveries_per_s"),
+                                  TARGETS["deliveries_per_s"], True),
+        "ratio": check("ratio", summary.get("ratio"), TARGETS["ratio"], True),
+        "p99_ms_at_1000_offered": check("p99", summary.get("p99_ms_at_1000"),
+                                        TARGETS["p99_ms_at_1000"], False),
+        "max_service_peak_rss_mb": check("rss", summary.get("max_service_peak_rss_mb"),
+                                         TARGETS["rss_mb_per_service"], False),
+        "redis_bytes_per_inflight_delivery": check(
+            "redis", summary.get("redis_bytes_per_inflight"), TARGETS["redis_bytes_per_inflight"], False),
+        "redis_flat_after_completion": {
+            "target": 0, "measured": summary.get("redis_bytes_retained_per_completed"),
+            "met": (summary.get("redis_bytes_retained_per_completed") or 0) <= 0},
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    private = Private.at(args.stack_dir)
+    private.activate()
+    load_before = load_average()
+    bench = Bench(args, private)
+    result: dict[str, Any] = {
+        "command": " ".join([".venv/bin/python", "-m", "bench.pipeline", *sys.argv[1:]]),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform(), "load_average_before": load_before},
+        "config": {"deliveries": args.deliveries, "repeats": args.repeats, "rates": args.rates,
+                   "open_seconds": args.open_seconds, "partitions": args.partitions,
+                   "instances_per_service": args.instances, "log_level": args.log_level,
+                   "stack": "private (own Kafka, Redis, registry on free ports)"},
+        "hops": dataclasses.asdict(bench.hops),
+    }
+    from infra import stack
+
+    try:
+        bench.start()
+        log("warm-up: 200 deliveries")
+        result["warmup"] = bench.pipeline_run(200, 0, "warmup")
+        bench.samples = bench.capture_samples()
+        result["message_bytes"] = {t: {"value": len(r.value), "with_headers": r.size}
+                                   for t, r in bench.samples.items()}
+        runs: list[dict[str, Any]] = []
+        for r in range(args.repeats):
+            pipeline = bench.pipeline_run(args.deliveries, 0, f"closed-{r}")
+            txn = bench.ceiling_run(args.deliveries, True, f"txn-{r}")
+            plain = bench.ceiling_run(args.deliveries, False, f"plain-{r}")
+            runs.append({
+                "repeat": r, "pipeline": pipeline, "ceiling_transactional": txn, "ceiling_plain": plain,
+                "ratio": round(pipeline["events_per_s"] / txn["events_per_s"], 3) if txn["events_per_s"] else 0.0,
+                "ratio_vs_plain": round(pipeline["events_per_s"] / plain["events_per_s"], 3) if plain["events_per_s"] else 0.0,
+            })
+        result["runs"] = runs
+        open_loop: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r in range(args.repeats):
+            for offered in args.rates:
+                n = max(1, int(offered * args.open_seconds))
+                open_loop[str(int(offered))].append(bench.pipeline_run(n, offered, f"open-{int(offered)}-{r}"))
+        result["open_loop"] = dict(open_loop)
+        if args.profile:
+            log(f"profiling {', '.join(args.profile)} under closed-loop load")
+            result["profile_run"] = bench.pipeline_run(args.deliveries, 0, "profile", args.profile)
+        result["memory"] = bench.memory_probe(min(1000, args.deliveries))
+        all_procs = [run_["pipeline"]["processes"] for run_ in runs]
+        result["peak_rss_mb"] = {name: max(p.get(name, {}).get("peak_rss_mb", 0.0) for p in all_procs)
+                                 for name in list(bench.services) + ["kafka", "redis", "registry"]}
+    finally:
+        bench.stop()
+        if not args.keep_stack:
+            stack.stop()
+            if private.owned_dir:
+                shutil.rmtree(private.data_dir, ignore_errors=True)
+    result["machine"]["load_average_after"] = load_average()
+    result["summary"] = summarise(result, bench)
+    result["targets"] = evaluate(result["summary"])
+    result["summary"]["targets_met"] = {k: v["met"] for k, v in result["targets"].items()}
+    return result
+
+
+def summarise(result: dict[str, Any], bench: Bench) -> dict[str, Any]:
+    runs = result["runs"]
+    pipe = median_summary([r["pipeline"] for r in runs])
+    txn = median_summary([r["ceiling_transactional"] for r in runs])
+    plain = median_summary([r["ceiling_plain"] for r in runs])
+    ratio = summarise_repeats(runs, ["ratio", "ratio_vs_plain"], digits=3)
+    open_p99 = {rate_: summarise_repeats(rs, ["latency.p50_ms", "latency.p99_ms", "deliveries_per_s",
+                                               "latency_from_schedule.p99_ms"])
+                for rate_, rs in result["open_loop"].items()}
+    at_1000 = open_p99.get("1000", {}).get("latency.p99_ms", {}).get("median")
+    services_rss = [v for k, v in result["peak_rss_mb"].items() if k in bench.services]
+    return {
+        "deliveries_per_s": pipe["deliveries_per_s"]["median"],
+        "events_per_s": pipe["events_per_s"]["median"],
+        "ceiling_transactional_events_per_s": txn["events_per_s"]["median"],
+        "ceiling_plain_events_per_s": plain["events_per_s"]["median"],
+        "ratio": ratio["ratio"]["median"],
+        "ratio_vs_plain": ratio["ratio_vs_plain"]["median"],
+        "pipeline": pipe, "ceiling_transactional": txn, "ceiling_plain": plain, "ratios": ratio,
+        "open_loop": open_p99,
+        "p99_ms_at_1000": at_1000,
+        "max_service_peak_rss_mb": max(services_rss) if services_rss else None,
+        "peak_rss_mb": result["peak_rss_mb"],
+        "redis_bytes_per_inflight": result["memory"]["bytes_per_inflight_delivery_upper_bound"],
+        "redis_bytes_per_accepted": result["memory"]["bytes_per_accepted_delivery"],
+        "redis_bytes_retained_per_completed": result["memory"]["bytes_per_completed_delivery"],
+        "hops_per_delivery": {"produced": bench.hops.produced, "consumed": bench.hops.consumed},
+        "load_average": {"before": result["machine"]["load_average_before"],
+                         "after": result["machine"]["load_average_after"]},
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--deliveries", "-n", type=int, default=2000, help="deliveries per closed-loop run")
+    parser.add_argument("--repeats", "-r", type=int, default=3)
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x],
+                        default=[500.0, 1000.0], help="open-loop offered rates, deliveries/s")
+    parser.add_argument("--open-seconds", type=float, default=4.0, help="length of each open-loop run")
+    parser.add_argument("--partitions", type=int, default=6)
+    parser.add_argument("--instances", type=int, default=1, help="processes per service")
+    parser.add_argument("--log-level", default="INFO", help="services' CHOREO_LOG_LEVEL")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for outcomes")
+    parser.add_argument("--profile", type=lambda s: [x for x in s.split(",") if x], default=[],
+                        help="services to profile with py-spy in an extra closed-loop run")
+    parser.add_argument("--profile-top", type=int, default=15)
+    parser.add_argument("--stack-dir", default=None,
+                        help="reuse a private stack directory (default: a fresh temporary one)")
+    parser.add_argument("--keep-stack", action="store_true", help="leave the private stack running")
+    parser.add_argument("--out", default=str(RESULTS / "pipeline.json"))
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(out)
+    summary = {k: v for k, v in result["summary"].items()
+               if k not in ("pipeline", "ceiling_transactional", "ceiling_plain", "ratios", "peak_rss_mb")}
+    print(json.dumps(summary, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()

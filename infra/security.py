@@ -1,0 +1,337 @@
+"""Principals, SCRAM credentials and Kafka ACLs, derived from the workflow's topology.
+
+Nothing here is a second, hand-kept list of topics: every ACL is computed from the services'
+own declarations (``service.topics``, ``service.outputs``) through ``choreo.topology.derive``,
+the same source that creates the topics. A service that starts consuming a new topic gets
+its READ the next time ``apply`` runs; a topic no service declares is reachable by no one but
+the admin.
+
+Per service principal ``User:<service>`` (the consumer group is the service name, the
+``transactional.id`` is ``<service>-<instance>``):
+
+* READ on every topic it consumes (its inputs and its retry topics) and on its group (and
+  on ``replay.<service>.*`` groups, for ``choreo ops replay``, which runs as the service);
+* WRITE on every topic it produces, on the dead-letter topic of each input, and on
+  ``recovery`` (every step reports there);
+* WRITE on transactional ids prefixed ``<service>-`` (WRITE implies DESCRIBE).
+
+The supervisor also READs each step's trigger and retry topics (it fetches the source of a
+step it requeues) with its ``<name>-source-reader`` group. Ingestion may WRITE
+``delivery.requested`` and DESCRIBE the groups whose lag is its admission backlog. The
+registry owns ``_schemas``. Ops tools (``ops``) read every workflow topic, write them
+(redrive), own the redrive marker topic and ``choreo-ops-*`` groups and transactional ids.
+Idempotent producers need no IDEMPOTENT_WRITE since Kafka 3.0 (KIP-679: WRITE on a topic
+implies it).
+
+Secrets never come from the repository: a password is read from
+``CHOREO_KAFKA_PASSWORD_<USER>`` (``-`` becomes ``_``, upper case) when set, else from
+``<secrets dir>/kafka/<user>.password``, generated there on first use with mode 0600
+(directory 0700). The secrets dir defaults to ``$CHOREO_DATA_DIR/secrets``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets as _random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from confluent_kafka.admin import AclBinding, AdminClient  # type: ignore[attr-defined]
+
+    from choreo.topology import Topology
+    from choreo.workflow import Workflow
+
+ADMIN = "admin"
+OPS = "ops"
+REGISTRY = "schema-registry"
+REGISTRY_TOPIC = "_schemas"
+INGESTION = "ingestion"
+MECHANISM = "SCRAM-SHA-256"
+SCRAM_ITERATIONS = 8192
+RECOVERY_TOPIC = "recovery"
+# choreo.ops.dlq's marker topic and transactional id; ops readers use choreo-ops-reader-*
+OPS_PREFIX = "choreo-ops-"
+REDRIVEN_TOPIC = "choreo.dlq.redriven"
+
+Resource = Literal["topic", "group", "transactional_id", "cluster"]
+Pattern = Literal["literal", "prefixed"]
+Operation = Literal["READ", "WRITE", "DESCRIBE", "CREATE", "DESCRIBE_CONFIGS", "IDEMPOTENT_WRITE"]
+
+
+@dataclass(frozen=True, order=True)
+class Acl:
+    """One ALLOW rule: ``principal`` may ``operation`` on ``resource`` ``name``."""
+
+    user: str
+    resource: Resource
+    name: str
+    operation: Operation
+    pattern: Pattern = "literal"
+
+    @property
+    def principal(self) -> str:
+        return f"User:{self.user}"
+
+    def binding(self) -> AclBinding:
+        from confluent_kafka.admin import (  # type: ignore[attr-defined]
+            AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType,
+        )
+
+        kinds = {"topic": ResourceType.TOPIC, "group": ResourceType.GROUP,
+                 "transactional_id": ResourceType.TRANSACTIONAL_ID, "cluster": ResourceType.BROKER}
+        patterns = {"literal": ResourcePatternType.LITERAL, "prefixed": ResourcePatternType.PREFIXED}
+        return AclBinding(kinds[self.resource], self.name, patterns[self.pattern], self.principal,
+                          "*", AclOperation[self.operation], AclPermissionType.ALLOW)
+
+    def row(self) -> str:
+        star = "*" if self.pattern == "prefixed" else ""
+        return f"| {self.principal} | {self.operation} | {self.resource} | `{self.name}{star}` |"
+
+
+def _dlq(topic: str) -> str:
+    return f"{topic}.dlq"
+
+
+def _retry(service: str, topic: str) -> str:
+    return f"retry.{service}.{topic}"
+
+
+@dataclass
+class Policy:
+    """Every principal of the workflow and its ACLs."""
+
+    acls: list[Acl] = field(default_factory=list)
+
+    @property
+    def users(self) -> list[str]:
+        return sorted({a.user for a in self.acls})
+
+    def of(self, user: str) -> list[Acl]:
+        return sorted(a for a in self.acls if a.user == user)
+
+    def bindings(self) -> list[AclBinding]:
+        return [a.binding() for a in sorted(set(self.acls))]
+
+    def table(self) -> str:
+        """Markdown table of every rule (SECURITY.md embeds it: ``python -m infra.security table``)."""
+        lines = ["| principal | operation | resource | name |", "| --- | --- | --- | --- |"]
+        lines += [a.row() for a in sorted(set(self.acls))]
+        return "\n".join(lines)
+
+
+def derive_policy(workflow: Workflow, topo: Topology | None = None, *,
+                  registry_topic: str = REGISTRY_TOPIC) -> Policy:
+    """ACLs for every service of ``workflow``, ingestion, the registry and the ops tools."""
+    from choreo.topology import derive
+
+    topo = topo or derive(workflow)
+    acls: list[Acl] = []
+    names = [s.name for s in workflow.services]
+    for a in names:  # a prefix that covers another service's ids would leak its transactions
+        for b in names:
+            if a != b and b.startswith(f"{a}-"):
+                raise ValueError(f"service {b!r} starts with {a}-: transactional id prefixes overlap")
+    for service in workflow.services:
+        user = service.name
+        acls.append(Acl(user, "group", user, "READ"))
+        acls.append(Acl(user, "group", f"replay.{user}.", "READ", "prefixed"))
+        acls.append(Acl(user, "transactional_id", f"{user}-", "WRITE", "prefixed"))
+        acls.append(Acl(user, "topic", RECOVERY_TOPIC, "WRITE"))
+        for topic, handler in service.handlers.items():
+            acls.append(Acl(user, "topic", topic, "READ"))
+            acls.append(Acl(user, "topic", _dlq(handler.topic), "WRITE"))
+        for topic, producers in topo.producers.items():
+            if user in producers:
+                acls.append(Acl(user, "topic", topic, "WRITE"))
+    supervisor = next((s for s in workflow.services if s.name == "supervisor"), None)
+    if supervisor is not None:
+        acls.append(Acl(supervisor.name, "group", f"{supervisor.name}-source-reader", "READ"))
+        for step in workflow.steps:
+            for topic in step.triggers:
+                acls.append(Acl(supervisor.name, "topic", topic, "READ"))
+                acls.append(Acl(supervisor.name, "topic", _retry(step.service, topic), "READ"))
+    for topic, producer in workflow.extra_producers.items():
+        acls.append(Acl(producer, "topic", topic, "WRITE"))
+        acls.append(Acl(producer, "topic", RECOVERY_TOPIC, "WRITE"))
+        for group in sorted(topo.consumers.get(topic, ())):  # admission: lag of these groups
+            acls.append(Acl(producer, "group", group, "DESCRIBE"))
+    # the registry's own store
+    acls += [Acl(REGISTRY, "topic", registry_topic, op) for op in ("READ", "WRITE", "CREATE")]
+    acls.append(Acl(REGISTRY, "topic", registry_topic, "DESCRIBE_CONFIGS"))
+    acls.append(Acl(REGISTRY, "group", "schema-registry-", "READ", "prefixed"))
+    acls.append(Acl(REGISTRY, "transactional_id", "schema-registry-", "WRITE", "prefixed"))
+    # ops tools: read everything of the workflow, redrive into it, their own marker/groups/ids
+    for topic in sorted(topo.partitions):
+        acls.append(Acl(OPS, "topic", topic, "READ"))
+        acls.append(Acl(OPS, "topic", topic, "WRITE"))
+    for name in names:
+        acls.append(Acl(OPS, "group", name, "READ"))  # status, trace, reset of a stopped group
+    acls += [Acl(OPS, "topic", REDRIVEN_TOPIC, op) for op in ("READ", "WRITE", "CREATE")]
+    acls.append(Acl(OPS, "group", OPS_PREFIX, "READ", "prefixed"))
+    acls.append(Acl(OPS, "transactional_id", OPS_PREFIX, "WRITE", "prefixed"))
+    return Policy(sorted(set(acls)))
+
+
+# -- secrets -----------------------------------------------------------------------------------
+
+def _env_name(user: str) -> str:
+    return "CHOREO_KAFKA_PASSWORD_" + "".join(c if c.isalnum() else "_" for c in user).upper()
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by this user only (0600, created so: no window)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.parent.chmod(0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    path.chmod(0o600)
+
+
+def new_secret() -> str:
+    """A random password safe in every place it travels (JAAS, URLs, StorageTool arguments)."""
+    return _random.token_hex(24)
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """Where passwords live: the environment first, else generated files under ``root``."""
+
+    root: Path
+
+    @classmethod
+    def default(cls) -> Secrets:
+        from choreo.config import settings
+
+        return cls(settings().data_dir / "secrets")
+
+    def file(self, kind: str, user: str) -> Path:
+        return self.root / kind / f"{user}.password"
+
+    def password(self, user: str, kind: str = "kafka") -> str:
+        env = os.environ.get(_env_name(user)) if kind == "kafka" else None
+        if env:
+            return env
+        path = self.file(kind, user)
+        if path.exists():
+            return path.read_text().strip()
+        secret = new_secret()
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.root.chmod(0o700)
+        write_private(path, secret)
+        return secret
+
+    def password_file(self, user: str, kind: str = "kafka") -> Path:
+        """A file holding ``user``'s password (written from the environment when it came from there)."""
+        path = self.file(kind, user)
+        secret = self.password(user, kind)
+        if not path.exists() or path.read_text().strip() != secret:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_private(path, secret)
+        return path
+
+
+def client_env(user: str, bootstrap: str, secrets: Secrets) -> dict[str, str]:
+    """Environment for a process that runs as ``user`` (what ``choreo.kafka.base_config`` reads)."""
+    return {
+        "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+        "KAFKA_SASL_MECHANISM": MECHANISM,
+        "KAFKA_SASL_USERNAME": user,
+        "KAFKA_SASL_PASSWORD_FILE": str(secrets.password_file(user)),
+    }
+
+
+def client_config(user: str, bootstrap: str, secrets: Secrets) -> dict[str, Any]:
+    """librdkafka settings for ``user`` (tests and tools that build clients directly)."""
+    return {
+        "bootstrap.servers": bootstrap,
+        "security.protocol": "SASL_PLAINTEXT",
+        "sasl.mechanism": MECHANISM,
+        "sasl.username": user,
+        "sasl.password": secrets.password(user),
+    }
+
+
+# -- applying ----------------------------------------------------------------------------------
+
+def create_users(admin: AdminClient, users: Iterable[str], secrets: Secrets,
+                 timeout_s: float = 30.0) -> None:
+    """Create or update each user's SCRAM credential (idempotent)."""
+    from confluent_kafka.admin import (  # type: ignore[attr-defined]
+        ScramCredentialInfo, ScramMechanism, UserScramCredentialAlteration, UserScramCredentialUpsertion,
+    )
+
+    mechanism = ScramMechanism.SCRAM_SHA_256
+    upserts: list[UserScramCredentialAlteration] = [
+        UserScramCredentialUpsertion(user, ScramCredentialInfo(mechanism, SCRAM_ITERATIONS),
+                                     secrets.password(user).encode())
+        for user in sorted(set(users))
+    ]
+    if not upserts:
+        return
+    for future in admin.alter_user_scram_credentials(upserts, request_timeout=timeout_s).values():
+        future.result(timeout=timeout_s)
+
+
+def apply(admin: AdminClient, policy: Policy, secrets: Secrets, timeout_s: float = 30.0) -> None:
+    """Create every principal's credential and ACL (both idempotent); run as the admin."""
+    create_users(admin, policy.users, secrets, timeout_s)
+    bindings = policy.bindings()
+    for future in admin.create_acls(bindings, request_timeout=timeout_s).values():
+        future.result(timeout=timeout_s)
+
+
+def secured_topics(workflow: Workflow, bootstrap_config: dict[str, Any],
+                   partitions: int | None = None) -> Topology:
+    """Create the workflow's topics as the admin (services have no CREATE)."""
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    from choreo.topology import DEFAULT_PARTITIONS, derive
+
+    topo = derive(workflow, partitions or DEFAULT_PARTITIONS)
+    admin = AdminClient(bootstrap_config)
+    existing = set(admin.list_topics(timeout=30).topics)
+    new = [NewTopic(t, num_partitions=n, replication_factor=-1, config=topo.configs.get(t, {}))
+           for t, n in topo.partitions.items() if t not in existing]
+    if new:
+        for future in admin.create_topics(new, request_timeout=30).values():
+            try:
+                future.result(timeout=30)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise
+    return topo
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m infra.security table``: the ACL table for SECURITY.md;
+    ``python -m infra.security apply``: create users and ACLs on the configured cluster
+    (run with the admin's credentials in KAFKA_SASL_*)."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    from consumers.workflow import WORKFLOW
+
+    policy = derive_policy(WORKFLOW)
+    if args[:1] == ["table"]:
+        print(policy.table())
+        return 0
+    if args[:1] == ["apply"]:
+        from choreo.kafka import admin as kafka_admin
+
+        apply(kafka_admin(), policy, Secrets.default())
+        print(f"applied {len(policy.acls)} ACLs for {', '.join(policy.users)}")
+        return 0
+    print("usage: python -m infra.security table|apply", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
