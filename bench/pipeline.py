@@ -355,7 +355,8 @@ class Bench:
             pid = self.services[name].pid()
             out = self.work / f"profile-{tag}-{name}.txt"
             proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "200", "--format",
-                                     "raw", "--output", str(out), "--nonblocking"],
+                                     "raw", "--output", str(out), "--nonblocking",
+                                     *(["--idle"] if self.args.profile_idle else [])],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             started.append((name, proc, out))
         if started:
@@ -395,7 +396,9 @@ class Bench:
                         consumer.assign([TopicPartition(topic, partition, max(low, high - 20))])
                         msgs = [m for m in consumer.consume(20, 5) if m.error() is None]
                         if msgs:
-                            headers: list[tuple[str, str | bytes | None]] = list(msgs[-1].headers() or [])
+                            raw = msgs[-1].headers() or []
+                            headers: list[tuple[str, str | bytes | None]] = (
+                                list(raw.items()) if isinstance(raw, dict) else list(raw))
                             samples[topic] = Record(msgs[-1].value() or b"", headers)
                             break
         finally:
@@ -672,6 +675,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", type=lambda s: [x for x in s.split(",") if x], default=[],
                         help="services to profile with py-spy in an extra closed-loop run")
     parser.add_argument("--profile-top", type=int, default=15)
+    parser.add_argument("--profile-idle", action="store_true",
+                        help="sample idle (blocked) threads too: a wall-clock profile")
     parser.add_argument("--stack-dir", default=None,
                         help="reuse a private stack directory (default: a fresh temporary one)")
     parser.add_argument("--keep-stack", action="store_true", help="leave the private stack running")

@@ -42,6 +42,7 @@ from choreo.state import Begin, StateTable, StepStatus
 from choreo.workflow import Workflow
 
 RECOVERY_TOPIC = "recovery"
+LAG_PERIOD_S = 10.0
 
 
 class BatchTransient(Exception):
@@ -134,11 +135,15 @@ class Runner:
         self.log.info("service.started", topics=self.service.topics, host=socket.gethostname(),
                       pid=os.getpid())
         next_tick = [time.monotonic() + p.period_s for p in self.service.periodic]
+        next_lag = time.monotonic() + LAG_PERIOD_S
         try:
             while self.running:
                 batch = self._next_batch()
                 if batch:
                     self._process(batch)
+                if time.monotonic() >= next_lag:
+                    self._measure_lag()
+                    next_lag = time.monotonic() + LAG_PERIOD_S
                 for i, periodic in enumerate(self.service.periodic):
                     if time.monotonic() >= next_tick[i]:
                         self._tick(periodic)
@@ -146,6 +151,18 @@ class Runner:
         finally:
             self.consumer.close()  # leaves the group: partitions move at once
             self.log.info("service.stopped")
+
+    def _measure_lag(self) -> None:
+        """Consumer lag per assigned partition, for the metrics endpoint (watermarks are a
+        broker round trip each, hence only every few seconds)."""
+        try:
+            for tp in self.consumer.position(self.consumer.assignment()):
+                _, high = self.consumer.get_watermark_offsets(tp, timeout=1, cached=False)
+                if tp.offset >= 0:
+                    metrics.LAG.labels(self.service.name, tp.topic, str(tp.partition)).set(
+                        max(0, high - tp.offset))
+        except KafkaException as exc:
+            self.log.debug("lag.unavailable", error=str(exc))
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.log.info("service.stopping", signal=signum)

@@ -54,6 +54,7 @@ from typing import Any
 
 import redis
 import typer
+from confluent_kafka.admin import AdminClient
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
 
 from choreo.config import REPO_ROOT, Settings, settings
@@ -265,6 +266,21 @@ def wait_groups_empty(groups: list[str], timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise StackError(f"groups still have members after {timeout_s:.0f}s: {active}")
         time.sleep(0.5)
+
+
+def wait_leaders(timeout_s: float) -> None:
+    """Until every partition of every topic has a leader, as each broker answers."""
+    deadline = time.monotonic() + timeout_s
+    for n in range(3):
+        client = AdminClient({"bootstrap.servers": settings().kafka_bootstrap_servers.split(",")[n]})
+        while True:
+            meta = client.list_topics(timeout=5)
+            if all(pm.leader >= 0 for tm in meta.topics.values() for pm in tm.partitions.values()) \
+                    and "_schemas" in meta.topics:
+                break
+            if time.monotonic() > deadline:
+                raise StackError(f"topics without a leader after {timeout_s:.0f}s")
+            time.sleep(0.3)
 
 
 def wait_isr_whole(timeout_s: float) -> bool:
@@ -843,6 +859,7 @@ def _clean_previous(stack: Stack, data_dir: Path, ports: Ports) -> None:
 def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicator,
            tracker: Tracker, chaos: Chaos) -> dict[str, Any]:
     from choreo import contracts, topology
+    from choreo.kafka import ensure_topics
     from consumers import fleet
     from consumers.workflow import WORKFLOW
     from schemas.models import CompensationRecord, StepReport
@@ -851,6 +868,11 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     stack.cluster.start(stack.cfg.start_timeout_s)
     stack.redis.start(timeout_s=30)
     topology.create(WORKFLOW)
+    # the registry creates its store topic itself, but on a fresh multi-node cluster it then
+    # asks for the watermarks before the metadata has spread and exits (reported): create it
+    # first, with the registry's own settings, and wait until every topic has a leader
+    ensure_topics({"_schemas": 1}, config={"cleanup.policy": "compact", "min.compaction.lag.ms": "0"})
+    wait_leaders(60)
     stack.registry.start(timeout_s=60)
     contracts.register(contracts.topic_models(WORKFLOW, (StepReport, CompensationRecord)))
     stack.start_services()

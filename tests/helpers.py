@@ -29,14 +29,19 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path = REPO / ".stack" / "test-logs"
     workflow: str = "consumers.workflow:WORKFLOW"
+    args: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_file(self) -> Path:
+        return self.log_dir / f"{self.ref.replace(':', '_')}-{self.instance}.log"
 
     def start(self) -> ServiceProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{self.ref.replace(':', '_')}-{self.instance}.log", "ab")
+        log = open(self.log_file, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "choreo.cli", "run", self.ref, "--instance", self.instance,
-             "--workflow", self.workflow],
+             "--workflow", self.workflow, *self.args],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
         )
         return self

@@ -1,4 +1,5 @@
-"""Rebuild after FLUSHALL and the trace of a compensated delivery, on the real stack.
+"""Rebuild after FLUSHALL and the traces of a compensated and a requeued delivery, on the
+real stack.
 
 The pipeline runs as real processes with the real business rules, on this test's private
 topics, consumer groups and Redis (``tests/services/ops_pipeline.py``): the shared stack
@@ -21,12 +22,16 @@ from dataclasses import dataclass, field
 
 import pytest
 import redis
+from confluent_kafka import Consumer, TopicPartition
 
 from choreo import topology
+from choreo.config import settings
 from choreo.kafka import ensure_topics
 from choreo.ops.rebuild import rebuild
 from choreo.ops.trace import trace
 from choreo.publisher import Publisher
+from choreo.runner import RECOVERY_TOPIC
+from choreo.service import retry_topic
 from choreo.workflow import Workflow
 from consumers import fleet
 from schemas.models import ALL_EVENTS
@@ -74,14 +79,30 @@ class IsolatedPipeline:
     def flow(self) -> Workflow:
         return ops_pipeline.workflow(self.prefix, ops_pipeline.build(self.prefix))
 
-    def start(self) -> IsolatedPipeline:
+    def _env(self) -> dict[str, str]:
         url = self.client.connection_pool.connection_kwargs
-        env = {"OPS_PREFIX": self.prefix, "REDIS_URL": f"redis://{url['host']}:{url['port']}/0",
-               "DRONE_FLEET_SIZE": str(FLEET), **self.env}
+        return {"OPS_PREFIX": self.prefix, "REDIS_URL": f"redis://{url['host']}:{url['port']}/0",
+                "DRONE_FLEET_SIZE": str(FLEET), **self.env}
+
+    def start(self) -> IsolatedPipeline:
+        env = self._env()
         self.procs = [ServiceProcess(f"tests.services.ops_pipeline:{role}", instance=uuid.uuid4().hex[:6],
                                      env=env, workflow="tests.services.ops_pipeline:WORKFLOW").start()
                       for role in ops_pipeline.ROLES]
         return self
+
+    def supervise(self, name: str, **env: str) -> ServiceProcess:
+        """The real supervisor on this pipeline: its own group and lease (``name``), this
+        pipeline's topics, workflow and Redis. A new group joins the shared recovery topic
+        at its end, as a deployed one would, not at its history."""
+        _start_at_end(name, RECOVERY_TOPIC)
+        proc = ServiceProcess("consumers.supervisor:service", instance=name,
+                              workflow="tests.services.ops_pipeline:WORKFLOW",
+                              env={**self._env(), "SUPERVISOR_NAME": name,
+                                   "SUPERVISOR_TOPIC_PREFIX": self.prefix,
+                                   "SUPERVISOR_WORKFLOW": "tests.services.ops_pipeline:WORKFLOW", **env})
+        self.procs.append(proc.start())
+        return proc
 
     def stop(self) -> None:
         """SIGTERM to every instance at once, then wait: each finishes its batch and leaves."""
@@ -153,6 +174,18 @@ def test_flushall_mid_run_then_rebuild_every_delivery_ends_once(isolated: Isolat
     assert all(_bookings(client).get(d) == drone for drone, d in held.items())
 
 
+def _start_at_end(group: str, topic: str) -> None:
+    consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers, "group.id": group,
+                         "enable.auto.commit": False})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        ends = [TopicPartition(topic, p, consumer.get_watermark_offsets(
+            TopicPartition(topic, p), timeout=10)[1]) for p in partitions]
+        consumer.commit(offsets=ends, asynchronous=False)
+    finally:
+        consumer.close()
+
+
 def _bookings(client: redis.Redis) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in client.hgetall(fleet.BOOKING).items()}
 
@@ -186,7 +219,58 @@ def test_trace_of_a_compensated_delivery_shows_every_hop_in_order(isolated: Isol
     assert found.stats.partitions <= len(found.hops) * 10
 
 
-def test_trace_of_a_requeued_delivery() -> None:
-    pytest.skip("a requeue needs the supervisor in the workflow; consumers/workflow.py does not list "
-                "consumers.supervisor:service yet (the supervisor is being written in parallel): "
-                "retry topics are already traced (kind 'retry') and ordered by attempt and cause")
+def test_trace_of_a_requeued_delivery(isolated: IsolatedPipeline, unique: str) -> None:
+    """The drone step's first attempt fails on every try: the drone scheduler reports it to
+    the recovery topic, the supervisor requeues the request to the step's retry topic with
+    attempt 2, which works; the trace tells that story hop by hop."""
+    prefix = isolated.prefix
+    isolated.env = {"OPS_FAIL_FIRST_DRONE": "1"}
+    name = f"sup-ops-{unique}"
+    ensure_topics({prefix + "compensation.log": 3}, config={"cleanup.policy": "compact"})
+    isolated.start()
+    isolated.supervise(name, SUPERVISOR_SCAN_PERIOD_S="0.2", SUPERVISOR_BACKOFF_BASE_S="0.3",
+                       SUPERVISOR_LEASE_TTL_S="2")
+    target = isolated.submit(1)[0]
+    wait_for(lambda: isolated.terminal({target}), timeout_s=45, interval_s=0.5,
+             what="the requeued delivery to end")
+    found = trace(target, isolated.flow, redis_client=isolated.client)
+    assert found.found_start_by == "state table"
+    retry = retry_topic(prefix + "drone-scheduler", prefix + "delivery.requested")
+    topics = [h.topic.removeprefix(prefix) for h in found.hops]
+    from choreo.ops.records import partition_for
+    print("REQ", [(r.partition, r.offset, r.header("produced_at_ms")) for r in read_topic(prefix + "delivery.requested") if r.key == target.encode()], partition_for(target.encode(), 3, "consistent_random"), found.since_ms, found.stats)
+    print([(t, h.time_ms, h.attempt, h.event_id[:8], h.causation_id[:8]) for t, h in zip(topics, found.hops)])
+    assert topics[0] == "delivery.requested"
+    assert topics[-1] == "delivery.shipped"  # the final outcome, once, and nothing failed
+    assert Counter(topics) == Counter({"delivery.requested": 1, "package.ready": 1, RECOVERY_TOPIC: 1,
+                                       retry: 1, "drone.scheduled": 1, "delivery.shipped": 1}), topics
+    at = {t: i for i, t in enumerate(topics)}
+    assert at["delivery.requested"] < at[RECOVERY_TOPIC] < at[retry] < at["drone.scheduled"] \
+        < at["delivery.shipped"]
+    assert at["package.ready"] < at["delivery.shipped"]
+    hop = {t: found.hops[i] for t, i in at.items()}
+    request, report, requeued = hop["delivery.requested"], hop[RECOVERY_TOPIC], hop[retry]
+    # the recovery report: the drone scheduler's attempt 1 failed
+    assert report.kind == "recovery" and report.attempt == 1
+    assert report.producer == prefix + "drone-scheduler" and report.causation_id == request.event_id
+    assert isinstance(report.body, dict)
+    assert report.body["step"] == "drone" and report.body["kind"] == "FAILED"
+    assert report.body["attempt"] == 1 and "attempt 1 fails" in report.body["error"]
+    assert report.note == "kind=FAILED (drone)"
+    # the requeue: the same request (same event id), attempt 2, by the supervisor, consumed
+    assert requeued.kind == "retry" and requeued.attempt == 2 and requeued.producer == name
+    assert requeued.event_id == request.event_id and requeued.event_type == "DeliveryRequested"
+    assert requeued.consumed_by == {prefix + "drone-scheduler": True}
+    assert isinstance(requeued.body, dict) and requeued.body["delivery_id"] == target
+    # attempt 2 did the work, and its answer decided the delivery
+    assert hop["drone.scheduled"].attempt == 2
+    assert hop["delivery.shipped"].causation_id == hop["drone.scheduled"].event_id
+    assert hop["package.ready"].attempt == 1
+    shown: set[str] = set()
+    for h in found.hops:  # every hop's cause was shown before it
+        assert not h.causation_id or h.causation_id in shown, h
+        shown.add(h.event_id)
+    assert all(h.since_previous_ms >= 0 for h in found.hops)
+    assert found.state["drone.status"] == "completed" and found.state["drone.attempt"] == "2"
+    assert found.state["outcome"] == "shipped" and found.state["delivery.status"] == "completed"
+    assert found.stats.partitions <= len(found.hops) * 10

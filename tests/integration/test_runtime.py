@@ -189,3 +189,23 @@ def test_v1_handler_reads_v2_events(services: list[ServiceProcess], stack: None,
     out = wait_for(lambda: read_topic(f"{topic}.out"), what="output from a v2 input")
     assert len(out) == 1 and out[0].key == b"d-v2"
     assert read_topic(f"{topic}.dlq") == []
+
+
+def test_sigterm_commits_and_leaves_the_group(services: list[ServiceProcess], probe_topic: str) -> None:
+    from confluent_kafka import ConsumerGroupTopicPartitions
+
+    from choreo.kafka import admin
+
+    topic = probe_topic
+    proc = ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic}).start()
+    services.append(proc)
+    ids = _publish([delivery_request() for _ in range(50)], topic)
+    wait_for(lambda: len(read_topic(f"{topic}.out")) >= 50, what="50 outputs")
+    assert proc.stop() == 0  # SIGTERM: the loop ends after its batch, then close() leaves the group
+    client = admin()  # keep a reference: futures of a collected client never complete
+    group = client.describe_consumer_groups([f"probe-{topic}"])[f"probe-{topic}"].result(10)
+    assert group.members == []
+    offsets = client.list_consumer_group_offsets([ConsumerGroupTopicPartitions(f"probe-{topic}")])
+    committed = sum(tp.offset for tp in offsets[f"probe-{topic}"].result(10).topic_partitions
+                    if tp.topic == topic and tp.offset > 0)
+    assert committed == len(ids)  # everything handled was committed before leaving
