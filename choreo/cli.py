@@ -183,6 +183,10 @@ def demo(
     timeout_s: float = typer.Option(120.0, "--timeout", help="seconds to wait for every delivery"),
     fail_rate: float = typer.Option(0.05, help="permanent failure rate injected in each step's agent"),
     seed: int = typer.Option(7, help="seed of the generated requests"),
+    stop: str = typer.Option("", help="kill -9 this service mid-run (e.g. drone-scheduler) to "
+                                      "show requeue and compensation"),
+    stop_after_s: float = typer.Option(1.0, help="seconds into the submission to kill it"),
+    down_s: float = typer.Option(20.0, help="seconds it stays down before restarting"),
 ) -> None:
     """Run the whole choreography for real; the last line is the summary JSON."""
     from infra import demo as demo_run
@@ -191,7 +195,10 @@ def demo(
            "AGENT_DISPATCH_PERMANENT_RATE": str(fail_rate),
            "AGENT_WAREHOUSE_TRANSIENT_RATE": "0.05", "AGENT_DISPATCH_TRANSIENT_RATE": "0.05"}
     try:
-        summary = demo_run.run(requests, concurrency, timeout_s, seed, env)
+        outage = demo_run.Outage(stop, stop_after_s, down_s) if stop else None
+        if outage:  # short deadlines, so the outage outlives them and the supervisor steps in
+            env["CHOREO_DEADLINE_SCALE"] = "0.2"
+        summary = demo_run.run(requests, concurrency, timeout_s, seed, env, outage=outage)
     except StackError as exc:
         fail(str(exc))
     print(demo_run.main_line(summary))

@@ -13,6 +13,7 @@ shutdown come from the runtime (``choreo.runner``); ``choreo run module:service`
 from __future__ import annotations
 
 import importlib
+import os
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,12 @@ class StepSpec:
     triggers: tuple[str, ...]
     deadline_s: float
 
+
+
+def deadline_scale() -> float:
+    """``CHOREO_DEADLINE_SCALE`` multiplies every declared deadline: demos and tests shorten
+    them to show the supervisor at work without waiting minutes."""
+    return float(os.environ.get("CHOREO_DEADLINE_SCALE", "1"))
 
 
 def retry_topic(service: str, topic: str) -> str:
@@ -181,7 +188,7 @@ class Service:
             model = hints.get(params[0]) if params else None
             if not (isinstance(model, type) and issubclass(model, Event)):
                 raise TypeError(f"{fn.__name__}: annotate the first parameter with an Event type")
-            handler = Handler(topic, model, fn, step, deadline_s)
+            handler = Handler(topic, model, fn, step, deadline_s * deadline_scale())
             self.handlers[topic] = handler
             if step is not None:
                 self.handlers[retry_topic(self.name, topic)] = handler

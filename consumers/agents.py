@@ -44,11 +44,12 @@ class Agent:
             permanent_rate=float(os.environ.get(prefix + "PERMANENT_RATE", "0")),
         )
 
-    def call(self, operation: str, call_id: str, try_no: int) -> None:
+    def call(self, operation: str, call_id: str, try_label: str) -> None:
         """Perform ``operation`` remotely; raise ``Retryable`` or ``PermanentFailure`` as configured."""
         if self.latency_ms:
             time.sleep(self.latency_ms / 1000)
         if _fraction(self.name, operation, call_id) < self.permanent_rate:
             raise PermanentFailure(f"{self.name} refused {operation}")
-        if _fraction(self.name, operation, call_id, str(try_no)) < self.transient_rate:
+        # the try label is "<attempt>.<try>": a requeue is a new roll, not a replay of the old ones
+        if _fraction(self.name, operation, call_id, try_label) < self.transient_rate:
             raise Retryable(f"{self.name} {operation} timed out")

@@ -90,7 +90,7 @@ def decide(ctx: Context, kind: str, ok: str, value: str) -> None:
     now = datetime.now(UTC)
     if decision.get("decision") == "ship":
         try:
-            flight.call("depart", ctx.call_id, ctx.try_no)
+            flight.call("depart", ctx.call_id, ctx.try_label)
         except PermanentFailure as refusal:
             ctx.once(FLIGHT_REFUSED, keys=[delivery_key(ctx.delivery_id)])
             fail(ctx, "FLIGHT_REFUSED", str(refusal), "delivery", ["drone", "package"])

@@ -36,7 +36,7 @@ def seed_fleet(client: redis.Redis) -> None:
             produces=[DroneScheduled, DroneFailed])
 def reserve(request: DeliveryRequested, ctx: Context) -> DroneScheduled | DroneFailed:
     try:
-        dispatch.call("reserve", ctx.call_id, ctx.try_no)
+        dispatch.call("reserve", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:
         return DroneFailed(delivery_id=request.delivery_id, reason="DISPATCH_REFUSED",
                            detail=str(refusal), failed_at=datetime.now(UTC))
@@ -56,7 +56,7 @@ def release(failure: DeliveryFailed, ctx: Context) -> DroneReleased | None:
     if "drone" not in failure.compensate:
         return None
     try:
-        dispatch_release.call("release", ctx.call_id, ctx.try_no)
+        dispatch_release.call("release", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:  # compensation must be retried, then alerted on
         raise Retryable(f"release refused: {refusal}") from refusal
     drone = ctx.once(fleet.RELEASE, keys=fleet.KEYS, args=[failure.delivery_id, "release"])

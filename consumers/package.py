@@ -46,7 +46,7 @@ def package_key(delivery_id: str) -> str:
             produces=[PackageReady, PackageFailed])
 def prepare(request: DeliveryRequested, ctx: Context) -> PackageReady | PackageFailed:
     try:
-        warehouse.call("prepare", ctx.call_id, ctx.try_no)
+        warehouse.call("prepare", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:
         return PackageFailed(delivery_id=request.delivery_id, reason="WAREHOUSE_REFUSED",
                              detail=str(refusal), failed_at=datetime.now(UTC))
@@ -66,7 +66,7 @@ def cancel(failure: DeliveryFailed, ctx: Context) -> PackageCancelled | None:
     if "package" not in failure.compensate:
         return None
     try:
-        warehouse_cancel.call("cancel", ctx.call_id, ctx.try_no)
+        warehouse_cancel.call("cancel", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:  # compensation must be retried, then alerted on
         raise Retryable(f"cancel refused: {refusal}") from refusal
     package_id = ctx.once(CANCEL_PACKAGE, keys=[package_key(failure.delivery_id)])

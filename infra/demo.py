@@ -38,7 +38,8 @@ from schemas.models import CompensationRecord, DeliveryFailed, StepReport
 
 WATCHED = ["delivery.requested", "package.ready", "package.failed", "drone.scheduled",
            "drone.failed", "delivery.shipped", "delivery.failed", "package.cancelled",
-           "drone.released", "recovery"]
+           "drone.released", "recovery", "retry.package.delivery.requested",
+           "retry.drone-scheduler.delivery.requested"]
 
 
 @dataclass
@@ -144,8 +145,18 @@ def wait_for_groups(groups: list[str], timeout_s: float) -> None:
                      f"see the service logs in {settings().data_dir / 'services'}")
 
 
+@dataclass(frozen=True)
+class Outage:
+    """Kill one service (kill -9) this long after submission starts; restart it after ``down_s``."""
+
+    service: str
+    after_s: float
+    down_s: float
+
+
 def run(requests: int, concurrency: int = 16, timeout_s: float = 120.0, seed: int = 7,
-        env: dict[str, str] | None = None, console: Console | None = None) -> dict[str, Any]:
+        env: dict[str, str] | None = None, console: Console | None = None,
+        outage: Outage | None = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
     rng = random.Random(seed)
     run_id = uuid.uuid4().hex[:12]  # retries of one request share a key; runs do not
@@ -186,6 +197,8 @@ def run(requests: int, concurrency: int = 16, timeout_s: float = 120.0, seed: in
                 progress.advance(task)
                 return None
 
+            if outage is not None:
+                threading.Thread(target=_inject, args=(outage, services, console), daemon=True).start()
             with ThreadPoolExecutor(concurrency) as pool:
                 results = list(pool.map(submit, range(requests)))
             refused = sum(1 for r in results if r is None)
@@ -209,6 +222,16 @@ def run(requests: int, concurrency: int = 16, timeout_s: float = 120.0, seed: in
     return _summarise(requests, refused, accepted, observer, console)
 
 
+def _inject(outage: Outage, services: list[ManagedProcess], console: Console) -> None:
+    victim = next(p for p in services if p.name.startswith(f"{outage.service}-"))
+    time.sleep(outage.after_s)
+    victim.kill()
+    console.print(f"[yellow]outage:[/] {victim.name} killed (kill -9) for {outage.down_s:.0f}s")
+    time.sleep(outage.down_s)
+    victim.start(timeout_s=30)
+    console.print(f"[yellow]outage:[/] {victim.name} restarted")
+
+
 def _summarise(requests: int, refused: int, accepted: dict[str, float], observer: Observer,
                console: Console) -> dict[str, Any]:
     seen = {d: observer.deliveries[d] for d in accepted}
@@ -218,6 +241,7 @@ def _summarise(requests: int, refused: int, accepted: dict[str, float], observer
     lost = [d for d, s in seen.items() if not s.terminal]
     compensated = [d for d in failed
                    if set(seen[d].compensate) <= seen[d].compensated]
+    requeued = [d for d, s in seen.items() if any(t.startswith("retry.") for _, t, _, _ in s.timeline)]
     latencies = sorted((s.terminal_at - accepted[d]) * 1000 for d, s in seen.items() if s.terminal)
 
     def pct(p: float) -> float:
@@ -229,6 +253,7 @@ def _summarise(requests: int, refused: int, accepted: dict[str, float], observer
     for label, count in [("requested", requests), ("accepted", len(accepted)), ("refused (429)", refused),
                          ("shipped", len(shipped)), ("failed", len(failed)),
                          ("failed and compensated", len(compensated)),
+                         ("requeued by the supervisor", len(requeued)),
                          ("more than one outcome", len(doubled)), ("lost / stuck", len(lost))]:
         table.add_row(label, str(count))
     console.print(table)
@@ -236,7 +261,7 @@ def _summarise(requests: int, refused: int, accepted: dict[str, float], observer
         console.print(f"end-to-end latency (accepted → outcome committed): p50 {pct(0.5)} ms, "
                       f"p95 {pct(0.95)} ms, p99 {pct(0.99)} ms, max {round(latencies[-1], 1)} ms "
                       f"(mean {round(statistics.fmean(latencies), 1)} ms)")
-    example = (failed or shipped or list(seen))[:1]
+    example = (requeued or failed or shipped or list(seen))[:1]
     if example:
         story = seen[example[0]]
         timeline = Table("+ms", "topic", "by", "attempt", title=f"timeline of delivery {example[0]}")
@@ -247,6 +272,7 @@ def _summarise(requests: int, refused: int, accepted: dict[str, float], observer
     return {
         "requested": requests, "accepted": len(accepted), "refused": refused,
         "shipped": len(shipped), "failed": len(failed), "compensated": len(compensated),
+        "requeued": len(requeued),
         "doubled": len(doubled), "lost": len(lost),
         "p50_ms": pct(0.5), "p95_ms": pct(0.95), "p99_ms": pct(0.99),
         "max_ms": round(latencies[-1], 1) if latencies else 0.0,

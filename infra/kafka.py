@@ -289,7 +289,8 @@ class KafkaCluster:
         scram = ["--add-scram", self.security.scram_argument()] if self.security is not None else []
         return subprocess.Popen(
             [java, "-cp", f"{self.libs}/*", "kafka.tools.StorageTool", "format",
-             "-t", cluster_id, "-c", str(config), *standalone, *scram],
+             # "=": a cluster id may start with "-" (url-safe base64), which must not read as a flag
+             f"--cluster-id={cluster_id}", "-c", str(config), *standalone, *scram],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
         )
 

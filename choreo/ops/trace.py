@@ -10,7 +10,12 @@ How the events are found without reading whole topics:
    time, found by ``offsets_for_times``: the request time comes from the state table when
    Redis still has it (the publisher opens the steps just before producing), otherwise from
    the request event itself, looked up first in the entry topic's one partition within a
-   bounded window (``--since``, default a day).
+   bounded window (``--since``, default a day). The state table only keeps each step's
+   *last* transition, so its earliest time is an upper bound of the request time: when the
+   scan from there finds no request (every step moved on later, e.g. services that started
+   late or a requeue), the request is looked up backwards in the entry topic's partition in
+   growing windows (1 min, ×4 each, up to the default window), and the scan starts again
+   from it.
 3. **Keys compared as bytes** before anything is decoded; only the delivery's own records
    become objects, and only they are decoded (with their writer schema).
 
@@ -147,6 +152,29 @@ def request_time(client: redis.Redis | None, delivery_id: str) -> int | None:
     return min(times) if times else None
 
 
+def request_before(consumer: Consumer, delivery_id: str, entry: dict[str, int], before_ms: int,
+                   partitioner: str = "consistent_random",
+                   first_window_ms: int = 60_000) -> tuple[int | None, ScanStats]:
+    """The time of the delivery's request in the entry topics' one partition, searched
+    backwards from ``before_ms`` in windows growing ×4 up to the default window."""
+    total = ScanStats()
+    window = first_window_ms
+    while True:
+        found, stats = scan_delivery(consumer, delivery_id, entry, before_ms - window, partitioner)
+        _add(total, stats)
+        if found:
+            return min(r.timestamp_ms for r in found), total
+        if window >= DEFAULT_WINDOW_MS:
+            return None, total
+        window = min(window * 4, DEFAULT_WINDOW_MS)
+
+
+def _add(total: ScanStats, stats: ScanStats) -> None:
+    total.partitions += stats.partitions
+    total.records_read += stats.records_read
+    total.seconds += stats.seconds
+
+
 def causal_order(records: list[Rec]) -> list[Rec]:
     """Sort by production time, then make sure no event is shown before its cause (clocks
     of different producers may disagree by a few ms; a transaction's records share one)."""
@@ -246,9 +274,17 @@ def trace(delivery_id: str, workflow: Workflow, *, since_ms: int | None = None,
         steps = [s.name for s in workflow.steps]
         compound = {t: steps for t in derive(workflow).configs if t in topics}  # compacted logs
         records, stats = scan_delivery(consumer, delivery_id, topics, since_ms, partitioner, progress, compound)
-        total.partitions += stats.partitions
-        total.records_read += stats.records_read
-        total.seconds += stats.seconds
+        _add(total, stats)
+        entry = {t: topics[t] for t in workflow.extra_producers if t in topics}
+        if how == "state table" and entry and not any(r.topic in entry for r in records):
+            # the state table's times are the steps' last transitions: the request is older
+            requested, searched = request_before(consumer, delivery_id, entry, since_ms, partitioner)
+            _add(total, searched)
+            if requested is not None:
+                since_ms, how = requested - REQUEST_SLACK_MS, "request event before the state table's times"
+                records, stats = scan_delivery(consumer, delivery_id, topics, since_ms, partitioner,
+                                               progress, compound)
+                _add(total, stats)
         done = consumption(consumer, workflow, records)
     finally:
         consumer.close()

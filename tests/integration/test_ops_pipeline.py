@@ -42,6 +42,7 @@ from tests.services import ops_pipeline
 pytestmark = pytest.mark.integration
 
 FLEET = 200
+STARTS = ("state table", "request event before the state table's times")
 
 
 @pytest.fixture()
@@ -200,7 +201,7 @@ def test_trace_of_a_compensated_delivery_shows_every_hop_in_order(isolated: Isol
     # the test pipeline declares its outputs by model (unprefixed): name its undo topics
     undo = [isolated.prefix + t for t in ("package.cancelled", "drone.released")]
     found = trace(target, isolated.flow, redis_client=isolated.client, extra_topics=undo)
-    assert found.found_start_by == "state table"
+    assert found.found_start_by in STARTS
     topics = [h.topic.removeprefix(isolated.prefix) for h in found.hops]
     assert topics[0] == "delivery.requested"
     assert set(topics) == {"delivery.requested", "package.ready", "drone.failed", "delivery.failed",
@@ -234,12 +235,11 @@ def test_trace_of_a_requeued_delivery(isolated: IsolatedPipeline, unique: str) -
     wait_for(lambda: isolated.terminal({target}), timeout_s=45, interval_s=0.5,
              what="the requeued delivery to end")
     found = trace(target, isolated.flow, redis_client=isolated.client)
-    assert found.found_start_by == "state table"
+    # the state table holds each step's last transition, later than the request when the
+    # services started slowly: the trace then looks the request up before those times
+    assert found.found_start_by in STARTS
     retry = retry_topic(prefix + "drone-scheduler", prefix + "delivery.requested")
     topics = [h.topic.removeprefix(prefix) for h in found.hops]
-    from choreo.ops.records import partition_for
-    print("REQ", [(r.partition, r.offset, r.header("produced_at_ms")) for r in read_topic(prefix + "delivery.requested") if r.key == target.encode()], partition_for(target.encode(), 3, "consistent_random"), found.since_ms, found.stats)
-    print([(t, h.time_ms, h.attempt, h.event_id[:8], h.causation_id[:8]) for t, h in zip(topics, found.hops)])
     assert topics[0] == "delivery.requested"
     assert topics[-1] == "delivery.shipped"  # the final outcome, once, and nothing failed
     assert Counter(topics) == Counter({"delivery.requested": 1, "package.ready": 1, RECOVERY_TOPIC: 1,

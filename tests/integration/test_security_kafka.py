@@ -216,7 +216,7 @@ def test_each_service_does_its_own_job_exactly_once(secured: Secured) -> None:
         reader.close()
 
 
-def test_the_supervisor_requeues_and_ops_reads_but_services_cannot_redrive(secured: Secured) -> None:
+def test_supervisor_requeues_ops_redrives_and_only_the_admin_changes_acls(secured: Secured) -> None:
     assert produce(secured.config("supervisor", **{"enable.idempotence": True}),
                    "retry.package.delivery.requested") is None
     assert produce(secured.config(OPS), "delivery.requested") is None  # dlq redrive
@@ -234,8 +234,9 @@ def test_the_supervisor_requeues_and_ops_reads_but_services_cannot_redrive(secur
 
     everything = AclBindingFilter(ResourceType.ANY, None, ResourcePatternType.ANY, None, None,
                                   AclOperation.ANY, AclPermissionType.ANY)
+    supervisor_admin = AdminClient(secured.config("supervisor"))
     with pytest.raises(KafkaException) as caught:
-        AdminClient(secured.config("supervisor")).delete_acls([everything], request_timeout=10)[everything].result()
+        supervisor_admin.delete_acls([everything], request_timeout=10)[everything].result()
     assert caught.value.args[0].code() == KafkaError.CLUSTER_AUTHORIZATION_FAILED
 
 
@@ -263,6 +264,7 @@ def test_a_topic_nobody_declared_is_reachable_by_no_service(secured: Secured, tm
         err = produce(secured.config(user), name, timeout_s=10)
         assert err is not None and err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED, user
     # and services cannot create topics of their own
+    package_admin = AdminClient(secured.config("package"))
     with pytest.raises(KafkaException) as caught:
-        AdminClient(secured.config("package")).create_topics([NewTopic("rogue.topic", 1, -1)])["rogue.topic"].result(20)
+        package_admin.create_topics([NewTopic("rogue.topic", 1, -1)])["rogue.topic"].result(20)
     assert caught.value.args[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
