@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
 import threading
 import time
 import uuid
@@ -143,6 +144,9 @@ def main() -> None:
         result = drive_pipeline(args.n, args.rate, args.seed)
     else:
         result = drive_ceiling(args.n, args.topic, Path(args.samples))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["cpu_s"] = usage.ru_utime + usage.ru_stime
+    result["peak_rss_kb"] = usage.ru_maxrss
     Path(args.out).write_text(json.dumps(result))
 
 

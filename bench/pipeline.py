@@ -155,8 +155,9 @@ def scrape(ports: dict[str, int]) -> dict[str, float]:
     samples: dict[str, float] = {}
     for port in ports.values():
         try:
-            samples.update(parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics",
-                                                   timeout=2.0).text))
+            found = parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2.0).text)
+            for key, value in found.items():  # instances of one service add up
+                samples[key] = samples.get(key, 0.0) + value
         except httpx.HTTPError:
             pass
     return samples
@@ -217,16 +218,42 @@ class Observer:
 # -- one measured run -----------------------------------------------------------------------
 
 
-def run_driver(argv: list[str], work: Path, tag: str) -> dict[str, Any]:
-    out = work / f"drive-{tag}.json"
-    with open(work / f"drive-{tag}.log", "wb") as logf:
-        code = subprocess.call([sys.executable, "-m", "bench.drive", *argv, "--out", str(out)],
-                               cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    if code != 0:
-        raise RuntimeError(f"driver {tag} failed ({code}); see {work / f'drive-{tag}.log'}")
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
+def run_drivers(argvs: list[list[str]], work: Path, tag: str) -> dict[str, Any]:
+    """Run driver processes at once; their results merged (first start, last end)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    running = []
+    for k, argv in enumerate(argvs):
+        out = work / f"drive-{tag}-{k}.json"
+        logf = open(work / f"drive-{tag}-{k}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "bench.drive", *argv, "--out", str(out)],
+                                cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        running.append((proc, out, logf))
+    results = []
+    for proc, out, logf in running:
+        code = proc.wait()
+        logf.close()
+        if code != 0:
+            raise RuntimeError(f"driver {tag} failed ({code}); see {logf.name}")
+        results.append(json.loads(out.read_text()))
+    merged: dict[str, Any] = {
+        "start": min(r["start"] for r in results),
+        "submitted": max(r["submitted"] for r in results),
+        "end": max(r["end"] for r in results),
+        "accepted": [a for r in results for a in r["accepted"]],
+        "refused": dict(sum((Counter(r["refused"]) for r in results), Counter())),
+        "errors": dict(sum((Counter(r["errors"]) for r in results), Counter())),
+        "drivers": len(results),
+        "cpu_s": sum(r["cpu_s"] for r in results),
+        "peak_rss_mb": round(max(r["peak_rss_kb"] for r in results) / 1024, 1),
+    }
+    return merged
+
+
+def pipeline_driver_argvs(n: int, rate_per_s: float, drivers: int, seed: int) -> list[list[str]]:
+    """``drivers`` processes share ``n`` deliveries and the offered rate evenly."""
+    shares = [n // drivers + (1 if k < n % drivers else 0) for k in range(drivers)]
+    return [["pipeline", "--n", str(share), "--rate", str(rate_per_s / drivers),
+             "--seed", str(seed + k)] for k, share in enumerate(shares) if share > 0]
 
 
 def outcome_figures(driven: dict[str, Any], observer: Observer, hops: Hops,
@@ -298,6 +325,10 @@ class Bench:
             key = spec.name if self.args.instances == 1 else f"{spec.name}-{spec.instance}"
             self.services[key] = proc
             self.metrics_ports[key] = port
+        unknown = [name for name in self.args.profile if name not in self.services]
+        if unknown:
+            raise SystemExit(f"--profile {','.join(unknown)}: no such service instance "
+                             f"({', '.join(self.services)})")
         wait_for_groups(SERVICES, 90)
         log("services up: " + ", ".join(f"{n} (pid {p.pid()})" for n, p in self.services.items()))
 
@@ -305,6 +336,9 @@ class Bench:
         from infra.process import stop_all
 
         stop_all(list(self.services.values()), timeout_s=15)
+
+    def service_of(self, key: str) -> str:
+        return key if self.args.instances == 1 else key.rsplit("-", 1)[0]
 
     def pids(self) -> dict[str, int]:
         found = {n: pid for n, p in self.services.items() if (pid := p.pid()) is not None}
@@ -322,13 +356,16 @@ class Bench:
         spies = self._start_profilers(profile, tag)
         watch.begin()
         t0 = time.monotonic()
-        driven = run_driver(["pipeline", "--n", str(n), "--rate", str(rate_per_s),
-                             "--seed", str(abs(hash(tag)) % 10_000)], self.work, tag)
+        driven = run_drivers(pipeline_driver_argvs(n, rate_per_s, self.args.drivers,
+                                                   sum(map(ord, tag))), self.work, tag)
         ids = [i for i, _, _ in driven["accepted"]]
         waited = observer.wait_for(ids, self.args.timeout)
         time.sleep(0.5)  # the notifier and the drone's return consume delivery.shipped too
         seconds = time.monotonic() - t0
         procs = watch.end()
+        procs["ingestion-driver"] = {"cpu_s": round(driven["cpu_s"], 2),
+                                     "cpu_pct": round(100 * driven["cpu_s"] / seconds, 1),
+                                     "rss_mb": driven["peak_rss_mb"], "peak_rss_mb": driven["peak_rss_mb"]}
         profiles = self._stop_profilers(spies)
         after = scrape(self.metrics_ports)
         mem_after = int(client.info("memory")["used_memory"])
@@ -336,7 +373,7 @@ class Bench:
         figures = outcome_figures(driven, observer, self.hops, waited)
         figures.update({
             "mode": "closed" if rate_per_s <= 0 else "open", "offered_per_s": rate_per_s,
-            "processes": procs,
+            "processes": procs, "cpu": cpu_budget(procs, figures["terminal"]),
             "batches": {s: batch_figures(before, after, s, seconds) for s in SERVICES},
             "redis_used_memory_before": mem_before, "redis_used_memory_after": mem_after,
             "redis_bytes_retained_per_delivery": round((mem_after - mem_before) / max(1, len(ids))),
@@ -352,6 +389,8 @@ class Bench:
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         started = []
         for name in names:
+            if name not in self.services:
+                raise SystemExit(f"--profile {name}: no such service instance ({', '.join(self.services)})")
             pid = self.services[name].pid()
             out = self.work / f"profile-{tag}-{name}.txt"
             proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "200", "--format",
@@ -435,10 +474,12 @@ class Bench:
             watch = Watch({**{n_: p.pid for n_, p in procs.items()}, **stack_pids()})
             observer = Observer([prefix + TERMINAL_TOPIC])
             watch.begin()
-            driven = run_driver(["ceiling", "--n", str(n), "--topic", prefix + SOURCE_TOPIC,
-                                 "--samples", str(samples_path)], self.work, tag)
+            driven = run_drivers([["ceiling", "--n", str(n), "--topic", prefix + SOURCE_TOPIC,
+                                   "--samples", str(samples_path)]], self.work, tag)
             waited = observer.wait_for([i for i, _, _ in driven["accepted"]], self.args.timeout)
             used = watch.end()
+            used["ceiling-source"] = {"cpu_s": round(driven["cpu_s"], 2), "cpu_pct": 0.0,
+                                      "rss_mb": driven["peak_rss_mb"], "peak_rss_mb": driven["peak_rss_mb"]}
             observer.close()
         finally:
             for proc in procs.values():
@@ -452,6 +493,7 @@ class Bench:
         self._delete_topics(list(topics))
         figures = outcome_figures(driven, observer, self.hops, waited)
         figures.update({"mode": "transactional" if transactional else "plain", "processes": used,
+                        "cpu": cpu_budget(used, figures["terminal"]),
                         "load_average": load_average()})
         log(f"{tag}: {figures['terminal']}/{n} terminal, {figures['deliveries_per_s']}/s, "
             f"p50 {figures['latency']['p50_ms']} p99 {figures['latency']['p99_ms']} ms")
@@ -484,19 +526,18 @@ class Bench:
         """Bytes per delivery while accepted but not yet worked (the step consumers paused
         with SIGSTOP for a moment), and once completed; and the keys one delivery leaves."""
         client = redis.Redis.from_url(settings().redis_url)
-        paused = [self.services[s].pid() for s in ("package", "drone-scheduler") if s in self.services]
+        paused = [pid for key, proc in self.services.items() if self.service_of(key) in ("package", "drone-scheduler")
+                  and (pid := proc.pid()) is not None]
         base = int(client.info("memory")["used_memory"])
         observer = Observer(OUTCOME_TOPICS)
         for pid in paused:
-            if pid:
-                os.kill(pid, signal.SIGSTOP)
+            os.kill(pid, signal.SIGSTOP)
         try:
-            driven = run_driver(["pipeline", "--n", str(n), "--seed", "99"], self.work, "memory")
+            driven = run_drivers(pipeline_driver_argvs(n, 0, 1, 99), self.work, "memory")
             accepted_mem = int(client.info("memory")["used_memory"])
         finally:
             for pid in paused:
-                if pid:
-                    os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGCONT)
         ids = [i for i, _, _ in driven["accepted"]]
         waited = observer.wait_for(ids, self.args.timeout)
         time.sleep(1.0)
@@ -535,9 +576,22 @@ class Bench:
 # -- the whole run ----------------------------------------------------------------------------
 
 
+def cpu_budget(processes: dict[str, dict[str, float]], deliveries: int) -> dict[str, Any]:
+    """CPU per delivery by process, and the rate that 100% of every core would allow at that
+    cost: a figure that the machine's other load disturbs far less than wall-clock rates."""
+    if deliveries <= 0:
+        return {}
+    per = {name: round(1e6 * p["cpu_s"] / deliveries) for name, p in processes.items()}
+    total_us = sum(per.values())
+    cores = os.cpu_count() or 1
+    return {"cpu_us_per_delivery": per, "total_cpu_us_per_delivery": total_us,
+            "cpu_bound_deliveries_per_s": round(cores * 1e6 / total_us, 1) if total_us else 0.0}
+
+
 def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return summarise_repeats(runs, ["deliveries_per_s", "events_per_s", "latency.p50_ms",
-                                    "latency.p95_ms", "latency.p99_ms", "latency.max_ms"])
+                                    "latency.p95_ms", "latency.p99_ms", "latency.max_ms",
+                                    "cpu.total_cpu_us_per_delivery", "cpu.cpu_bound_deliveries_per_s"])
 
 
 def evaluate(summary: dict[str, Any]) -> dict[str, Any]:
@@ -578,7 +632,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "platform": platform.platform(), "load_average_before": load_before},
         "config": {"deliveries": args.deliveries, "repeats": args.repeats, "rates": args.rates,
                    "open_seconds": args.open_seconds, "partitions": args.partitions,
-                   "instances_per_service": args.instances, "log_level": args.log_level,
+                   "instances_per_service": args.instances, "drivers": args.drivers, "log_level": args.log_level,
                    "stack": "private (own Kafka, Redis, registry on free ports)"},
         "hops": dataclasses.asdict(bench.hops),
     }
@@ -670,6 +724,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--open-seconds", type=float, default=4.0, help="length of each open-loop run")
     parser.add_argument("--partitions", type=int, default=6)
     parser.add_argument("--instances", type=int, default=1, help="processes per service")
+    parser.add_argument("--drivers", type=int, default=1,
+                        help="submitting processes (the Python producer API), sharing N and the rate")
     parser.add_argument("--log-level", default="INFO", help="services' CHOREO_LOG_LEVEL")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for outcomes")
     parser.add_argument("--profile", type=lambda s: [x for x in s.split(",") if x], default=[],

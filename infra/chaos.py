@@ -55,7 +55,9 @@ from typing import Any
 import redis
 import typer
 from confluent_kafka.admin import AdminClient
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition,
+)
 
 from choreo.config import REPO_ROOT, Settings, settings
 from choreo.envelope import pairs
@@ -622,6 +624,8 @@ class Chaos:
         self.submitter.pause()
         self._restore_all_now()
         stop_all(self.stack.services, timeout_s=20)
+        if not wait_isr_whole(120):  # the rebuild reads committed offsets: brokers must be whole
+            log("ISR not whole after 120s; rebuilding anyway")
         wait_groups_empty(self.stack.groups, 60)
         client = redis.Redis.from_url(self.stack.cfg.redis_url, socket_timeout=10)
         self.fleet_before_loss = read_history(client, fleet.HISTORY)
@@ -634,7 +638,15 @@ class Chaos:
         self.stack.redis.start(timeout_s=30)
         assert client.dbsize() == 0, "redis came back with data"
         self.faults.note(self._now(), "redis restarted empty; rebuild-state")
-        report = rebuild(WORKFLOW, client=client)
+        for attempt in range(1, 4):  # merge-only, so a rebuild cut short is simply run again
+            try:
+                report = rebuild(WORKFLOW, client=client)
+                break
+            except KafkaException as exc:
+                if attempt == 3:
+                    raise
+                log(f"rebuild-state failed ({exc}); running it again")
+                time.sleep(3)
         self.faults.rebuild = {
             "records_read": report.records_read, "deliveries": report.deliveries,
             "outcomes": report.outcomes, "open_steps": report.open_steps,
@@ -864,6 +876,7 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     from consumers.workflow import WORKFLOW
     from schemas.models import CompensationRecord, StepReport
 
+    started = time.monotonic()
     log(f"starting the private stack in {stack.cfg.data_dir}")
     stack.cluster.start(stack.cfg.start_timeout_s)
     stack.redis.start(timeout_s=30)
@@ -876,9 +889,11 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     stack.registry.start(timeout_s=60)
     contracts.register(contracts.topic_models(WORKFLOW, (StepReport, CompensationRecord)))
     stack.start_services()
+    startup_s = time.monotonic() - started
     tracker.start()
     duplicator.start()
     log(f"traffic: {plan.deliveries} deliveries at {plan.rate_per_s:g}/s; {len(plan.faults)} faults planned")
+    traffic_started = time.monotonic()
     submitter.start()
     chaos.run_faults()
     duplicator.stop_flag.set()
@@ -903,7 +918,8 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     held_at_end = int(client.hlen(fleet.HELD))
     found = read_everything()
     result = judge(plan, submitter, found, history, pending)
-    result.update({"settle_s": round(settle_s, 1), "drones_held_at_end": held_at_end,
+    result.update({"startup_s": round(startup_s, 1), "traffic_s": round(faults_over - traffic_started, 1),
+                   "settle_s": round(settle_s, 1), "drones_held_at_end": held_at_end,
                    "fault_log": chaos.faults.events[-60:]})
     return result
 

@@ -9,6 +9,7 @@ delivery was lost or is stuck.
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import threading
@@ -164,7 +165,7 @@ def run(requests: int, concurrency: int = 16, timeout_s: float = 120.0, seed: in
     stack.start()
     topology.create(WORKFLOW)
     contracts.register(contracts.topic_models(WORKFLOW, (StepReport, CompensationRecord)))
-    url = "http://127.0.0.1:8000"
+    url = os.environ.get("INGESTION_URL", "http://127.0.0.1:8000")
     services = _start_services(env or {})
     ingestion = ingestion_process(url, env)
     ingestion.start(timeout_s=60)

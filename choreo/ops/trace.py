@@ -134,6 +134,9 @@ def scan_delivery(consumer: Consumer, delivery_id: str, topics: dict[str, int], 
         k = m.key()
         return k == key or (k is not None and k.startswith(prefix))
 
+    # ``read`` pauses each partition it has finished, and a pause outlives unassign/assign:
+    # a consumer that scans a partition a second time (the request searched first) resumes it
+    consumer.resume([TopicPartition(s.topic, s.partition) for s in spans])
     found = list(read(consumer, spans, progress, accept=accept))
     stats.seconds = time.perf_counter() - started
     return found, stats

@@ -1,0 +1,169 @@
+"""The benchmark's pure logic: percentiles, spread, the ceiling chain's hop count (checked
+against the services' own declarations), /proc parsing, metric deltas and profiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.ceiling import FanIn, Record, next_offsets
+from bench.common import (
+    HAPPY_PATH, SOURCE_TOPIC, TERMINAL_TOPIC, Stage, batch_figures, hop_count, latency_summary,
+    parse_metrics, parse_stat_cpu, parse_status_kb, percentile, spread, summarise_repeats,
+)
+from bench.profile import frame_name, summarise
+
+
+def test_percentile_interpolates_between_closest_ranks() -> None:
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 100.0
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile([5.0, 1.0, 3.0], 50) == 3.0  # order of input does not matter
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) == 0.0
+    with pytest.raises(ValueError):
+        percentile(values, 101)
+
+
+def test_latency_summary() -> None:
+    summary = latency_summary([10.0] * 98 + [100.0, 1000.0])
+    assert summary["count"] == 100
+    assert summary["p50_ms"] == 10.0
+    assert summary["max_ms"] == 1000.0
+    assert summary["p99_ms"] == pytest.approx(109.0)  # 100 + 0.01 * (1000 - 100)
+    assert latency_summary([])["count"] == 0
+
+
+def test_spread_is_median_with_range() -> None:
+    s = spread([110.0, 90.0, 100.0])
+    assert (s.median, s.low, s.high, s.n) == (100.0, 90.0, 110.0, 3)
+    assert s.spread_pct == pytest.approx(20.0)
+    assert spread([]).n == 0
+    assert spread([0.0, 0.0]).spread_pct == 0.0
+    runs = [{"a": 1.0, "b": {"c": 10.0}}, {"a": 3.0, "b": {"c": 30.0}}, {"a": 2.0, "b": {"c": 20.0}}]
+    summary = summarise_repeats(runs, ["a", "b.c"])
+    assert summary["a"]["median"] == 2.0
+    assert summary["b.c"] == {"median": 20.0, "min": 10.0, "max": 30.0, "n": 3, "spread_pct": 100.0}
+
+
+def test_happy_path_hops() -> None:
+    hops = hop_count(HAPPY_PATH)
+    # delivery.requested, package.ready, drone.scheduled, delivery.shipped: one each
+    assert hops.per_topic == {"delivery.requested": 1, "delivery.shipped": 1,
+                              "drone.scheduled": 1, "package.ready": 1}
+    assert hops.produced == 4
+    # requested x2 (package, drone), ready + scheduled (delivery), shipped x2 (notifier, drone)
+    assert hops.consumed == 6
+
+
+def test_fan_out_and_fan_in_counting() -> None:
+    stages = [Stage("a", {"s": "x"}), Stage("b", {"s": "y"}), Stage("c", {"s": "z"}),
+              Stage("join", {"x": "out", "y": "out", "z": "out"}, fan_in=True),
+              Stage("copy", {"x": "out2", "y": "out2"})]
+    hops = hop_count(stages, source="s")
+    assert hops.per_topic["out"] == 1  # a fan-in emits once
+    assert hops.per_topic["out2"] == 2  # a plain stage emits per input
+    assert hops.produced == 1 + 3 + 1 + 2
+    assert hops.consumed == 3 + 3 + 2
+    with pytest.raises(ValueError):
+        hop_count([Stage("loop", {"s": "t"}), Stage("back", {"t": "s"})], source="s")
+
+
+def test_happy_path_matches_the_services_declarations() -> None:
+    from consumers.workflow import WORKFLOW
+
+    services = {s.name: s for s in WORKFLOW.services}
+    for stage in HAPPY_PATH:
+        service = services[stage.name]
+        for topic in stage.inputs:
+            assert topic in service.handlers, f"{stage.name} does not consume {topic}"
+        declared = {model.topic for model in service.outputs}
+        for out in stage.outputs:
+            assert out in declared, f"{stage.name} does not declare {out}"
+    # every service consuming a happy-path topic is in the chain (the supervisor only reads
+    # recovery and retry topics, which the happy path never touches)
+    hops = hop_count(HAPPY_PATH)
+    for name, service in services.items():
+        on_path = [t for t in service.handlers if t in hops.per_topic]
+        stage = next((s for s in HAPPY_PATH if s.name == name), None)
+        assert sorted(on_path) == sorted(stage.inputs if stage else []), name
+    assert SOURCE_TOPIC in hops.per_topic and TERMINAL_TOPIC in hops.per_topic
+
+
+def test_ceiling_fan_in_emits_once_per_key() -> None:
+    join = FanIn(2)
+    assert join.arrive(b"k1") is False
+    assert join.arrive(b"k2") is False
+    assert join.arrive(b"k1") is True
+    assert join.seen == {b"k2": 1}
+
+
+def test_record_round_trip_and_size() -> None:
+    record = Record(b"\x00abc", [("event_id", b"12345"), ("hops", "2"), ("x", None)])
+    back = Record.from_json(record.to_json())
+    assert back.value == record.value
+    assert back.size == 4 + len("event_id") + 5 + len("hops") + 1 + 1
+    assert dict(back.headers)["hops"] == b"2"
+
+
+def test_proc_parsing() -> None:
+    stat = "1234 (python3 -m x) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 4 0 100 200 300"
+    assert parse_stat_cpu(stat, clk_tck=100) == pytest.approx(3.0)
+    status = "Name:\tpython3\nVmHWM:\t  153600 kB\nVmRSS:\t  102400 kB\n"
+    assert parse_status_kb(status, "VmHWM") == 153600
+    assert parse_status_kb(status, "VmRSS") == 102400
+    assert parse_status_kb(status, "VmSwap") == 0
+
+
+METRICS_BEFORE = """
+# TYPE choreo_batch_size histogram
+choreo_batch_size_count{service="package"} 10.0
+choreo_batch_size_sum{service="package"} 1000.0
+choreo_transaction_aborts_total{service="package"} 1.0
+"""
+METRICS_AFTER = """
+# TYPE choreo_batch_size histogram
+choreo_batch_size_count{service="package"} 30.0
+choreo_batch_size_sum{service="package"} 5000.0
+choreo_batch_size_count{service="delivery"} 7.0
+choreo_transaction_aborts_total{service="package"} 1.0
+"""
+
+
+def test_batch_figures_from_two_scrapes() -> None:
+    before, after = parse_metrics(METRICS_BEFORE), parse_metrics(METRICS_AFTER)
+    figures = batch_figures(before, after, "package", seconds=10.0)
+    assert figures == {"transactions": 20.0, "events_in_batches": 4000.0, "mean_batch": 200.0,
+                       "transactions_per_s": 2.0, "aborts": 0.0}
+
+
+def test_next_offsets_commit_after_the_last_of_each_partition() -> None:
+    class Msg:
+        def __init__(self, topic: str, partition: int, offset: int) -> None:
+            self._t, self._p, self._o = topic, partition, offset
+
+        def topic(self) -> str:
+            return self._t
+
+        def partition(self) -> int:
+            return self._p
+
+        def offset(self) -> int:
+            return self._o
+
+    found = next_offsets([Msg("a", 0, 5), Msg("a", 0, 7), Msg("a", 1, 2)])  # type: ignore[list-item]
+    assert sorted((tp.topic, tp.partition, tp.offset) for tp in found) == [("a", 0, 8), ("a", 1, 3)]
+
+
+def test_profile_summary_own_and_total() -> None:
+    raw = "\n".join([
+        "main (a/cli.py:1);loop (choreo/runner.py:10);encode (choreo/serde.py:5) 30",
+        "main (a/cli.py:1);loop (choreo/runner.py:10);call (redis/client.py:9) 50",
+        "main (a/cli.py:1);loop (choreo/runner.py:12) 20",
+    ])
+    summary = summarise(raw, top=3)
+    assert summary["samples"] == 100
+    assert summary["own"][0] == {"function": "call (redis/client.py)", "samples": 50, "pct": 50.0}
+    assert summary["total"][0]["pct"] == 100.0
+    assert frame_name("f (/x/site-packages/redis/client.py:9)") == "f (redis/client.py)"
