@@ -300,6 +300,7 @@ class Bench:
         self.metrics_ports: dict[str, int] = {}
         self.hops = hop_count(HAPPY_PATH)
         self.samples: dict[str, Record] = {}
+        self.idle_pct: dict[str, float] = {}
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -331,6 +332,17 @@ class Bench:
                              f"({', '.join(self.services)})")
         wait_for_groups(SERVICES, 90)
         log("services up: " + ", ".join(f"{n} (pid {p.pid()})" for n, p in self.services.items()))
+
+    def idle(self, seconds: float = 3.0) -> dict[str, Any]:
+        """What the stack costs with no load at all (polling consumers, lag and deadline
+        scans, lease renewals): CPU % per process, to read the per-delivery figures against."""
+        watch = Watch(self.pids())
+        watch.begin()
+        time.sleep(seconds)
+        procs = watch.end()
+        self.idle_pct = {n: p["cpu_pct"] for n, p in procs.items()}
+        return {"seconds": seconds, "cpu_pct": {n: p["cpu_pct"] for n, p in procs.items()},
+                "total_cpu_pct": round(sum(p["cpu_pct"] for p in procs.values()), 1)}
 
     def stop(self) -> None:
         from infra.process import stop_all
@@ -373,7 +385,8 @@ class Bench:
         figures = outcome_figures(driven, observer, self.hops, waited)
         figures.update({
             "mode": "closed" if rate_per_s <= 0 else "open", "offered_per_s": rate_per_s,
-            "processes": procs, "cpu": cpu_budget(procs, figures["terminal"]),
+            "processes": procs,
+            "cpu": cpu_budget(procs, figures["terminal"], seconds, self.idle_pct),
             "batches": {s: batch_figures(before, after, s, seconds) for s in SERVICES},
             "redis_used_memory_before": mem_before, "redis_used_memory_after": mem_after,
             "redis_bytes_retained_per_delivery": round((mem_after - mem_before) / max(1, len(ids))),
@@ -478,6 +491,7 @@ class Bench:
                                    "--samples", str(samples_path)]], self.work, tag)
             waited = observer.wait_for([i for i, _, _ in driven["accepted"]], self.args.timeout)
             used = watch.end()
+            seconds = time.monotonic() - watch.t0
             used["ceiling-source"] = {"cpu_s": round(driven["cpu_s"], 2), "cpu_pct": 0.0,
                                       "rss_mb": driven["peak_rss_mb"], "peak_rss_mb": driven["peak_rss_mb"]}
             observer.close()
@@ -493,7 +507,7 @@ class Bench:
         self._delete_topics(list(topics))
         figures = outcome_figures(driven, observer, self.hops, waited)
         figures.update({"mode": "transactional" if transactional else "plain", "processes": used,
-                        "cpu": cpu_budget(used, figures["terminal"]),
+                        "cpu": cpu_budget(used, figures["terminal"], seconds, self.idle_pct),
                         "load_average": load_average()})
         log(f"{tag}: {figures['terminal']}/{n} terminal, {figures['deliveries_per_s']}/s, "
             f"p50 {figures['latency']['p50_ms']} p99 {figures['latency']['p99_ms']} ms")
@@ -576,22 +590,32 @@ class Bench:
 # -- the whole run ----------------------------------------------------------------------------
 
 
-def cpu_budget(processes: dict[str, dict[str, float]], deliveries: int) -> dict[str, Any]:
+def cpu_budget(processes: dict[str, dict[str, float]], deliveries: int, seconds: float,
+               idle_pct: dict[str, float] | None = None) -> dict[str, Any]:
     """CPU per delivery by process, and the rate that 100% of every core would allow at that
-    cost: a figure that the machine's other load disturbs far less than wall-clock rates."""
+    cost: a figure that the machine's other load disturbs far less than wall-clock rates.
+    ``net`` figures first take away what each process burns when idle (polling consumers,
+    lag and deadline scans) over the run's length, which a longer run pays more of."""
     if deliveries <= 0:
         return {}
+    idle_pct = idle_pct or {}
     per = {name: round(1e6 * p["cpu_s"] / deliveries) for name, p in processes.items()}
-    total_us = sum(per.values())
+    net = {name: round(1e6 * max(0.0, p["cpu_s"] - idle_pct.get(name, 0.0) / 100 * seconds)
+                       / deliveries) for name, p in processes.items()}
+    total_us, net_us = sum(per.values()), sum(net.values())
     cores = os.cpu_count() or 1
     return {"cpu_us_per_delivery": per, "total_cpu_us_per_delivery": total_us,
-            "cpu_bound_deliveries_per_s": round(cores * 1e6 / total_us, 1) if total_us else 0.0}
+            "cpu_bound_deliveries_per_s": round(cores * 1e6 / total_us, 1) if total_us else 0.0,
+            "net_cpu_us_per_delivery": net, "net_total_cpu_us_per_delivery": net_us,
+            "net_cpu_bound_deliveries_per_s": round(cores * 1e6 / net_us, 1) if net_us else 0.0}
 
 
 def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return summarise_repeats(runs, ["deliveries_per_s", "events_per_s", "latency.p50_ms",
                                     "latency.p95_ms", "latency.p99_ms", "latency.max_ms",
-                                    "cpu.total_cpu_us_per_delivery", "cpu.cpu_bound_deliveries_per_s"])
+                                    "cpu.total_cpu_us_per_delivery", "cpu.cpu_bound_deliveries_per_s",
+                                    "cpu.net_total_cpu_us_per_delivery",
+                                    "cpu.net_cpu_bound_deliveries_per_s"])
 
 
 def evaluate(summary: dict[str, Any]) -> dict[str, Any]:
@@ -640,6 +664,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         bench.start()
+        result["idle"] = bench.idle()
+        log(f"idle stack: {result['idle']['total_cpu_pct']}% CPU ({result['idle']['cpu_pct']})")
         log("warm-up: 200 deliveries")
         result["warmup"] = bench.pipeline_run(200, 0, "warmup")
         bench.samples = bench.capture_samples()

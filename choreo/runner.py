@@ -418,8 +418,11 @@ class Runner:
 
     def _produce(self, emitted: Emitted, cause: Envelope) -> None:
         """Produce in the open transaction (steps it triggers were opened by ``_open_steps``)."""
+        # an output starts its own steps at attempt 1: inheriting the input's attempt (say 2,
+        # after a requeue) would make the other half of a fan-in look stale downstream
         envelope = (emitted.cause or cause).child(
-            emitted.event_id, type(emitted.event).__name__, self.service.name, attempt=emitted.attempt)
+            emitted.event_id, type(emitted.event).__name__, self.service.name,
+            attempt=emitted.attempt if emitted.attempt is not None else 1)
         value = self.encoder(type(emitted.event), emitted.topic)(emitted.event)
         self.producer.produce(emitted.topic, key=emitted.event.key.encode(), value=value,
                               headers=envelope.to_headers())
@@ -458,8 +461,7 @@ class Runner:
         )
         event_id = derived_id(envelope.event_id, self.service.name, RECOVERY_TOPIC, kind,
                               str(envelope.attempt))
-        self._open_steps([Emitted(report, RECOVERY_TOPIC, event_id)])
-        self._produce(Emitted(report, RECOVERY_TOPIC, event_id), envelope)
+        self._produce(Emitted(report, RECOVERY_TOPIC, event_id, attempt=envelope.attempt), envelope)
         metrics.REPORTS.labels(self.service.name, kind).inc()
         log.warning("step.reported", step=step, kind=kind, error=error[:300])
 

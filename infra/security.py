@@ -310,9 +310,66 @@ def secured_topics(workflow: Workflow, bootstrap_config: dict[str, Any],
     return topo
 
 
+SECURED_KAFKA_PORT = 29092  # below the ephemeral port range; the controller takes +1
+SECURED_REDIS_PORT = 26379
+PIPELINE_REDIS_USER = "pipeline"
+
+
+def secured_cluster(data_dir: Path, secrets: Secrets, base_port: int = SECURED_KAFKA_PORT) -> Any:
+    """The secured single-node broker of ``data_dir`` (its own data, never the shared stack's)."""
+    from choreo.config import settings
+    from infra.kafka import KafkaCluster, KafkaSecurity
+
+    return KafkaCluster(data_dir=data_dir, libs=settings().kafka_libs, base_port=base_port,
+                        security=KafkaSecurity(admin_password=secrets.password(ADMIN)))
+
+
+def up(data_dir: Path, timeout_s: float = 90.0) -> dict[str, Path]:
+    """Start a secured broker and an ACL Redis under ``data_dir``, create the workflow's topics,
+    users and ACLs, and write one env file per principal (0600); returns them by user."""
+    from consumers.workflow import WORKFLOW
+    from confluent_kafka.admin import AdminClient as _Admin
+
+    from infra.redis_server import redis_process
+
+    secrets = Secrets(data_dir / "secrets")
+    cluster = secured_cluster(data_dir, secrets)
+    cluster.start(timeout_s)
+    redis_password = secrets.password(PIPELINE_REDIS_USER, kind="redis")
+    redis_url = f"redis://{PIPELINE_REDIS_USER}:{redis_password}@127.0.0.1:{SECURED_REDIS_PORT}/0"
+    redis_process(redis_url, data_dir, name="redis-acl").start(timeout_s)
+    admin_config = cluster.client_config()
+    secured_topics(WORKFLOW, admin_config)
+    policy = derive_policy(WORKFLOW)
+    apply(_Admin(admin_config), policy, secrets)
+    files: dict[str, Path] = {}
+    for user in [*policy.users, ADMIN]:
+        env = {**client_env(user, cluster.bootstrap_servers, secrets), "REDIS_URL": redis_url,
+               "CHOREO_DATA_DIR": str(data_dir)}
+        path = data_dir / "env" / f"{user}.env"
+        write_private(path, "".join(f"{k}={v}\n" for k, v in env.items()))
+        files[user] = path
+    return files
+
+
+def down(data_dir: Path) -> list[str]:
+    """Stop what ``up`` started under ``data_dir``."""
+    from infra.redis_server import redis_process
+
+    secrets = Secrets(data_dir / "secrets")
+    stopped: list[str] = list(secured_cluster(data_dir, secrets).stop())
+    redis_password = secrets.password(PIPELINE_REDIS_USER, kind="redis")
+    url = f"redis://{PIPELINE_REDIS_USER}:{redis_password}@127.0.0.1:{SECURED_REDIS_PORT}/0"
+    if redis_process(url, data_dir, name="redis-acl").stop():
+        stopped.append("redis-acl")
+    return stopped
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m infra.security table``: the ACL table for SECURITY.md;
-    ``python -m infra.security apply``: create users and ACLs on the configured cluster
+    ``python -m infra.security up|down [DATA_DIR]``: a secured broker (SASL/SCRAM + ACLs on
+    127.0.0.1:29092) and an ACL Redis (26379) with env files per principal;
+    ``python -m infra.security apply``: users and ACLs on the configured cluster
     (run with the admin's credentials in KAFKA_SASL_*)."""
     import sys
 
@@ -323,13 +380,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["table"]:
         print(policy.table())
         return 0
+    if args[:1] in (["up"], ["down"]):
+        from choreo.config import settings
+
+        data_dir = Path(args[1]) if len(args) > 1 else settings().data_dir / "secured"
+        if args[0] == "up":
+            for user, path in up(data_dir).items():
+                print(f"{user}: {path}")
+        else:
+            print(f"stopped: {', '.join(down(data_dir)) or 'nothing'}")
+        return 0
     if args[:1] == ["apply"]:
         from choreo.kafka import admin as kafka_admin
 
         apply(kafka_admin(), policy, Secrets.default())
         print(f"applied {len(policy.acls)} ACLs for {', '.join(policy.users)}")
         return 0
-    print("usage: python -m infra.security table|apply", file=sys.stderr)
+    print("usage: python -m infra.security table|up [DIR]|down [DIR]|apply", file=sys.stderr)
     return 2
 
 

@@ -224,7 +224,9 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
     todo = {(s.topic, s.partition): s for s in spans if s.size > 0}
     if not todo:
         return
-    consumer.assign([TopicPartition(s.topic, s.partition, s.start) for s in todo.values()])
+    assigned = [TopicPartition(s.topic, s.partition, s.start) for s in todo.values()]
+    consumer.assign(assigned)
+    consumer.resume(assigned)  # pauses from an earlier read survive unassign/assign
     last_progress = time.monotonic()
     try:
         while todo:

@@ -82,8 +82,9 @@ def first_error(consumer: Consumer, timeout_s: float = 20) -> KafkaError | None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         msg = consumer.poll(0.5)
-        if msg is not None and msg.error() is not None and msg.error().code() != KafkaError._PARTITION_EOF:
-            return msg.error()
+        err = msg.error() if msg is not None else None
+        if err is not None and err.code() != KafkaError._PARTITION_EOF:
+            return err
     return None
 
 
@@ -101,7 +102,8 @@ def test_the_broker_runs_the_standard_authorizer_with_no_default_allow(secured: 
 def client_errors(config: dict[str, Any], timeout_s: float = 15) -> list[KafkaError]:
     """Errors a client reports while trying to connect (until an authentication error)."""
     errors: list[KafkaError] = []
-    client = AdminClient({**config, "error_cb": errors.append})
+    settings_: dict[str, Any] = {**config, "error_cb": errors.append}
+    client = AdminClient(settings_)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not any(e.code() == KafkaError._AUTHENTICATION for e in errors):
         with pytest.raises(KafkaException):  # never any metadata
@@ -190,11 +192,12 @@ def test_each_service_does_its_own_job_exactly_once(secured: Secured) -> None:
         producer.produce("package.ready", key=delivery.encode(), value=b"ready")
         producer.produce("delivery.requested.dlq", key=delivery.encode(), value=b"dead letter")
         producer.produce("recovery", key=delivery.encode(), value=b"report")
+        position = (found.topic() or "", found.partition() or 0)
         producer.send_offsets_to_transaction(
-            [TopicPartition(found.topic(), found.partition(), (found.offset() or 0) + 1)],
+            [TopicPartition(*position, (found.offset() or 0) + 1)],
             consumer.consumer_group_metadata(), 30)
         producer.commit_transaction(30)
-        committed = consumer.committed([TopicPartition(found.topic(), found.partition())], timeout=10)
+        committed = consumer.committed([TopicPartition(*position)], timeout=10)
         assert committed[0].offset == (found.offset() or 0) + 1
     finally:
         consumer.close()
@@ -226,13 +229,15 @@ def test_supervisor_requeues_ops_redrives_and_only_the_admin_changes_acls(secure
     try:
         consumer.assign([TopicPartition("delivery.requested.dlq", 0, 0)])
         msg = consumer.poll(10)
-        assert msg is not None and (msg.error() is None or msg.error().code() == KafkaError._PARTITION_EOF)
+        assert msg is not None
+        err = msg.error()
+        assert err is None or err.code() == KafkaError._PARTITION_EOF
     finally:
         consumer.close()
     # the admin alone may change ACLs
     from confluent_kafka.admin import AclBindingFilter, AclOperation, AclPermissionType, ResourcePatternType, ResourceType  # type: ignore[attr-defined]
 
-    everything = AclBindingFilter(ResourceType.ANY, None, ResourcePatternType.ANY, None, None,
+    everything = AclBindingFilter(ResourceType.ANY, None, ResourcePatternType.ANY, None, None,  # type: ignore[arg-type]
                                   AclOperation.ANY, AclPermissionType.ANY)
     supervisor_admin = AdminClient(secured.config("supervisor"))
     with pytest.raises(KafkaException) as caught:
@@ -243,14 +248,15 @@ def test_supervisor_requeues_ops_redrives_and_only_the_admin_changes_acls(secure
 def test_acls_on_the_broker_are_exactly_the_derived_policy(secured: Secured) -> None:
     from confluent_kafka.admin import AclBindingFilter, AclOperation, AclPermissionType, ResourcePatternType, ResourceType  # type: ignore[attr-defined]
 
-    everything = AclBindingFilter(ResourceType.ANY, None, ResourcePatternType.ANY, None, None,
+    everything = AclBindingFilter(ResourceType.ANY, None, ResourcePatternType.ANY, None, None,  # type: ignore[arg-type]
                                   AclOperation.ANY, AclPermissionType.ANY)
     admin = AdminClient(secured.cluster.client_config())
     on_broker = admin.describe_acls(everything, request_timeout=10).result()
-    got = {(b.principal, b.restype.name, b.name, b.resource_pattern_type.name, b.operation.name)
-           for b in on_broker}
-    want = {(b.principal, b.restype.name, b.name, b.resource_pattern_type.name, b.operation.name)
-            for b in derive_policy(WORKFLOW).bindings()}
+    def key(b: Any) -> tuple[str, ...]:
+        return (b.principal, b.restype.name, b.name, b.resource_pattern_type.name, b.operation.name)
+
+    got = {key(b) for b in on_broker}
+    want = {key(b) for b in derive_policy(WORKFLOW).bindings()}
     assert got == want
 
 
