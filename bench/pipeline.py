@@ -218,14 +218,22 @@ class Observer:
 # -- one measured run -----------------------------------------------------------------------
 
 
-def run_drivers(argvs: list[list[str]], work: Path, tag: str) -> dict[str, Any]:
-    """Run driver processes at once; their results merged (first start, last end)."""
+def py_spy() -> str:
+    return shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+
+
+def run_drivers(argvs: list[list[str]], work: Path, tag: str,
+                profile_to: Path | None = None) -> dict[str, Any]:
+    """Run driver processes at once; their results merged (first start, last end). With
+    ``profile_to`` the first driver runs under py-spy (the ingestion side's profile)."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     running = []
     for k, argv in enumerate(argvs):
         out = work / f"drive-{tag}-{k}.json"
         logf = open(work / f"drive-{tag}-{k}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "bench.drive", *argv, "--out", str(out)],
+        spy = ([py_spy(), "record", "--rate", "100", "--format", "raw", "--output", str(profile_to),
+                "--"] if profile_to is not None and k == 0 else [])
+        proc = subprocess.Popen([*spy, sys.executable, "-m", "bench.drive", *argv, "--out", str(out)],
                                 cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env)
         running.append((proc, out, logf))
     results = []
@@ -326,7 +334,7 @@ class Bench:
             key = spec.name if self.args.instances == 1 else f"{spec.name}-{spec.instance}"
             self.services[key] = proc
             self.metrics_ports[key] = port
-        unknown = [name for name in self.args.profile if name not in self.services]
+        unknown = [name for name in self.args.profile if name not in self.services and name != "ingestion"]
         if unknown:
             raise SystemExit(f"--profile {','.join(unknown)}: no such service instance "
                              f"({', '.join(self.services)})")
@@ -365,11 +373,13 @@ class Bench:
         observer = Observer(OUTCOME_TOPICS)
         before = scrape(self.metrics_ports)
         mem_before = int(client.info("memory")["used_memory"])
-        spies = self._start_profilers(profile, tag)
+        spies = self._start_profilers([p for p in profile if p != "ingestion"], tag)
+        ingestion_profile = self.work / f"profile-{tag}-ingestion.txt" if "ingestion" in profile else None
         watch.begin()
         t0 = time.monotonic()
         driven = run_drivers(pipeline_driver_argvs(n, rate_per_s, self.args.drivers,
-                                                   sum(map(ord, tag))), self.work, tag)
+                                                   sum(map(ord, tag))), self.work, tag,
+                             ingestion_profile)
         ids = [i for i, _, _ in driven["accepted"]]
         waited = observer.wait_for(ids, self.args.timeout)
         time.sleep(0.5)  # the notifier and the drone's return consume delivery.shipped too
@@ -379,6 +389,12 @@ class Bench:
                                      "cpu_pct": round(100 * driven["cpu_s"] / seconds, 1),
                                      "rss_mb": driven["peak_rss_mb"], "peak_rss_mb": driven["peak_rss_mb"]}
         profiles = self._stop_profilers(spies)
+        if ingestion_profile is not None and ingestion_profile.exists():
+            from bench.profile import summarise as summarise_profile
+
+            profiles["ingestion"] = {"raw": str(ingestion_profile),
+                                     **summarise_profile(ingestion_profile.read_text(),
+                                                         top=self.args.profile_top)}
         after = scrape(self.metrics_ports)
         mem_after = int(client.info("memory")["used_memory"])
         observer.close()
@@ -399,15 +415,15 @@ class Bench:
         return figures
 
     def _start_profilers(self, names: Sequence[str], tag: str) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
-        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        spy = py_spy()
         started = []
         for name in names:
             if name not in self.services:
                 raise SystemExit(f"--profile {name}: no such service instance ({', '.join(self.services)})")
             pid = self.services[name].pid()
             out = self.work / f"profile-{tag}-{name}.txt"
-            proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "200", "--format",
-                                     "raw", "--output", str(out), "--nonblocking",
+            proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "100", "--format",
+                                     "raw", "--output", str(out),
                                      *(["--idle"] if self.args.profile_idle else [])],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             started.append((name, proc, out))
@@ -664,10 +680,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         bench.start()
-        result["idle"] = bench.idle()
-        log(f"idle stack: {result['idle']['total_cpu_pct']}% CPU ({result['idle']['cpu_pct']})")
         log("warm-up: 200 deliveries")
         result["warmup"] = bench.pipeline_run(200, 0, "warmup")
+        time.sleep(2.0)  # a fresh broker settles (topic creation, group and txn coordinators)
+        result["idle"] = bench.idle()
+        log(f"idle stack: {result['idle']['total_cpu_pct']}% CPU ({result['idle']['cpu_pct']})")
         bench.samples = bench.capture_samples()
         result["message_bytes"] = {t: {"value": len(r.value), "with_headers": r.size}
                                    for t, r in bench.samples.items()}
@@ -747,7 +764,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", "-r", type=int, default=3)
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x],
                         default=[500.0, 1000.0], help="open-loop offered rates, deliveries/s")
-    parser.add_argument("--open-seconds", type=float, default=4.0, help="length of each open-loop run")
+    parser.add_argument("--open-seconds", type=float, default=2.0, help="length of each open-loop run")
     parser.add_argument("--partitions", type=int, default=6)
     parser.add_argument("--instances", type=int, default=1, help="processes per service")
     parser.add_argument("--drivers", type=int, default=1,
@@ -755,7 +772,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="INFO", help="services' CHOREO_LOG_LEVEL")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for outcomes")
     parser.add_argument("--profile", type=lambda s: [x for x in s.split(",") if x], default=[],
-                        help="services to profile with py-spy in an extra closed-loop run")
+                        help="services to profile with py-spy in an extra closed-loop run "
+                             "('ingestion' profiles the submitting driver)")
     parser.add_argument("--profile-top", type=int, default=15)
     parser.add_argument("--profile-idle", action="store_true",
                         help="sample idle (blocked) threads too: a wall-clock profile")

@@ -35,14 +35,47 @@ def parse_collapsed(text: str) -> list[tuple[list[str], int]]:
     return stacks
 
 
+# Frames on top of a stack that mean "blocked", not "computing": a C call waiting on the
+# network (librdkafka's consume/commit, a Redis reply) or an idle helper thread. py-spy
+# cannot always tell these from work, so they are split out by name.
+WAITING = (
+    ("kafka: consume (blocked in consumer.consume)", ("Runner._next_batch ",)),
+    ("kafka: transaction commit / offsets (blocked)", ("Runner._commit ", "Runner._process ")),
+    ("kafka: producer poll / flush (blocked)", ("Publisher.poll ", "Publisher.flush ")),
+    ("redis: waiting for replies", ("SocketBuffer._read_from_socket ", "SocketBuffer.can_read")),
+    ("idle threads (metrics server, waits)", ("_PollLikeSelector.select ", "Condition.wait ",
+                                              "Event.wait ", "BaseServer.serve_forever ")),
+    ("interpreter start-up (imports)", ("_find_and_load", "_compile_bytecode", "_call_with_frames_removed",
+                                        "_path_stat", "FileLoader.get_data")),
+)
+
+
+def category(leaf: str) -> str | None:
+    for name, prefixes in WAITING:
+        if any(leaf.startswith(p) for p in prefixes):
+            return name
+    return None
+
+
 def summarise(text: str, top: int = 15) -> dict[str, Any]:
+    """Own time (top frame) and total time (anywhere on the stack) per function, as % of
+    all samples; ``categories`` splits the samples into blocked/idle buckets and computing,
+    and ``own_computing`` ranks only the frames that compute."""
     stacks = parse_collapsed(text)
     total = sum(count for _, count in stacks)
     own: Counter[str] = Counter()
+    computing: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
+    categories: Counter[str] = Counter()
     for frames, count in stacks:
         if frames:
             own[frames[-1]] += count
+            found = category(frames[-1])
+            if found is None and any(f.startswith("_find_and_load") for f in frames):
+                found = "interpreter start-up (imports)"
+            categories[found or "computing (Python and C work)"] += count
+            if found is None:
+                computing[frames[-1]] += count
         for name in set(frames):
             inclusive[name] += count
 
@@ -50,4 +83,6 @@ def summarise(text: str, top: int = 15) -> dict[str, Any]:
         return [{"function": name, "samples": n, "pct": round(100 * n / total, 1)}
                 for name, n in counter.most_common(top)] if total else []
 
-    return {"samples": total, "own": table(own), "total": table(inclusive)}
+    return {"samples": total,
+            "categories": {k: round(100 * n / total, 1) for k, n in categories.most_common()} if total else {},
+            "own_computing": table(computing), "own": table(own), "total": table(inclusive)}

@@ -11,7 +11,7 @@ import structlog
 
 # Field names that may hold customer data (addresses, names, contact details, secrets).
 SENSITIVE_KEYS = frozenset(
-    {"owner", "owner_name", "name", "address", "pickup", "dropoff", "email", "phone",
+    {"owner", "owner_id", "owner_name", "name", "address", "pickup", "dropoff", "email", "phone",
      "token", "authorization", "password", "secret"}
 )
 

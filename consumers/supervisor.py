@@ -25,6 +25,7 @@ from typing import Any
 from choreo.config import settings
 from choreo.envelope import Envelope, derived_id, now_ms
 from choreo.events import Event
+from choreo.kafka import base_config
 from choreo.lease import Lease
 from choreo.runner import RECOVERY_TOPIC
 from choreo.serde import DecodeFailure, Decoder, RegistryUnavailable, registry_client
@@ -283,7 +284,7 @@ def _requeue(ctx: Context, rt: _Runtime, action: Action, log: Any) -> None:
         log.error("alert.requeue_impossible", source=data.get("source"), service=policy.service)
         return
     if rt.reader is None:
-        rt.reader = SourceReader(settings().kafka_bootstrap_servers, NAME)
+        rt.reader = SourceReader(settings().kafka_bootstrap_servers, NAME, base_config())
     started = time.perf_counter()
     fetched = rt.reader.fetch(source.topic, source.partition, source.offset)
     fetch_ms = round((time.perf_counter() - started) * 1000, 1)

@@ -33,6 +33,7 @@ replayable, the schedule is).
 
 from __future__ import annotations
 
+import fcntl
 import heapq
 import json
 import os
@@ -176,6 +177,25 @@ def private_env(ports: Ports, data_dir: Path) -> dict[str, str]:
         "SCHEMA_REGISTRY_URL": f"http://{HOST}:{ports.registry}",
         "CHOREO_DATA_DIR": str(data_dir),
     }
+
+
+CLUSTER_LOCK = Path("/tmp/choreo-kafka-cluster3.lock")  # the three-node test's lock, too
+
+
+@contextmanager
+def cluster_lock(ports: Ports) -> Iterator[None]:
+    """The default three-node ports are fixed: runs that use them take turns (the same lock
+    as tests/integration/test_stack_three_nodes.py)."""
+    if ports.kafka_base != Ports().kafka_base:
+        yield
+        return
+    with open(CLUSTER_LOCK, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for {CLUSTER_LOCK} (another three-node cluster runs on these ports)")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @contextmanager
@@ -865,7 +885,7 @@ def run(deliveries: int, seed: int, short: bool, *, ports: Ports | None = None,
         "seed": seed, "form": "short" if short else "full", "deliveries": deliveries,
         "rate_per_s": plan.rate_per_s, "settle_timeout_s": plan.settle_timeout_s,
     }
-    with using(env) as cfg:
+    with cluster_lock(ports), using(env) as cfg:
         stack = Stack(cfg, ports, service_env)
         submitter = Submitter(plan)
         duplicator = Duplicator(plan)

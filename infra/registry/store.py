@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
+from choreo.kafka import base_config
 from choreo.logs import get_logger
 from infra.registry import errors
 from infra.registry.state import Record, State
@@ -52,7 +53,7 @@ class KafkaStore:
 
     def ensure_topic(self) -> None:
         """Create the store topic when missing: 1 partition, compacted, broker-default replication."""
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        admin = AdminClient(base_config(self.bootstrap))
         metadata = admin.list_topics(timeout=self.timeout_s)
         if self.topic in metadata.topics:
             partitions = len(metadata.topics[self.topic].partitions)
@@ -73,7 +74,7 @@ class KafkaStore:
 
     def start(self) -> None:
         consumer = Consumer({
-            "bootstrap.servers": self.bootstrap,
+            **base_config(self.bootstrap),
             "group.id": f"schema-registry-reader-{uuid.uuid4().hex}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
@@ -146,7 +147,7 @@ class KafkaStore:
 
     def end_offset(self) -> int:
         """The log's current end as a read_committed reader will reach it."""
-        probe = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "schema-registry-probe",
+        probe = Consumer({**base_config(self.bootstrap), "group.id": "schema-registry-probe",
                           "isolation.level": "read_committed", "enable.auto.commit": False})
         try:
             _, high = probe.get_watermark_offsets(self._partition, timeout=self.timeout_s, cached=False)
@@ -170,7 +171,7 @@ class KafkaStore:
         if self._producer is not None:
             return
         producer = Producer({
-            "bootstrap.servers": self.bootstrap,
+            **base_config(self.bootstrap),
             "transactional.id": f"schema-registry-{self.topic}",
             "enable.idempotence": True,
             "acks": "all",
