@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -78,7 +79,8 @@ def consumer_config(group: str, client_id: str) -> dict[str, Any]:
         "session.timeout.ms": 10000,
         "heartbeat.interval.ms": 1000,
         "max.poll.interval.ms": 60000,
-        "fetch.wait.max.ms": 10,
+        # the runtime's 10 ms; BENCH_FETCH_WAIT_MS tries another value (an A/B of the stages)
+        "fetch.wait.max.ms": int(os.environ.get("BENCH_FETCH_WAIT_MS", "10")),
     }
 
 

@@ -309,6 +309,8 @@ class Bench:
         self.hops = hop_count(HAPPY_PATH)
         self.samples: dict[str, Record] = {}
         self.idle_pct: dict[str, float] = {}
+        out = Path(args.out)
+        self.profile_dir = out.with_name(f"{out.stem}-profiles")  # raw py-spy stacks, kept
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -373,8 +375,10 @@ class Bench:
         observer = Observer(OUTCOME_TOPICS)
         before = scrape(self.metrics_ports)
         mem_before = int(client.info("memory")["used_memory"])
+        if profile:
+            self.profile_dir.mkdir(parents=True, exist_ok=True)
         spies = self._start_profilers([p for p in profile if p != "ingestion"], tag)
-        ingestion_profile = self.work / f"profile-{tag}-ingestion.txt" if "ingestion" in profile else None
+        ingestion_profile = self.profile_dir / "ingestion.txt" if "ingestion" in profile else None
         watch.begin()
         t0 = time.monotonic()
         driven = run_drivers(pipeline_driver_argvs(n, rate_per_s, self.args.drivers,
@@ -421,7 +425,7 @@ class Bench:
             if name not in self.services:
                 raise SystemExit(f"--profile {name}: no such service instance ({', '.join(self.services)})")
             pid = self.services[name].pid()
-            out = self.work / f"profile-{tag}-{name}.txt"
+            out = self.profile_dir / f"{name}.txt"
             proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "100", "--format",
                                      "raw", "--output", str(out),
                                      *(["--idle"] if self.args.profile_idle else [])],

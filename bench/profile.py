@@ -43,7 +43,7 @@ WAITING = (
     ("kafka: transaction commit / offsets (blocked)", ("Runner._commit ", "Runner._process ")),
     ("kafka: producer poll / flush (blocked)", ("Publisher.poll ", "Publisher.flush ")),
     ("redis: waiting for replies", ("SocketBuffer._read_from_socket ", "SocketBuffer.can_read")),
-    ("idle threads (metrics server, waits)", ("_PollLikeSelector.select ", "Condition.wait ",
+    (IDLE := "idle threads (metrics server, waits)", ("_PollLikeSelector.select ", "Condition.wait ",
                                               "Event.wait ", "BaseServer.serve_forever ")),
     ("interpreter start-up (imports)", ("_find_and_load", "_compile_bytecode", "_call_with_frames_removed",
                                         "_path_stat", "FileLoader.get_data")),
@@ -83,6 +83,11 @@ def summarise(text: str, top: int = 15) -> dict[str, Any]:
         return [{"function": name, "samples": n, "pct": round(100 * n / total, 1)}
                 for name, n in counter.most_common(top)] if total else []
 
+    idle = categories.get(IDLE, 0)
+    busy = total - idle
     return {"samples": total,
             "categories": {k: round(100 * n / total, 1) for k, n in categories.most_common()} if total else {},
+            # the same without idle helper threads: where the working thread's time goes
+            "working_thread": {k: round(100 * n / busy, 1) for k, n in categories.most_common()
+                               if k != IDLE} if busy else {},
             "own_computing": table(computing), "own": table(own), "total": table(inclusive)}

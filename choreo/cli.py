@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from infra.chaos import app as chaos_app
 from infra.process import StackError
 from infra.registry.cli import app as registry_app
 from choreo.ops.cli import app as ops_app
@@ -128,6 +129,7 @@ def create_topics(
 app.add_typer(registry_app, name="registry", help="The schema registry service.")
 app.add_typer(ops_app, name="ops",
               help="Incident tooling: replay, rebuild-state, trace, dlq, status, topology.")
+app.add_typer(chaos_app, name="chaos", help="Chaos runner: faults on a three-node cluster, then checks.")
 app.command("emit")(ingestion_cli.emit)
 app.command("serve")(ingestion_cli.serve)
 

@@ -119,7 +119,7 @@ class Envelope:
         if not values.get(H_EVENT_ID) or not values.get(H_CORRELATION_ID):
             return None
         try:
-            return cls(
+            envelope = cls(
                 event_id=values[H_EVENT_ID][:200],
                 correlation_id=values[H_CORRELATION_ID][:200],
                 causation_id=values.get(H_CAUSATION_ID, "")[:200],
@@ -133,6 +133,10 @@ class Envelope:
             )
         except ValueError:
             return None
+        # forged counters would slip past the hop limit or outrank a supervisor's token
+        if envelope.hops < 0 or envelope.attempt < 1 or envelope.deadline_ms < 0:
+            return None
+        return envelope
 
 
 def pairs(headers: Headers | None) -> Sequence[tuple[str, bytes | str | None]]:

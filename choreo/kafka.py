@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from choreo.config import settings
@@ -61,3 +62,34 @@ def ensure_topics(
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise
+
+
+def wait_transactions_settled(timeout_s: float, log: Callable[[str], None] | None = None) -> float:
+    """Wait until no partition holds an open transaction (last stable offset == high
+    watermark everywhere); returns the seconds it took.
+
+    A reader that stops at the last stable offset (rebuild-state, a checker) would otherwise
+    miss a transaction that commits just after it read: a process killed mid-transaction
+    leaves one open until ``transaction.timeout.ms``.
+    """
+    started = time.monotonic()
+    committed = Consumer({**base_config(), "group.id": "lso-probe",
+                          "isolation.level": "read_committed", "log_level": 0})
+    uncommitted = Consumer({**base_config(), "group.id": "hw-probe",
+                            "isolation.level": "read_uncommitted", "log_level": 0})
+    try:
+        meta = committed.list_topics(timeout=10)
+        tps = [TopicPartition(t, p) for t, tm in meta.topics.items() if not t.startswith("__")
+               for p in tm.partitions]
+        while tps and time.monotonic() - started < timeout_s:
+            tps = [tp for tp in tps
+                   if committed.get_watermark_offsets(tp, timeout=10, cached=False)[1]
+                   < uncommitted.get_watermark_offsets(tp, timeout=10, cached=False)[1]]
+            if tps:
+                time.sleep(1.0)
+        if tps and log is not None:
+            log(f"{len(tps)} partitions still have open transactions after {timeout_s:.0f}s")
+    finally:
+        committed.close()
+        uncommitted.close()
+    return time.monotonic() - started

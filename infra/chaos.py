@@ -62,6 +62,7 @@ from confluent_kafka import (
 
 from choreo.config import REPO_ROOT, Settings, settings
 from choreo.envelope import pairs
+from choreo.kafka import wait_transactions_settled
 from infra.kafka import KafkaCluster
 from infra.process import ManagedProcess, StackError, port_in_use, stop_all
 
@@ -303,34 +304,6 @@ def wait_leaders(timeout_s: float) -> None:
             if time.monotonic() > deadline:
                 raise StackError(f"topics without a leader after {timeout_s:.0f}s")
             time.sleep(0.3)
-
-
-def wait_transactions_settled(timeout_s: float) -> float:
-    """Until no partition has an open or unmarked transaction (last stable offset equals the
-    high watermark everywhere); the seconds it took."""
-    from choreo.kafka import base_config
-
-    started = time.monotonic()
-    committed = Consumer({**base_config(), "group.id": "chaos-lso", "isolation.level": "read_committed",
-                          "log_level": 0})
-    uncommitted = Consumer({**base_config(), "group.id": "chaos-hw", "isolation.level": "read_uncommitted",
-                            "log_level": 0})
-    try:
-        meta = committed.list_topics(timeout=10)
-        tps = [TopicPartition(t, p) for t, tm in meta.topics.items() if t not in INTERNAL_TOPICS
-               for p in tm.partitions]
-        while tps and time.monotonic() - started < timeout_s:
-            tps = [tp for tp in tps
-                   if committed.get_watermark_offsets(tp, timeout=10, cached=False)[1]
-                   < uncommitted.get_watermark_offsets(tp, timeout=10, cached=False)[1]]
-            if tps:
-                time.sleep(1.0)
-        if tps:
-            log(f"{len(tps)} partitions still have open transactions after {timeout_s:.0f}s")
-    finally:
-        committed.close()
-        uncommitted.close()
-    return time.monotonic() - started
 
 
 def wait_isr_whole(timeout_s: float) -> bool:
@@ -682,7 +655,7 @@ class Chaos:
         # killed instance that is still open (up to transaction.timeout.ms) or decided but not
         # yet marked is invisible to it, and becomes visible after the rebuild (reported: the
         # tool should wait for this itself; the procedure does it until then)
-        in_doubt_s = wait_transactions_settled(90) if self.settle_transactions else -1.0
+        in_doubt_s = wait_transactions_settled(90, log) if self.settle_transactions else -1.0
         wait_groups_empty(self.stack.groups, 60)
         client = redis.Redis.from_url(self.stack.cfg.redis_url, socket_timeout=10)
         self.fleet_before_loss = read_history(client, fleet.HISTORY)
@@ -984,7 +957,7 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
 
 # -- the command ----------------------------------------------------------------------------
 
-app = typer.Typer(add_completion=False, help=__doc__)
+app = typer.Typer(add_completion=False, help="Chaos run on a private three-node stack (see infra/chaos.py).")
 
 
 @app.callback(invoke_without_command=True)

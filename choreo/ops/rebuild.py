@@ -50,6 +50,7 @@ from typing import Any
 import redis
 from confluent_kafka import TopicPartition
 
+from choreo.kafka import wait_transactions_settled
 from choreo.config import settings
 from choreo.dedupe import seen_key
 from choreo.envelope import now_ms
@@ -388,6 +389,9 @@ def rebuild(workflow: Workflow, *, since_ms: int | None = None, fleet_size: int 
     client = client or redis.Redis.from_url(settings().redis_url, socket_timeout=10)
     rebuilder = Rebuilder(workflow, client, fleet_size, prefix=prefix)
     report = RebuildReport(since_ms=since)
+    # a service killed mid-transaction leaves it open until it times out: read only once
+    # everything in doubt has committed or aborted, or its effects would be missed
+    wait_transactions_settled(90)
     report.records_read = rebuilder.collect(since, progress_total, progress)
     rebuilder.write(report)
     report.seconds = time.perf_counter() - started

@@ -149,9 +149,19 @@ class KafkaStore:
         """The log's current end as a read_committed reader will reach it."""
         probe = Consumer({**base_config(self.bootstrap), "group.id": "schema-registry-probe",
                           "isolation.level": "read_committed", "enable.auto.commit": False})
+        deadline = time.monotonic() + self.timeout_s
         try:
-            _, high = probe.get_watermark_offsets(self._partition, timeout=self.timeout_s, cached=False)
-            return int(high)
+            while True:
+                try:
+                    _, high = probe.get_watermark_offsets(self._partition, timeout=self.timeout_s,
+                                                          cached=False)
+                    return int(high)
+                except KafkaException as exc:
+                    # a topic just created on a multi-broker cluster: its metadata is spreading
+                    if (exc.args[0].code() != KafkaError._UNKNOWN_PARTITION
+                            or time.monotonic() > deadline):
+                        raise
+                    time.sleep(0.3)
         finally:
             probe.close()
 

@@ -86,7 +86,7 @@ class Poison:
     key: str
     kind: str
     value: bytes | None
-    headers: list[tuple[str, bytes]]
+    headers: list[tuple[str, str | bytes | None]]
     reasons: frozenset[str]  # the acceptable dlq.reason values
 
 
@@ -103,7 +103,7 @@ class Poisoner:
             self.encoders[key] = Encoder(type(event), topic, registry_client())
         return self.encoders[key](event)
 
-    def headers(self, key: str, hops: int = 0) -> list[tuple[str, bytes]]:
+    def headers(self, key: str, hops: int = 0) -> list[tuple[str, str | bytes | None]]:
         env = Envelope.first(derived_id(key, "poison"), key, "Poison", "poison-test")
         return [(k, v if isinstance(v, bytes) else (v or "").encode())
                 for k, v in replace(env, hops=hops).to_headers()]
@@ -114,7 +114,10 @@ class Poisoner:
         good = self.encode(valid(topic, key), topic)
         rng = self.rng
         hdr = self.headers(key)
-        one = lambda v, *reasons, h=hdr: Poison(topic, key, kind, v, h, frozenset(r.value for r in reasons))  # noqa: E731
+
+        def one(v: bytes | None, *reasons: R, h: list[tuple[str, str | bytes | None]] = hdr) -> Poison:
+            return Poison(topic, key, kind, v, h, frozenset(r.value for r in reasons))
+
         if kind == "garbage":
             return one(bytes([rng.randrange(1, 256)]) + rng.randbytes(rng.randrange(0, 300)), R.UNDECODABLE)
         if kind == "wrong_magic":
@@ -185,7 +188,7 @@ def produce(records: list[Poison]) -> None:
                          "linger.ms": 5, "message.max.bytes": 2_000_000})
     failures: list[str] = []
     for p in records:
-        producer.produce(p.topic, key=p.key.encode(), value=p.value, headers=p.headers,
+        producer.produce(p.topic, key=p.key.encode(), value=p.value, headers=list(p.headers),
                          on_delivery=lambda err, _m: failures.append(str(err)) if err else None)
         producer.poll(0)
     assert producer.flush(60) == 0

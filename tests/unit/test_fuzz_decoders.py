@@ -167,10 +167,6 @@ def test_envelopes_survive_their_own_headers(event_id: str, correlation_id: str,
     assert Envelope.from_headers(env.to_headers()) == env
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Envelope.from_headers accepts negative hops and attempts below 1: a forged "
-    "`hops: -1000000` header passes the hop-limit guard (runner: hops > max_hops) and a forged "
-    "huge `attempt` outranks every supervisor token. Proposed patch in RELIABILITY.md."))
 def test_forged_counters_are_refused() -> None:
     base = [("event_id", b"e"), ("correlation_id", b"d")]
     assert Envelope.from_headers([*base, ("hops", b"-1000000")]) is None
