@@ -62,6 +62,19 @@ def ensure_topics(
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise
+    _wait_for_leaders(client, [t.topic for t in new], timeout_s)
+
+
+def _wait_for_leaders(client: AdminClient, topics: list[str], timeout_s: float) -> None:
+    """Creation returns before every broker knows the new partitions' leaders; a client that
+    asks for watermarks or produces at once would get NOT_LEADER / UNKNOWN_PARTITION."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        meta = client.list_topics(timeout=timeout_s).topics
+        if all(t in meta and meta[t].error is None and meta[t].partitions
+               and all(p.leader >= 0 for p in meta[t].partitions.values()) for t in topics):
+            return
+        time.sleep(0.1)
 
 
 def wait_transactions_settled(timeout_s: float, log: Callable[[str], None] | None = None) -> float:

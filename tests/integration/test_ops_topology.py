@@ -28,7 +28,14 @@ def _check(workflow: str) -> tuple[int, dict[str, object]]:
     return result.exit_code, json.loads(result.stdout)
 
 
-def test_the_real_workflow_is_sound_on_the_live_broker_and_registry() -> None:
+def test_the_real_workflow_is_sound_on_the_live_broker_and_registry(stack: None) -> None:
+    # what a deploy does first: create the declared topics and register their contracts
+    from choreo import contracts, topology
+    from consumers.workflow import WORKFLOW
+    from schemas.models import CompensationRecord, StepReport
+
+    topology.create(WORKFLOW)
+    contracts.register(contracts.topic_models(WORKFLOW, (StepReport, CompensationRecord)))
     code, report = _check("consumers.workflow:WORKFLOW")
     assert (code, report["ok"]) == (0, True), report
 
