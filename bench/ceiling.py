@@ -10,6 +10,10 @@ committed asynchronously per batch. What the stages lack is exactly the pipeline
 decoding, validation, Redis, state table, encoding.
 
     python -m bench.ceiling stage SPEC.json   # run one stage until SIGTERM
+
+Two environment switches try a runtime change on the no-logic chain first (an A/B):
+``BENCH_FETCH_WAIT_MS`` (the runtime's ``fetch.wait.max.ms`` is 10) and ``BENCH_CONSUME=first``
+(wait for the first record, then take what arrives within 5 ms, instead of ``consume(500, 0.05)``).
 """
 
 from __future__ import annotations
@@ -101,6 +105,15 @@ def next_offsets(batch: list[Message]) -> list[TopicPartition]:
     return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
 
 
+def next_batch(consumer: Consumer, first_then_drain: bool) -> list[Message]:
+    if not first_then_drain:
+        return consumer.consume(BATCH, POLL_S)
+    first = consumer.poll(POLL_S)
+    if first is None:
+        return []
+    return [first, *consumer.consume(BATCH - 1, 0.005)]
+
+
 class FanIn:
     """Emit once per key when the last of ``need`` inputs for it has arrived."""
 
@@ -131,6 +144,9 @@ def run_stage(spec: dict[str, Any]) -> None:
     producer = Producer(producer_config(spec["group"] if transactional else None))
     if transactional:
         producer.init_transactions(30)
+    # BENCH_CONSUME=first: wait for the first record only, then what arrives within 5 ms (the
+    # runtime's consume(500, 0.05) waits for 500 records or all 50 ms): an A/B of that change
+    first_then_drain = os.environ.get("BENCH_CONSUME", "batch") == "first"
     running = [True]
 
     def stop(*_: Any) -> None:
@@ -141,7 +157,7 @@ def run_stage(spec: dict[str, Any]) -> None:
     consumer.subscribe(list(routes))
     try:
         while running[0]:
-            batch = [m for m in consumer.consume(BATCH, POLL_S) if m.error() is None]
+            batch = [m for m in next_batch(consumer, first_then_drain) if m.error() is None]
             if not batch:
                 continue
             if transactional:

@@ -94,7 +94,7 @@ def drive_pipeline(n: int, rate: float, seed: int) -> dict[str, Any]:
             "accepted": accepted, "refused": dict(refused), "errors": dict(errors)}
 
 
-def drive_ceiling(n: int, topic: str, samples_path: Path) -> dict[str, Any]:
+def drive_ceiling(n: int, topic: str, samples_path: Path, rate: float = 0.0) -> dict[str, Any]:
     from confluent_kafka import KafkaError, Message, Producer
 
     from bench.ceiling import load_samples
@@ -110,8 +110,11 @@ def drive_ceiling(n: int, topic: str, samples_path: Path) -> dict[str, Any]:
     cpu0 = time.process_time()
     start = time.monotonic()
 
-    for key in keys:
-        due = time.monotonic()
+    for i, key in enumerate(keys):
+        due = start + i / rate if rate > 0 else time.monotonic()
+        if rate > 0:
+            _wait_until(due)
+            producer.poll(0)
 
         def done(err: KafkaError | None, _: Message | None, key: str = key, due: float = due) -> None:
             if err is not None:
@@ -147,7 +150,7 @@ def main() -> None:
     if args.what == "pipeline":
         result = drive_pipeline(args.n, args.rate, args.seed)
     else:
-        result = drive_ceiling(args.n, args.topic, Path(args.samples))
+        result = drive_ceiling(args.n, args.topic, Path(args.samples), args.rate)
     # CPU of the submit loop only (set above), peak RSS of the whole process
     result["peak_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     Path(args.out).write_text(json.dumps(result))

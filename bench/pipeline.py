@@ -190,8 +190,13 @@ class Observer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for msg in self.consumer.consume(1000, 0.05):
-                now = time.monotonic()
+            # poll returns at the first record (consume(n, t) would wait for n or t: up to
+            # 50 ms of delay added to every timing); then drain what is there without waiting
+            first = self.consumer.poll(0.05)
+            if first is None:
+                continue
+            now = time.monotonic()
+            for msg in [first, *self.consumer.consume(1000, 0)]:
                 key = msg.key()
                 if msg.error() is not None or key is None:
                     continue
@@ -480,7 +485,7 @@ class Bench:
             raise RuntimeError(f"no sample records on {sorted(missing)} after the warm-up")
         return samples
 
-    def ceiling_run(self, n: int, transactional: bool, tag: str) -> dict[str, Any]:
+    def ceiling_run(self, n: int, transactional: bool, tag: str, rate_per_s: float = 0.0) -> dict[str, Any]:
         from choreo.kafka import ensure_topics
         from infra.demo import wait_for_groups
 
@@ -508,7 +513,8 @@ class Bench:
             observer = Observer([prefix + TERMINAL_TOPIC])
             watch.begin()
             driven = run_drivers([["ceiling", "--n", str(n), "--topic", prefix + SOURCE_TOPIC,
-                                   "--samples", str(samples_path)]], self.work, tag)
+                                   "--samples", str(samples_path), "--rate", str(rate_per_s)]],
+                                 self.work, tag)
             waited = observer.wait_for([i for i, _, _ in driven["accepted"]], self.args.timeout)
             used = watch.end()
             seconds = time.monotonic() - watch.t0

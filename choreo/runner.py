@@ -103,7 +103,10 @@ class Runner:
             "session.timeout.ms": 10000,
             "heartbeat.interval.ms": 1000,
             "max.poll.interval.ms": 60000,
-            "fetch.wait.max.ms": 10,
+            # how long the broker may hold a fetch when NO data is there: with
+            # fetch.min.bytes=1 a fetch returns as soon as any committed record exists, so this
+            # bounds idle polling (each service polls 6-48 partitions), not latency
+            "fetch.wait.max.ms": 100,
         })
         self.producer = self._new_producer()
 
@@ -157,7 +160,9 @@ class Runner:
         broker round trip each, hence only every few seconds)."""
         try:
             for tp in self.consumer.position(self.consumer.assignment()):
-                _, high = self.consumer.get_watermark_offsets(tp, timeout=1, cached=False)
+                # cached: the high watermark every fetch response carries; a broker round trip per
+                # partition here stalls the consume loop (48 partitions in the delivery service)
+                _, high = self.consumer.get_watermark_offsets(tp, timeout=1, cached=True)
                 if tp.offset >= 0:
                     metrics.LAG.labels(self.service.name, tp.topic, str(tp.partition)).set(
                         max(0, high - tp.offset))

@@ -87,7 +87,9 @@ class Context:
     redis: redis.Redis
     log: Any
     try_no: int = 1  # in-process try of this attempt (1-based)
-    once_ttl_s: int = 7 * 24 * 3600
+    # replays come within minutes (aborted transactions, supervisor requeues within the step
+    # deadlines x retry budget); rebuild-state relies on business-key idempotency, not on these
+    once_ttl_s: int = int(os.environ.get("CHOREO_ONCE_TTL_S", "3600"))
     emitted: list[Emitted] = field(default_factory=list)
     keep_step_open: bool = False
 

@@ -48,6 +48,8 @@ class Agent:
         """Perform ``operation`` remotely; raise ``Retryable`` or ``PermanentFailure`` as configured."""
         if self.latency_ms:
             time.sleep(self.latency_ms / 1000)
+        if not (self.permanent_rate or self.transient_rate):
+            return  # nothing injected: no hashing on the hot path
         if _fraction(self.name, operation, call_id) < self.permanent_rate:
             raise PermanentFailure(f"{self.name} refused {operation}")
         # the try label is "<attempt>.<try>": a requeue is a new roll, not a replay of the old ones

@@ -17,7 +17,8 @@ from choreo.effects import OnceEffect
 FREE = "fleet:free"  # sorted set: free drones scored by capacity (kg)
 HELD = "fleet:held"  # hash: drone -> delivery
 BOOKING = "fleet:booking"  # hash: delivery -> drone
-HISTORY = "fleet:history"  # stream of reserve / release / return
+HISTORY = "fleet:history"  # stream of reserve / release / return (the last ~HISTORY_MAX entries)
+HISTORY_MAX = 1_000_000  # ~250 MB bound instead of growth with every delivery ever made
 CAPACITY = "fleet:capacity"  # hash: drone -> capacity (kg)
 MAX_CAPACITY = "fleet:max_capacity"
 KEYS = [FREE, HELD, BOOKING, HISTORY, CAPACITY, MAX_CAPACITY]
@@ -38,7 +39,7 @@ local drone = found[1]
 redis.call('ZREM', KEYS[1], drone)
 redis.call('HSET', KEYS[2], drone, delivery)
 redis.call('HSET', KEYS[3], delivery, drone)
-redis.call('XADD', KEYS[4], '*', 'action', 'reserve', 'drone', drone, 'delivery', delivery)
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', '1000000', '*', 'action', 'reserve', 'drone', drone, 'delivery', delivery)
 return drone
 """)
 
@@ -51,7 +52,7 @@ if redis.call('HGET', KEYS[2], drone) == delivery then
   redis.call('HDEL', KEYS[2], drone)
   redis.call('ZADD', KEYS[1], redis.call('HGET', KEYS[5], drone), drone)
 end
-redis.call('XADD', KEYS[4], '*', 'action', action, 'drone', drone, 'delivery', delivery)
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', '1000000', '*', 'action', action, 'drone', drone, 'delivery', delivery)
 return drone
 """)
 

@@ -20,4 +20,4 @@ return 'sent'
 @service.on("delivery.shipped")
 def notify(shipment: DeliveryShipped, ctx: Context) -> None:
     ctx.once(RECORD, keys=["notifications"], args=[shipment.delivery_id, shipment.drone_id])
-    ctx.log.info("customer.notified", drone_id=shipment.drone_id)
+    ctx.log.debug("customer.notified", drone_id=shipment.drone_id)  # per event: debug, not info
