@@ -98,6 +98,7 @@ class Trigger:
     rec: Rec
     attempt: int
     deadline_ms: int
+    event_id: str = ""
 
 
 @dataclass
@@ -243,8 +244,11 @@ class Rebuilder:
             if step is None or env is None:
                 continue
             latest = facts.triggers.get(step)
+            if latest is not None and (latest.event_id, latest.attempt) == (env.event_id, env.attempt):
+                continue  # a copy of the trigger already kept (the dedupe skips it): not a new try
             if latest is None or (env.attempt, r.timestamp_ms) >= (latest.attempt, latest.rec.timestamp_ms):
-                facts.triggers[step] = Trigger(step, service, origin, r, env.attempt, deadline_ms)
+                facts.triggers[step] = Trigger(step, service, origin, r, env.attempt, deadline_ms,
+                                               env.event_id)
 
     # -- writing ---------------------------------------------------------------------------
 
