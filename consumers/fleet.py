@@ -74,24 +74,36 @@ def seed(client: redis.Redis, size: int) -> int:
     return size
 
 
-def double_bookings(client: redis.Redis) -> list[str]:
-    """Replay the fleet's history; every moment a drone was reserved while held is a violation."""
-    holder: dict[str, str] = {}
-    violations: list[str] = []
+def history(client: redis.Redis) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The whole ``fleet:history`` stream, read in pages."""
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = []
     last = "-"
     while True:
-        entries: list[Any] = client.xrange(HISTORY, min=last, count=10_000) or []
+        page: list[Any] = client.xrange(HISTORY, min=last, count=10_000) or []
         if last != "-":
-            entries = entries[1:]
-        if not entries:
-            return violations
-        for _, fields in entries:
-            action = fields[b"action"].decode()
-            drone, delivery = fields[b"drone"].decode(), fields[b"delivery"].decode()
-            if action == "reserve":
-                if holder.get(drone, delivery) != delivery:
-                    violations.append(f"{drone} reserved for {delivery} while held by {holder[drone]}")
-                holder[drone] = delivery
-            elif holder.get(drone) == delivery:
-                del holder[drone]
-        last = entries[-1][0].decode()
+            page = page[1:]
+        if not page:
+            return entries
+        entries.extend(page)
+        last = page[-1][0].decode()
+
+
+def violations_in(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[str]:
+    """Replay a fleet history: every moment a drone was reserved while held is a violation."""
+    holder: dict[str, str] = {}
+    found: list[str] = []
+    for _, fields in entries:
+        action = fields[b"action"].decode()
+        drone, delivery = fields[b"drone"].decode(), fields[b"delivery"].decode()
+        if action == "reserve":
+            if holder.get(drone, delivery) != delivery:
+                found.append(f"{drone} reserved for {delivery} while held by {holder[drone]}")
+            holder[drone] = delivery
+        elif holder.get(drone) == delivery:
+            del holder[drone]
+    return found
+
+
+def double_bookings(client: redis.Redis) -> list[str]:
+    """No drone was ever held by two deliveries at once, checked over its whole history."""
+    return violations_in(history(client))

@@ -718,20 +718,11 @@ def read_history(client: redis.Redis, key: str) -> list[tuple[bytes, dict[bytes,
 
 
 def double_bookings(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[str]:
-    """``consumers.fleet.double_bookings`` over a history that spans a Redis loss (the
-    history before the loss, then the rebuilt one): a drone reserved while held is a violation."""
-    holder: dict[str, str] = {}
-    found: list[str] = []
-    for _, fields in entries:
-        action = fields[b"action"].decode()
-        drone, delivery = fields[b"drone"].decode(), fields[b"delivery"].decode()
-        if action == "reserve":
-            if holder.get(drone, delivery) != delivery:
-                found.append(f"{drone} reserved for {delivery} while held by {holder[drone]}")
-            holder[drone] = delivery
-        elif holder.get(drone) == delivery:
-            del holder[drone]
-    return found
+    """``consumers.fleet.violations_in`` over a history that spans a Redis loss (the history
+    before the loss, then the rebuilt one)."""
+    from consumers.fleet import violations_in
+
+    return violations_in(entries)
 
 
 # -- the checks -----------------------------------------------------------------------------
