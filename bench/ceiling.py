@@ -29,7 +29,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
-from choreo.kafka import base_config
+from choreo.kafka import base_config, transactional_consumer_config
 
 BATCH = 500
 POLL_S = 0.05
@@ -71,21 +71,12 @@ def load_samples(path: Path) -> dict[str, Record]:
 
 
 def consumer_config(group: str, client_id: str) -> dict[str, Any]:
-    """The runtime's consumer settings (``choreo.runner.Runner``)."""
-    return {
-        **base_config(),
-        "group.id": group,
-        "client.id": client_id,
-        "enable.auto.commit": False,
-        "isolation.level": "read_committed",
-        "auto.offset.reset": "earliest",
-        "partition.assignment.strategy": "cooperative-sticky",
-        "session.timeout.ms": 10000,
-        "heartbeat.interval.ms": 1000,
-        "max.poll.interval.ms": 60000,
-        # the runtime's 10 ms; BENCH_FETCH_WAIT_MS tries another value (an A/B of the stages)
-        "fetch.wait.max.ms": int(os.environ.get("BENCH_FETCH_WAIT_MS", "10")),
-    }
+    """The runtime's consumer settings; ``BENCH_FETCH_WAIT_MS`` tries another fetch wait
+    (an A/B of the stages)."""
+    config = transactional_consumer_config(group, client_id)
+    if "BENCH_FETCH_WAIT_MS" in os.environ:
+        config["fetch.wait.max.ms"] = int(os.environ["BENCH_FETCH_WAIT_MS"])
+    return config
 
 
 def producer_config(transactional_id: str | None) -> dict[str, Any]:

@@ -30,6 +30,27 @@ def base_config(bootstrap: str | None = None) -> dict[str, Any]:
     return config
 
 
+def transactional_consumer_config(group: str, client_id: str) -> dict[str, Any]:
+    """The consumer side of a consume-transform-produce service: offsets are committed only
+    through the producer's transaction, and only committed records are read."""
+    return {
+        **base_config(),
+        "group.id": group,
+        "client.id": client_id,
+        "enable.auto.commit": False,
+        "isolation.level": "read_committed",
+        "auto.offset.reset": "earliest",
+        "partition.assignment.strategy": "cooperative-sticky",
+        "session.timeout.ms": 10000,
+        "heartbeat.interval.ms": 1000,
+        "max.poll.interval.ms": 60000,
+        # how long the broker may hold a fetch when NO data is there: with fetch.min.bytes=1 a
+        # fetch returns as soon as any committed record exists, so this bounds idle polling
+        # (each service polls 6-48 partitions), not latency
+        "fetch.wait.max.ms": 100,
+    }
+
+
 def admin(bootstrap: str | None = None) -> AdminClient:
     return AdminClient(base_config(bootstrap))
 

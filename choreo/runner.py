@@ -29,7 +29,7 @@ import redis
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from choreo import metrics
-from choreo.kafka import base_config
+from choreo.kafka import base_config, transactional_consumer_config
 from choreo.config import settings
 from choreo.dedupe import Deduper
 from choreo.envelope import Envelope, HeaderList, pairs, derived_id, now_ms
@@ -92,22 +92,8 @@ class Runner:
         self.decoders = {t: Decoder(h.model, t, self.registry) for t, h in service.handlers.items()}
         self.encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}
         self.running = False
-        self.consumer = Consumer({
-            **base_config(),
-            "group.id": service.name,
-            "client.id": f"{service.name}-{self.options.instance}",
-            "enable.auto.commit": False,
-            "isolation.level": "read_committed",
-            "auto.offset.reset": "earliest",
-            "partition.assignment.strategy": "cooperative-sticky",
-            "session.timeout.ms": 10000,
-            "heartbeat.interval.ms": 1000,
-            "max.poll.interval.ms": 60000,
-            # how long the broker may hold a fetch when NO data is there: with
-            # fetch.min.bytes=1 a fetch returns as soon as any committed record exists, so this
-            # bounds idle polling (each service polls 6-48 partitions), not latency
-            "fetch.wait.max.ms": 100,
-        })
+        self.consumer = Consumer(transactional_consumer_config(
+            service.name, f"{service.name}-{self.options.instance}"))
         self.producer = self._new_producer()
 
     def _new_producer(self) -> Producer:

@@ -33,6 +33,10 @@ from infra.registry.state import Record, State
 log = get_logger(component="registry.store")
 
 
+_SETTLING = frozenset({KafkaError._UNKNOWN_PARTITION, KafkaError.NOT_LEADER_FOR_PARTITION,
+                       KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART})
+
+
 class KafkaStore:
     """Owns the reader thread and the (lazily created) transactional writer."""
 
@@ -157,9 +161,9 @@ class KafkaStore:
                                                           cached=False)
                     return int(high)
                 except KafkaException as exc:
-                    # a topic just created on a multi-broker cluster: its metadata is spreading
-                    if (exc.args[0].code() != KafkaError._UNKNOWN_PARTITION
-                            or time.monotonic() > deadline):
+                    # a broker just started, or a topic just created on a cluster: leadership
+                    # and metadata are still settling
+                    if (exc.args[0].code() not in _SETTLING or time.monotonic() > deadline):
                         raise
                     time.sleep(0.3)
         finally:
