@@ -88,9 +88,12 @@ def history(client: redis.Redis) -> list[tuple[bytes, dict[bytes, bytes]]]:
         last = page[-1][0].decode()
 
 
-def violations_in(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[str]:
-    """Replay a fleet history: every moment a drone was reserved while held is a violation."""
-    holder: dict[str, str] = {}
+def violations_in(entries: list[tuple[bytes, dict[bytes, bytes]]],
+                  holding: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """Replay a fleet history from ``holding`` (drone -> delivery; empty by default): every
+    moment a drone was reserved while held is a violation. Returns them and who holds what
+    at the end."""
+    holder = dict(holding or {})
     found: list[str] = []
     for _, fields in entries:
         action = fields[b"action"].decode()
@@ -101,9 +104,9 @@ def violations_in(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[str]:
             holder[drone] = delivery
         elif holder.get(drone) == delivery:
             del holder[drone]
-    return found
+    return found, holder
 
 
 def double_bookings(client: redis.Redis) -> list[str]:
     """No drone was ever held by two deliveries at once, checked over its whole history."""
-    return violations_in(history(client))
+    return violations_in(history(client))[0]

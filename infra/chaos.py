@@ -19,7 +19,9 @@ each consumer**, and drives N deliveries through it while it:
 When the faults stop, it waits (bounded) for every delivery to end, then reads **every**
 topic with ``read_committed`` and the fleet history and checks: exactly one terminal event
 per accepted delivery (shipped, or failed with its compensation complete); no duplicate
-event id in any topic; no drone ever held by two deliveries; no accepted request missing
+event id in any topic; no drone ever held by two deliveries (across the Redis loss, a hold
+whose ``drone.scheduled`` is committed carries over; one that never reached Kafka is
+forgotten with Redis, as nobody outside ever learned of it); no accepted request missing
 from ``delivery.requested``; no good event dead-lettered; everything ended within the
 bound. The result is one JSON line; the exit code is 1 on any violation.
 
@@ -51,6 +53,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Any
 
 import redis
@@ -658,8 +661,15 @@ class Chaos:
         in_doubt_s = wait_transactions_settled(90, log) if self.settle_transactions else -1.0
         wait_groups_empty(self.stack.groups, 60)
         client = redis.Redis.from_url(self.stack.cfg.redis_url, socket_timeout=10)
-        self.fleet_before_loss = read_history(client, fleet.HISTORY)
+        self.fleet_before_loss = fleet.history(client)
         self.stack.redis.kill()
+        # every connection this process still holds leaves the dead server's side of it in
+        # FIN_WAIT2 until it times out (tcp_fin_timeout, 60 s), and the port can't be bound
+        client.connection_pool.disconnect()
+        port = int(urlsplit(self.stack.cfg.redis_url).port or 6379)
+        deadline = time.monotonic() + 90
+        while port_in_use(HOST, port) and time.monotonic() < deadline:
+            time.sleep(1)
         workdir = self.stack.redis.workdir
         for path in workdir.iterdir():
             if path.suffix in (".pid", ".log"):
@@ -680,7 +690,7 @@ class Chaos:
         self.faults.rebuild = {
             "records_read": report.records_read, "deliveries": report.deliveries,
             "outcomes": report.outcomes, "open_steps": report.open_steps,
-            "bookings_restored": report.bookings_restored,
+            "bookings_restored": report.bookings_restored, "bookings_superseded": report.bookings_superseded,
             "booking_conflicts": len(report.booking_conflicts), "seconds": round(report.seconds, 1),
             "waited_for_open_transactions_s": round(in_doubt_s, 1),
         }
@@ -704,28 +714,44 @@ def _start(proc: ManagedProcess, timeout_s: float = 30) -> None:
         proc.start(timeout_s=timeout_s)
 
 
-def read_history(client: redis.Redis, key: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    entries: list[tuple[bytes, dict[bytes, bytes]]] = []
-    last = b"-"
-    while True:
-        chunk: list[Any] = client.xrange(key, min=last, count=10_000) or []
-        if last != b"-":
-            chunk = chunk[1:]
-        if not chunk:
-            return entries
-        entries.extend((eid, fields) for eid, fields in chunk)
-        last = chunk[-1][0]
-
-
-def double_bookings(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[str]:
-    """``consumers.fleet.violations_in`` over a history that spans a Redis loss (the history
-    before the loss, then the rebuilt one)."""
-    from consumers.fleet import violations_in
-
-    return violations_in(entries)
-
-
 # -- the checks -----------------------------------------------------------------------------
+
+@dataclass
+class FleetHistory:
+    """The fleet's history before the Redis loss, and the one written since (it begins with
+    the rebuild's restored bookings)."""
+
+    before_loss: list[tuple[bytes, dict[bytes, bytes]]]
+    after_loss: list[tuple[bytes, dict[bytes, bytes]]]
+
+    def double_bookings(self, booked: dict[str, str]) -> tuple[list[str], int]:
+        """Every reservation of a held drone; and how many holds at the loss were forgotten
+        because their booking never reached Kafka (redone after the rebuild, not a violation).
+        A hold whose booking is committed stays held across the loss: a rebuild that lost it
+        shows up as the drone reserved again while its committed holder flies it."""
+        from consumers.fleet import violations_in
+
+        found, held = violations_in(self.before_loss)
+        kept = {drone: delivery for drone, delivery in held.items() if booked.get(delivery) == drone}
+        after, _ = violations_in(self.after_loss, holding=kept)
+        return found + after, len(held) - len(kept)
+
+    def evidence(self, violations: list[str], found: Findings) -> dict[str, Any]:
+        """Each doubled drone's history on both sides of the loss, with what Kafka holds of the
+        deliveries involved: what a person needs to tell a checker's mistake from a real one."""
+        drones = {v.split(" ", 1)[0] for v in violations}
+        out: dict[str, Any] = {}
+        for drone in sorted(drones):
+            rows = [{"side": side, "id": eid.decode(), **{k.decode(): v.decode() for k, v in fields.items()}}
+                    for side, entries in (("before", self.before_loss), ("after", self.after_loss))
+                    for eid, fields in entries if fields[b"drone"].decode() == drone]
+            deliveries = {row["delivery"] for row in rows}
+            out[drone] = {"history": rows, "kafka": {
+                d: {"booked": found.booked.get(d), "booked_at_ms": found.booked_at.get(d),
+                    "shipped": d in found.shipped, "failed": sorted(found.failed.get(d, ())),
+                    "terminal": found.terminal[d]} for d in sorted(deliveries)}}
+        return out
+
 
 @dataclass
 class Findings:
@@ -736,6 +762,8 @@ class Findings:
     undone: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     ids: dict[str, Counter[Any]] = field(default_factory=lambda: defaultdict(Counter))
     dead_letters: Counter[str] = field(default_factory=Counter)
+    booked: dict[str, str] = field(default_factory=dict)  # delivery -> its committed drone
+    booked_at: dict[str, int] = field(default_factory=dict)  # delivery -> that record's time (ms)
     copies_read: int = 0
     records: int = 0
     examples: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
@@ -778,13 +806,18 @@ def read_everything() -> Findings:
                 found.failed[delivery] = {str(s) for s in wanted}
             if r.topic in undo_of:
                 found.undone[delivery].add(undo_of[r.topic])
+            if r.topic == "drone.scheduled":
+                body = decode(r.topic, r.value)
+                found.booked[delivery] = str(body.get("drone_id", "")) if isinstance(body, dict) else ""
+                found.booked_at[delivery] = r.timestamp_ms
     finally:
         consumer.close()
     return found
 
 
 def judge(plan: Plan, submitter: Submitter, found: Findings,
-          history: list[tuple[bytes, dict[bytes, bytes]]], late: list[str]) -> dict[str, Any]:
+          fleet_history: FleetHistory, late: list[str]) -> dict[str, Any]:
+
     accepted = set(submitter.accepted)
     landed_unconfirmed = found.requested - accepted
     universe = accepted | found.requested  # a request that landed must end too
@@ -794,7 +827,7 @@ def judge(plan: Plan, submitter: Submitter, found: Findings,
     lost = sorted(accepted - found.requested)
     duplicates = {t: sum(n - 1 for n in c.values() if n > 1) for t, c in found.ids.items()}
     duplicates = {t: n for t, n in duplicates.items() if n}
-    doubled_drones = double_bookings(history)
+    doubled_drones, forgotten = fleet_history.double_bookings(found.booked)
     dead = sum(found.dead_letters.values())
     violations = {
         "missing_terminal": len(missing),
@@ -819,7 +852,8 @@ def judge(plan: Plan, submitter: Submitter, found: Findings,
         "shipped": len(found.shipped & universe),
         "failed": len(set(found.failed) & universe),
         "failed_compensated": len(set(found.failed) - set(uncompensated)),
-        "fleet_history_entries": len(history),
+        "fleet_history_entries": len(fleet_history.before_loss) + len(fleet_history.after_loss),
+        "uncommitted_holds_forgotten": forgotten,
         "records_read": found.records,
         "copies_read": found.copies_read,
         "duplicates_by_topic": duplicates,
@@ -936,10 +970,15 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     log(f"settled in {settle_s:.1f}s ({len(pending)} pending); stopping services, reading every topic")
     stop_all(stack.services, timeout_s=20)
     client = redis.Redis.from_url(stack.cfg.redis_url, socket_timeout=10)
-    history = [*chaos.fleet_before_loss, *read_history(client, fleet.HISTORY)]
+    history = FleetHistory(chaos.fleet_before_loss, fleet.history(client))
     held_at_end = int(client.hlen(fleet.HELD))
     found = read_everything()
     result = judge(plan, submitter, found, history, pending)
+    if result["violations"]["double_bookings"]:
+        evidence = stack.cfg.data_dir / "double-bookings.json"
+        evidence.write_text(json.dumps(history.evidence(result["violation_examples"]["double_bookings"], found),
+                                       indent=1))
+        result["double_booking_evidence"] = str(evidence)
     result.update({"startup_s": round(startup_s, 1), "traffic_s": round(faults_over - traffic_started, 1),
                    "settle_s": round(settle_s, 1), "drones_held_at_end": held_at_end,
                    "fault_log": chaos.faults.events[-60:]})

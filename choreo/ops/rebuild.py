@@ -15,7 +15,12 @@ What is rebuilt, and why each piece matters for exactly-once after a wipe:
   restored: ``drone.scheduled`` minus ``drone.released`` minus shipments the
   drone-scheduler has *consumed* (its committed offset is past them: the drone came back).
   A shipment not consumed yet keeps its drone held; the drone returns when it is consumed.
-  A restore never takes a drone someone else holds (reported as a conflict).
+  Only a drone's **latest** committed booking can still hold it: the fleet script let a later
+  delivery reserve the drone, so every earlier holder had given it back in Redis, even when
+  the release or return was in a transaction that a kill aborted (a Redis effect runs before
+  its Kafka commit). Earlier bookings are superseded, not restored; when the service handles
+  their release again it finds no booking and does nothing. A restore never takes a drone
+  someone else holds (reported as a conflict).
 * **State table** (``dl:{id}`` steps + ``deadlines``), replayed through the state table's
   own transitions (``open`` / ``begin`` / ``finish``): a step whose latest trigger the
   service has committed is completed (failed when it was reported to ``recovery`` or
@@ -106,6 +111,7 @@ class DeliveryFacts:
     results: dict[str, tuple[int, str, str]] = field(default_factory=dict)  # kind -> (ts, ok, value)
     outcome: str = ""
     drone: str = ""
+    scheduled_ms: int = 0  # when this delivery's booking of ``drone`` was first recorded
     released: bool = False
     returned: bool = False
     package: dict[str, str] = field(default_factory=dict)
@@ -126,6 +132,7 @@ class RebuildReport:
     steps: int = 0
     open_steps: int = 0
     bookings_restored: int = 0
+    bookings_superseded: int = 0
     booking_conflicts: list[str] = field(default_factory=list)
     seen_entries: int = 0
     packages: int = 0
@@ -219,8 +226,11 @@ class Rebuilder:
             kind, ok, name = RESULTS[topic]
             if kind not in facts.results:
                 facts.results[kind] = (r.timestamp_ms, ok, str(body.get(name) or ""))
-            if topic == DroneScheduled.topic:
-                facts.drone = str(body.get("drone_id") or "")
+            drone = str(body.get("drone_id") or "")
+            if topic == DroneScheduled.topic and drone != facts.drone:
+                # the first record of a booking dates it: a copy (a replay, a redrive) comes later
+                # and would make an earlier holder look like the drone's latest
+                facts.drone, facts.scheduled_ms = drone, r.timestamp_ms
             if topic == PackageReady.topic:
                 facts.package = {"package_id": str(body["package_id"]), "size": str(body["package_size"]),
                                  "weight_kg": str(body["weight_kg"])}
@@ -311,8 +321,15 @@ class Rebuilder:
 
     def _write_fleet(self, report: RebuildReport) -> None:
         script = self.client.register_script(RESTORE_BOOKING)
+        latest: dict[str, tuple[int, str]] = {}  # drone -> (scheduled at, delivery)
+        for delivery, facts in self.facts.items():
+            if facts.drone:
+                latest[facts.drone] = max(latest.get(facts.drone, (0, "")), (facts.scheduled_ms, delivery))
         for delivery, facts in self.facts.items():
             if not facts.drone or facts.released or facts.returned:
+                continue
+            if latest[facts.drone][1] != delivery:
+                report.bookings_superseded += 1
                 continue
             verdict = script(keys=fleet.KEYS, args=[delivery, facts.drone])
             text = verdict.decode() if isinstance(verdict, bytes) else str(verdict)

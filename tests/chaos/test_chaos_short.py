@@ -18,10 +18,6 @@ from tests.helpers import REPO
 
 FULL = os.environ.get("CHOREO_FULL") == "1"
 SEED = int(os.environ.get("CHOREO_CHAOS_SEED", "20261129"))
-# Known bug (RELIABILITY.md, issue 9 stays open): after a Redis loss, rebuild-state can restore
-# one drone to two deliveries (booking_conflicts -> double_bookings). The CI short form leaves
-# the Redis loss out until that is fixed; the full form and CHOREO_CHAOS_REDIS_LOSS=1 keep it.
-REDIS_LOSS = FULL or os.environ.get("CHOREO_CHAOS_REDIS_LOSS") == "1"
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration,
               pytest.mark.timeout(6 * 3600 if FULL else 1200)]
@@ -31,8 +27,6 @@ def test_chaos_run_has_no_violations() -> None:
     argv = [sys.executable, "-m", "infra.chaos", "--seed", str(SEED), "--verbose"]
     if not FULL:
         argv.append("--short")
-    if not REDIS_LOSS:
-        argv.append("--no-redis-loss")
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
                           timeout=6 * 3600 - 60 if FULL else 1140)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -42,7 +36,7 @@ def test_chaos_run_has_no_violations() -> None:
     assert "error" not in result, f"the run failed: {result['error']}\n{done.stderr[-3000:]}"
     assert result["faults"]["service_kills"] > 0 and result["faults"]["broker_kills"] >= 1
     assert result["faults"]["pauses"] >= 1
-    assert result["faults"]["redis_losses"] == (1 if REDIS_LOSS else 0)
+    assert result["faults"]["redis_losses"] == 1
     assert result["accepted"] == result["deliveries"], "every request must be accepted"
     assert result["violations"] == {k: 0 for k in result["violations"]}, (
         f"seed {SEED}: {result['violations']} e.g. {result['violation_examples']}")

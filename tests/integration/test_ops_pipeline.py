@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from datetime import UTC, datetime
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from choreo.runner import RECOVERY_TOPIC
 from choreo.service import retry_topic
 from choreo.workflow import Workflow
 from consumers import fleet
-from schemas.models import ALL_EVENTS
+from schemas.models import ALL_EVENTS, DroneScheduled
 from tests.factories import delivery_request
 from tests.helpers import ServiceProcess, read_topic, wait_for
 from tests.services import ops_pipeline
@@ -173,6 +174,28 @@ def test_flushall_mid_run_then_rebuild_every_delivery_ends_once(isolated: Isolat
     wait_for(lambda: not (set(_bookings(client)) & ids), timeout_s=20, what="drones returned")
     held = {k.decode(): v.decode() for k, v in client.hgetall(fleet.HELD).items()}
     assert all(_bookings(client).get(d) == drone for drone, d in held.items())
+
+
+def test_rebuild_restores_a_drone_only_to_its_latest_booking(isolated: IsolatedPipeline) -> None:
+    """A kill can abort the transaction of a release whose Redis effect already ran: Kafka
+    then shows the drone booked by A (never released) and later by B. Only B can hold it,
+    even when a copy of A's booking (a replay, a redrive) was written after B's."""
+    started = int(time.time() * 1000)
+    publisher = Publisher("test", redis_client=isolated.client)
+    first, second = delivery_request(), delivery_request()
+    bookings = [(DroneScheduled(delivery_id=request.delivery_id, drone_id="drone-00007",
+                                scheduled_at=datetime.now(UTC)), str(uuid.uuid4()))
+                for request in (first, second)]
+    for booking, event_id in [*bookings, bookings[0]]:
+        publisher.publish(booking, event_id, topic=isolated.prefix + DroneScheduled.topic)
+        publisher.flush(30)
+        time.sleep(0.01)  # each is produced later, as the fleet script ordered the first two
+    report = rebuild(isolated.flow, since_ms=started - 5000, fleet_size=FLEET, client=isolated.client,
+                     prefix=isolated.prefix)
+    assert report.booking_conflicts == []
+    assert (report.bookings_restored, report.bookings_superseded) == (1, 1)
+    assert isolated.client.hget(fleet.HELD, "drone-00007") == second.delivery_id.encode()
+    assert _bookings(isolated.client).get(first.delivery_id) is None
 
 
 def _start_at_end(group: str, topic: str) -> None:

@@ -1,0 +1,36 @@
+"""The double-booking check over a fleet history that spans a Redis loss (infra/chaos.py)."""
+
+from __future__ import annotations
+
+from infra.chaos import FleetHistory
+
+
+def entry(action: str, drone: str, delivery: str) -> tuple[bytes, dict[bytes, bytes]]:
+    return b"0-0", {b"action": action.encode(), b"drone": drone.encode(), b"delivery": delivery.encode()}
+
+
+def test_a_drone_reserved_while_held_is_a_double_booking() -> None:
+    history = FleetHistory([], [entry("reserve", "d1", "a"), entry("reserve", "d1", "b")])
+    assert history.double_bookings({}) == (["d1 reserved for b while held by a"], 0)
+
+
+def test_a_release_frees_the_drone() -> None:
+    history = FleetHistory([], [entry("reserve", "d1", "a"), entry("return", "d1", "a"),
+                                entry("reserve", "d1", "b")])
+    assert history.double_bookings({}) == ([], 0)
+
+
+def test_a_hold_that_never_reached_kafka_is_forgotten_with_redis() -> None:
+    history = FleetHistory([entry("reserve", "d1", "a")], [entry("reserve", "d1", "b")])
+    assert history.double_bookings({"b": "d1"}) == ([], 1)
+
+
+def test_a_committed_hold_lost_by_the_rebuild_is_a_double_booking() -> None:
+    history = FleetHistory([entry("reserve", "d1", "a")], [entry("reserve", "d1", "b")])
+    assert history.double_bookings({"a": "d1"}) == (["d1 reserved for b while held by a"], 0)
+
+
+def test_a_committed_hold_restored_by_the_rebuild_is_no_violation() -> None:
+    history = FleetHistory([entry("reserve", "d1", "a")],
+                           [entry("reserve", "d1", "a"), entry("return", "d1", "a"), entry("reserve", "d1", "b")])
+    assert history.double_bookings({"a": "d1"}) == ([], 0)
