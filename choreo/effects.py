@@ -10,6 +10,7 @@ and otherwise applies the effect and remembers its outcome, atomically.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -40,18 +41,46 @@ class OnceEffect:
         self.source = ONCE_TEMPLATE % body
         self._scripts: dict[int, Any] = {}
 
-    def run(
-        self,
-        client: redis.Redis,
-        once_key: str,
-        keys: Sequence[str],
-        args: Sequence[str | int | float],
-        ttl_s: int,
-    ) -> str | None:
+    def run(self, client: redis.Redis, once_key: str, keys: Sequence[str],
+            args: Sequence[str | int | float], ttl_s: int) -> str | None:
+        return EffectCall(self, once_key, tuple(keys), tuple(args), ttl_s).run(client)
+
+    def script(self, client: redis.Redis) -> Any:
         script = self._scripts.get(id(client))
         if script is None:
             script = self._scripts[id(client)] = client.register_script(self.source)
-        result = script(keys=[once_key, *keys], args=[ttl_s, *args])
-        if result is None:
-            return None
-        return result.decode() if isinstance(result, bytes) else str(result)
+        return script
+
+
+@dataclass(frozen=True)
+class EffectCall:
+    """One effect for one input event, ready to run: alone (``run``) or with the effects of
+    every other event of a batch in one round trip (``run_all``)."""
+
+    effect: OnceEffect
+    once_key: str
+    keys: tuple[str, ...]
+    args: tuple[str | int | float, ...]
+    ttl_s: int
+
+    def queue(self, client: redis.Redis, pipe: Any = None) -> Any:
+        return self.effect.script(client)(keys=[self.once_key, *self.keys], args=[self.ttl_s, *self.args],
+                                          client=pipe)
+
+    def run(self, client: redis.Redis) -> str | None:
+        return _answer(self.queue(client))
+
+
+def run_all(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:
+    """Every call in one pipeline (not a transaction: each script is atomic on its own, and
+    they touch different deliveries)."""
+    pipe = client.pipeline(transaction=False)
+    for call in calls:
+        call.queue(client, pipe)
+    return [_answer(result) for result in pipe.execute()]
+
+
+def _answer(result: Any) -> str | None:
+    if result is None:
+        return None
+    return result.decode() if isinstance(result, bytes) else str(result)

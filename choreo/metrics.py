@@ -14,6 +14,8 @@ HANDLER_SECONDS = Histogram("choreo_handler_seconds", "Handler latency", ["servi
                             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
 BATCH_SIZE = Histogram("choreo_batch_size", "Events per transaction", ["service"],
                        buckets=(1, 5, 10, 50, 100, 250, 500, 1000, 2000))
+EFFECTS_PER_ROUND_TRIP = Histogram("choreo_effects_per_round_trip", "Handler effects sent to Redis together",
+                                   ["service"], buckets=(1, 2, 5, 10, 50, 100, 250, 500, 1000))
 TXN_ABORTS = Counter("choreo_transaction_aborts_total", "Aborted transactions (replayed)", ["service"])
 LAG = Gauge("choreo_consumer_lag", "Consumer lag per partition", ["service", "topic", "partition"])
 

@@ -19,10 +19,10 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from types import FrameType
+from types import FrameType, GeneratorType
 from typing import Any
 
 import redis
@@ -37,7 +37,8 @@ from choreo.errors import DeadLetterReason, Rejected, Retryable
 from choreo.events import Event
 from choreo.logs import get_logger
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
-from choreo.service import Context, Emitted, Handler, Periodic, Service
+from choreo.effects import EffectCall, run_all
+from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerResult, Periodic, Service
 from choreo.state import Begin, StateTable, StepStatus
 from choreo.workflow import Workflow
 
@@ -61,6 +62,50 @@ class Work:
     log: Any
     verdict: Begin | None = None
     ctx: Context | None = None
+
+
+@dataclass
+class Attempt:
+    """One try of one handler: a plain call, or a generator resumed with effect answers."""
+
+    work: Work
+    ctx: Context = field(init=False)
+    tries: int = 0  # failed tries so far
+    request: EffectCall | None = None  # the effect it waits for
+    result: HandlerResult = None
+    error: Retryable | Rejected | None = None
+    delay_s: float = 0.0
+    seconds: float = 0.0  # the handler's own time, not its wait for Redis
+    _gen: EffectfulHandler | None = None
+
+    def start(self) -> None:
+        self.request, self.result, self.error, self._gen, self.seconds = None, None, None, None, 0.0
+        self._step(lambda: self.work.handler.fn(self.work.event, self.ctx))
+
+    def resume(self, answer: str | None) -> None:
+        assert self._gen is not None
+        gen = self._gen
+        self._step(lambda: gen.send(answer))
+
+    def _step(self, call: Callable[[], Any]) -> None:
+        started = time.perf_counter()
+        try:
+            out = call()
+            if self._gen is None and isinstance(out, GeneratorType):
+                self._gen, out = out, out.send(None)
+            if self._gen is None:
+                self.result = out
+            elif isinstance(out, EffectCall):
+                self.request = out
+            else:
+                raise TypeError(f"{self.work.handler.fn.__name__} yielded {type(out).__name__}; "
+                                "yield ctx.effect(...) only")
+        except StopIteration as stop:
+            self.request, self.result = None, stop.value
+        except (Retryable, Rejected) as exc:
+            self.request, self.error = None, exc
+        finally:
+            self.seconds += time.perf_counter() - started
 
 
 @dataclass
@@ -181,7 +226,7 @@ class Runner:
             self.producer.begin_transaction()
             work = [w for m, f in zip(batch, fresh) if (w := self._prepare(m, f)) is not None]
             self._begin_all(work)
-            self._finish_all([w for w in work if self._run(w)])
+            self._finish_all(self._run_all(work))
             self.producer.send_offsets_to_transaction(
                 _next_offsets(batch), self.consumer.consumer_group_metadata(), 30
             )
@@ -309,58 +354,93 @@ class Runner:
         for w, verdict in zip(stepped, verdicts):
             w.verdict = verdict
 
-    def _run(self, w: Work) -> bool:
-        """Run the handler (with in-process retries); True when its outputs await ``finish``."""
-        step, envelope, message, log = w.handler.step, w.envelope, w.message, w.log
-        if step is not None:
-            if w.verdict in (Begin.STALE, Begin.CLOSED):
-                assert w.verdict is not None
-                metrics.IGNORED.labels(self.service.name, w.topic, w.verdict.value).inc()
-                log.info("step.ignored", step=step, why=w.verdict.value)
-                return False
-            if w.verdict in (Begin.EXPIRED, Begin.EXHAUSTED):
-                kind = "DEADLINE_MISSED" if w.verdict is Begin.EXPIRED else "RETRIES_EXHAUSTED"
-                self._report(message, envelope, step, kind, str(w.verdict), log)
-                return False
-        tries = 0
-        while True:
-            ctx = Context(self.service.name, envelope, w.topic, message.partition() or 0,
-                          message.offset() or 0, self.redis, log, try_no=tries + 1)
-            started = time.perf_counter()
-            try:
-                result = w.handler.fn(w.event, ctx)
-            except Retryable as exc:
-                tries += 1
-                metrics.RETRIES.labels(self.service.name, w.topic).inc()
-                delay = min(2.0, 0.05 * 2 ** tries) * (0.5 + random.random() / 2)
-                in_time = step is None or self._before_deadline(envelope, delay)
-                budget_left = step is None or self.state.try_again(
-                    envelope.correlation_id, step, envelope.attempt) <= self.service.retry_budget
-                if tries <= self.service.in_process_retries and in_time and budget_left:
-                    log.info("handler.retry", error=str(exc)[:300], tries=tries, delay_s=round(delay, 3))
-                    time.sleep(delay)
-                    continue
-                if step is None:
-                    self._dead_letter(message, DeadLetterReason.REJECTED, f"retries exhausted: {exc}")
-                    return False
+    def _run_all(self, work: list[Work]) -> list[Work]:
+        """Run the batch's handlers; the ones whose outputs await ``finish`` are returned.
+
+        Handlers that ``yield ctx.effect(...)`` run side by side: each round sends every
+        pending effect of the batch to Redis in one round trip and resumes each handler with
+        its answer. A ``Retryable`` is retried in process (a fresh try of the whole handler)
+        after one back-off for all of this round's retries, within the step's deadline and
+        budget; then the step is reported (or, outside a step, the event dead-lettered)."""
+        runs = [Attempt(w) for w in work if self._admitted(w)]
+        done: list[Work] = []
+        while runs:
+            self._drive(runs)
+            retry: list[Attempt] = []
+            for run in runs:
+                if run.error is None:
+                    for out in _as_events(run.result):
+                        run.ctx.emit(out)
+                    run.work.ctx = run.ctx
+                    done.append(run.work)
+                elif self._retry(run):
+                    retry.append(run)
+            if retry:
+                delay = max(run.delay_s for run in retry)
+                for run in retry:
+                    run.work.log.info("handler.retry", error=str(run.error)[:300], tries=run.tries,
+                                      delay_s=round(delay, 3))
+                time.sleep(delay)
+            runs = retry
+        return done
+
+    def _admitted(self, w: Work) -> bool:
+        """Whether the step's state lets this attempt run (stale, closed, expired or exhausted
+        attempts are ignored or reported instead)."""
+        if w.handler.step is None or w.verdict not in (Begin.STALE, Begin.CLOSED, Begin.EXPIRED,
+                                                        Begin.EXHAUSTED):
+            return True
+        assert w.verdict is not None
+        if w.verdict in (Begin.STALE, Begin.CLOSED):
+            metrics.IGNORED.labels(self.service.name, w.topic, w.verdict.value).inc()
+            w.log.info("step.ignored", step=w.handler.step, why=w.verdict.value)
+        else:
+            kind = "DEADLINE_MISSED" if w.verdict is Begin.EXPIRED else "RETRIES_EXHAUSTED"
+            self._report(w.message, w.envelope, w.handler.step, kind, str(w.verdict), w.log)
+        return False
+
+    def _drive(self, runs: list[Attempt]) -> None:
+        """One try of every handler, their effects batched per round of ``yield``."""
+        for run in runs:
+            w = run.work
+            run.ctx = Context(self.service.name, w.envelope, w.topic, w.message.partition() or 0,
+                              w.message.offset() or 0, self.redis, w.log, try_no=run.tries + 1)
+            run.start()
+        waiting = [run for run in runs if run.request is not None]
+        while waiting:
+            answers = run_all(self.redis, [run.request for run in waiting if run.request is not None])
+            metrics.EFFECTS_PER_ROUND_TRIP.labels(self.service.name).observe(len(answers))
+            for run, answer in zip(waiting, answers):
+                run.resume(answer)
+            waiting = [run for run in waiting if run.request is not None]
+        for run in runs:
+            metrics.HANDLER_SECONDS.labels(self.service.name, run.work.topic).observe(run.seconds)
+
+    def _retry(self, run: Attempt) -> bool:
+        """After a failed try: True to try again in this batch, else the failure is settled."""
+        w, error = run.work, run.error
+        step, envelope, message = w.handler.step, w.envelope, w.message
+        if isinstance(error, Rejected):
+            if step is not None:
                 self.state.finish(envelope.correlation_id, step, envelope.attempt, now_ms(),
-                                  StepStatus.FAILED, str(exc))
-                self._report(message, envelope, step, "FAILED", str(exc), log)
-                return False
-            except Rejected as exc:
-                if step is not None:
-                    self.state.finish(envelope.correlation_id, step, envelope.attempt, now_ms(),
-                                      StepStatus.FAILED, str(exc))
-                self._dead_letter(message, exc.reason, str(exc))
-                return False
-            finally:
-                metrics.HANDLER_SECONDS.labels(self.service.name, w.topic).observe(
-                    time.perf_counter() - started)
-            break
-        for out in _as_events(result):
-            ctx.emit(out)
-        w.ctx = ctx
-        return True
+                                  StepStatus.FAILED, str(error))
+            self._dead_letter(message, error.reason, str(error))
+            return False
+        run.tries += 1
+        metrics.RETRIES.labels(self.service.name, w.topic).inc()
+        run.delay_s = min(2.0, 0.05 * 2 ** run.tries) * (0.5 + random.random() / 2)
+        in_time = step is None or self._before_deadline(envelope, run.delay_s)
+        budget_left = step is None or self.state.try_again(
+            envelope.correlation_id, step, envelope.attempt) <= self.service.retry_budget
+        if run.tries <= self.service.in_process_retries and in_time and budget_left:
+            return True
+        if step is None:
+            self._dead_letter(message, DeadLetterReason.REJECTED, f"retries exhausted: {error}")
+            return False
+        self.state.finish(envelope.correlation_id, step, envelope.attempt, now_ms(),
+                          StepStatus.FAILED, str(error))
+        self._report(message, envelope, step, "FAILED", str(error), w.log)
+        return False
 
     def _finish_all(self, done: list[Work]) -> None:
         """Decide first, publish after: an attempt the supervisor gave away meanwhile, or a

@@ -15,18 +15,24 @@ from __future__ import annotations
 import importlib
 import os
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
-from choreo.effects import OnceEffect
+from choreo.effects import EffectCall, OnceEffect
 from choreo.envelope import Envelope, derived_id
 from choreo.events import Event
 
 HandlerResult = Event | Iterable[Event] | None
+R = TypeVar("R", bound=HandlerResult)
+# what a handler that yields ``ctx.effect(...)`` returns: it gets each answer back from
+# ``yield`` and returns its result at the end; the runner drives a batch's handlers side by side
+Effects = Generator[EffectCall, str | None, R]
+EffectfulHandler = Effects[HandlerResult]
+HandlerOutput = HandlerResult | EffectfulHandler
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,7 @@ def retry_topic(service: str, topic: str) -> str:
 class Handler:
     topic: str
     model: type[Event]
-    fn: Callable[[Any, Context], HandlerResult]
+    fn: Callable[[Any, Context], HandlerOutput]
     step: str | None
     deadline_s: float
 
@@ -141,9 +147,16 @@ class Context:
         self.emitted.append(Emitted(event, target, eid, cause, attempt))
 
     def once(self, effect: OnceEffect, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> str | None:
-        """Run ``effect`` at most once for this input event; a replay gets the same answer."""
+        """Run ``effect`` at most once for this input event, now; a replay gets the same answer."""
+        return self.effect(effect, keys, args).run(self.redis)
+
+    def effect(self, effect: OnceEffect, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> EffectCall:
+        """``effect`` for this input event, to ``yield`` from the handler: the runner runs the
+        effects of every event of the batch in one Redis round trip and sends each handler its
+        answer (what ``once`` would have returned). A round trip per event was the largest
+        cost of every service (bench/README.md)."""
         once_key = f"once:{{{self.delivery_id}}}:{self.service}:{effect.name}:{self.event_id}"
-        return effect.run(self.redis, once_key, keys, args, self.once_ttl_s)
+        return EffectCall(effect, once_key, tuple(keys), tuple(args), self.once_ttl_s)
 
 
 class Service:
@@ -177,14 +190,14 @@ class Service:
         return fn
 
     def on(self, topic: str, *, step: str | None = None, deadline_s: float = 30.0,
-           produces: Sequence[type[Event]] = ()) -> Callable[[Callable[..., HandlerResult]], Callable[..., HandlerResult]]:
+           produces: Sequence[type[Event]] = ()) -> Callable[[Callable[..., HandlerOutput]], Callable[..., HandlerOutput]]:
         """Subscribe the decorated function to ``topic``; the event type is its first parameter's annotation.
 
         ``step`` makes the handler a supervised workflow step with a complete-by deadline;
         it then also consumes the step's retry topic, where the supervisor requeues it.
         """
 
-        def register(fn: Callable[..., HandlerResult]) -> Callable[..., HandlerResult]:
+        def register(fn: Callable[..., HandlerOutput]) -> Callable[..., HandlerOutput]:
             hints = typing.get_type_hints(fn)
             params = [p for p in fn.__code__.co_varnames[: fn.__code__.co_argcount]]
             model = hints.get(params[0]) if params else None

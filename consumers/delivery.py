@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 
 from choreo.effects import OnceEffect
 from choreo.envelope import derived_id
-from choreo.service import Context, Service
+from choreo.service import Context, Effects, Service
 from choreo.state import delivery_key
 from consumers.agents import Agent, PermanentFailure
 from schemas.models import (
@@ -63,28 +63,28 @@ return 'failed'
 
 
 @service.on("package.ready", step="delivery", deadline_s=DEADLINE_S, produces=OUTCOMES)
-def package_ready(result: PackageReady, ctx: Context) -> None:
-    decide(ctx, "package", "ok", result.package_id)
+def package_ready(result: PackageReady, ctx: Context) -> Effects[None]:
+    yield from decide(ctx, "package", "ok", result.package_id)
 
 
 @service.on("drone.scheduled", step="delivery", deadline_s=DEADLINE_S, produces=OUTCOMES)
-def drone_scheduled(result: DroneScheduled, ctx: Context) -> None:
-    decide(ctx, "drone", "ok", result.drone_id)
+def drone_scheduled(result: DroneScheduled, ctx: Context) -> Effects[None]:
+    yield from decide(ctx, "drone", "ok", result.drone_id)
 
 
 @service.on("package.failed", step="delivery", deadline_s=DEADLINE_S, produces=OUTCOMES)
-def package_failed(result: PackageFailed, ctx: Context) -> None:
-    decide(ctx, "package", "fail", result.reason)
+def package_failed(result: PackageFailed, ctx: Context) -> Effects[None]:
+    yield from decide(ctx, "package", "fail", result.reason)
 
 
 @service.on("drone.failed", step="delivery", deadline_s=DEADLINE_S, produces=OUTCOMES)
-def drone_failed(result: DroneFailed, ctx: Context) -> None:
-    decide(ctx, "drone", "fail", result.reason)
+def drone_failed(result: DroneFailed, ctx: Context) -> Effects[None]:
+    yield from decide(ctx, "drone", "fail", result.reason)
 
 
-def decide(ctx: Context, kind: str, ok: str, value: str) -> None:
+def decide(ctx: Context, kind: str, ok: str, value: str) -> Effects[None]:
     """Record one result; ship or fail once both are in (a replay gets the same decision)."""
-    raw = ctx.once(RECORD_RESULT, keys=[delivery_key(ctx.delivery_id)],
+    raw = yield ctx.effect(RECORD_RESULT, keys=[delivery_key(ctx.delivery_id)],
                    args=[kind, ok, value, RETENTION_S])
     decision = json.loads(raw or "{}")
     now = datetime.now(UTC)
@@ -92,7 +92,7 @@ def decide(ctx: Context, kind: str, ok: str, value: str) -> None:
         try:
             flight.call("depart", ctx.call_id, ctx.try_label)
         except PermanentFailure as refusal:
-            ctx.once(FLIGHT_REFUSED, keys=[delivery_key(ctx.delivery_id)])
+            yield ctx.effect(FLIGHT_REFUSED, keys=[delivery_key(ctx.delivery_id)])
             fail(ctx, "FLIGHT_REFUSED", str(refusal), "delivery", ["drone", "package"])
             return
         ctx.emit(

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 import redis
 
 from choreo.errors import Retryable
-from choreo.service import Context, Service
+from choreo.service import Context, Effects, Service
 from consumers import fleet
 from consumers.agents import Agent, PermanentFailure
 from schemas.models import (
@@ -34,13 +34,13 @@ def seed_fleet(client: redis.Redis) -> None:
 
 @service.on("delivery.requested", step="drone", deadline_s=30,
             produces=[DroneScheduled, DroneFailed])
-def reserve(request: DeliveryRequested, ctx: Context) -> DroneScheduled | DroneFailed:
+def reserve(request: DeliveryRequested, ctx: Context) -> Effects[DroneScheduled | DroneFailed]:
     try:
         dispatch.call("reserve", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:
         return DroneFailed(delivery_id=request.delivery_id, reason="DISPATCH_REFUSED",
                            detail=str(refusal), failed_at=datetime.now(UTC))
-    drone = ctx.once(fleet.RESERVE, keys=fleet.KEYS, args=[request.delivery_id, request.weight_kg])
+    drone = yield ctx.effect(fleet.RESERVE, keys=fleet.KEYS, args=[request.delivery_id, request.weight_kg])
     if drone is None:
         raise Retryable("no drone free right now")
     if drone == fleet.NO_FIT:
@@ -52,19 +52,19 @@ def reserve(request: DeliveryRequested, ctx: Context) -> DroneScheduled | DroneF
 
 
 @service.on("delivery.failed", step="release_drone", deadline_s=30, produces=[DroneReleased])
-def release(failure: DeliveryFailed, ctx: Context) -> DroneReleased | None:
+def release(failure: DeliveryFailed, ctx: Context) -> Effects[DroneReleased | None]:
     if "drone" not in failure.compensate:
         return None
     try:
         dispatch_release.call("release", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:  # compensation must be retried, then alerted on
         raise Retryable(f"release refused: {refusal}") from refusal
-    drone = ctx.once(fleet.RELEASE, keys=fleet.KEYS, args=[failure.delivery_id, "release"])
+    drone = yield ctx.effect(fleet.RELEASE, keys=fleet.KEYS, args=[failure.delivery_id, "release"])
     return DroneReleased(delivery_id=failure.delivery_id, drone_id=drone or None,
                          released_at=datetime.now(UTC))
 
 
 @service.on("delivery.shipped")
-def flight_over(shipment: DeliveryShipped, ctx: Context) -> None:
+def flight_over(shipment: DeliveryShipped, ctx: Context) -> Effects[None]:
     """The simulated flight ends when the shipment is recorded: the drone is free again."""
-    ctx.once(fleet.RELEASE, keys=fleet.KEYS, args=[shipment.delivery_id, "return"])
+    yield ctx.effect(fleet.RELEASE, keys=fleet.KEYS, args=[shipment.delivery_id, "return"])

@@ -6,7 +6,7 @@ other service. Copy this file to subscribe a new service.
 from __future__ import annotations
 
 from choreo.effects import OnceEffect
-from choreo.service import Context, Service
+from choreo.service import Context, Effects, Service
 from schemas.models import DeliveryShipped
 
 service = Service("notifier")
@@ -18,6 +18,6 @@ return 'sent'
 
 
 @service.on("delivery.shipped")
-def notify(shipment: DeliveryShipped, ctx: Context) -> None:
-    ctx.once(RECORD, keys=["notifications"], args=[shipment.delivery_id, shipment.drone_id])
+def notify(shipment: DeliveryShipped, ctx: Context) -> Effects[None]:
+    yield ctx.effect(RECORD, keys=["notifications"], args=[shipment.delivery_id, shipment.drone_id])
     ctx.log.debug("customer.notified", drone_id=shipment.drone_id)  # per event: debug, not info

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from choreo.effects import OnceEffect
 from choreo.envelope import derived_id
 from choreo.errors import Retryable
-from choreo.service import Context, Service
+from choreo.service import Context, Effects, Service
 from consumers.agents import Agent, PermanentFailure
 from schemas.models import (
     DeliveryFailed, DeliveryRequested, PackageCancelled, PackageFailed, PackageReady,
@@ -44,13 +44,13 @@ def package_key(delivery_id: str) -> str:
 
 @service.on("delivery.requested", step="package", deadline_s=30,
             produces=[PackageReady, PackageFailed])
-def prepare(request: DeliveryRequested, ctx: Context) -> PackageReady | PackageFailed:
+def prepare(request: DeliveryRequested, ctx: Context) -> Effects[PackageReady | PackageFailed]:
     try:
         warehouse.call("prepare", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:
         return PackageFailed(delivery_id=request.delivery_id, reason="WAREHOUSE_REFUSED",
                              detail=str(refusal), failed_at=datetime.now(UTC))
-    package_id = ctx.once(
+    package_id = yield ctx.effect(
         UPSERT_PACKAGE, keys=[package_key(request.delivery_id)],
         args=[derived_id(request.delivery_id, "package"), request.package_size,
               request.weight_kg, RETENTION_S],
@@ -62,13 +62,13 @@ def prepare(request: DeliveryRequested, ctx: Context) -> PackageReady | PackageF
 
 
 @service.on("delivery.failed", step="cancel_package", deadline_s=30, produces=[PackageCancelled])
-def cancel(failure: DeliveryFailed, ctx: Context) -> PackageCancelled | None:
+def cancel(failure: DeliveryFailed, ctx: Context) -> Effects[PackageCancelled | None]:
     if "package" not in failure.compensate:
         return None
     try:
         warehouse_cancel.call("cancel", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:  # compensation must be retried, then alerted on
         raise Retryable(f"cancel refused: {refusal}") from refusal
-    package_id = ctx.once(CANCEL_PACKAGE, keys=[package_key(failure.delivery_id)])
+    package_id = yield ctx.effect(CANCEL_PACKAGE, keys=[package_key(failure.delivery_id)])
     return PackageCancelled(delivery_id=failure.delivery_id, package_id=package_id or None,
                             cancelled_at=datetime.now(UTC))

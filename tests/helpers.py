@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,3 +127,9 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float = 60.0, interval_s: 
             return value
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

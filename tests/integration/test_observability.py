@@ -4,7 +4,6 @@ ids bound and no customer data, and Prometheus metrics on a port."""
 from __future__ import annotations
 
 import json
-import socket
 import uuid
 
 import httpx
@@ -13,15 +12,9 @@ import pytest
 from choreo.kafka import ensure_topics
 from choreo.publisher import Publisher
 from tests.factories import delivery_request
-from tests.helpers import ServiceProcess, read_topic, wait_for
+from tests.helpers import ServiceProcess, free_port, read_topic, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_logs_are_json_with_ids_and_no_customer_data_and_metrics_are_served(stack: None,
@@ -29,7 +22,7 @@ def test_logs_are_json_with_ids_and_no_customer_data_and_metrics_are_served(stac
     topic = f"t.obs.{unique}"
     ensure_topics([topic, f"{topic}.out", f"{topic}.dlq", f"retry.probe-{topic}.{topic}", "recovery"],
                   partitions=2)
-    port = _free_port()
+    port = free_port()
     proc = ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic},
                           args=["--metrics-port", str(port)]).start()
     try:

@@ -7,7 +7,6 @@ is never disturbed; they are real processes started exactly as the stack starts 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,16 +22,11 @@ from infra.registry import errors
 from infra.registry.launch import registry_process
 from infra.registry.state import State, config_record
 from infra.registry.store import KafkaStore
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.integration
 
 CT = {"Content-Type": "application/vnd.schemaregistry.v1+json"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def schema(n: int, extra: str = "") -> str:

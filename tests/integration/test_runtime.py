@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
+import httpx
 import pytest
 import redis
 from confluent_kafka import Producer
@@ -22,7 +23,7 @@ from choreo.publisher import Publisher
 from choreo.serde import Encoder, registry_client
 from schemas.models import DeliveryShipped, PackageFailed
 from tests.factories import delivery_request
-from tests.helpers import ServiceProcess, read_topic, wait_for
+from tests.helpers import ServiceProcess, free_port, read_topic, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -152,6 +153,22 @@ def test_kill_mid_batch_loses_nothing_and_duplicates_nothing(
     assert {r.envelope.causation_id for r in out if r.envelope} == set(ids)
     effects = {k.decode(): int(v) for k, v in redis_client.hgetall(f"probe:{topic}:effects").items()}
     assert len(effects) == 300 and set(effects.values()) == {1}
+
+
+def test_the_effects_of_a_batch_go_to_redis_together(
+        services: list[ServiceProcess], probe_topic: str, redis_client: redis.Redis) -> None:
+    topic, port = probe_topic, free_port()
+    _publish([delivery_request() for _ in range(200)], topic)  # waiting before the probe starts
+    services.append(ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic},
+                                   args=["--metrics-port", str(port)]).start())
+    wait_for(lambda: len(read_topic(f"{topic}.out")) >= 200, what="200 outputs")
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    label = f'{{service="probe-{topic}"}}'
+    effects, trips = (float(line.rsplit(" ", 1)[1]) for name in ("sum", "count") for line in text.splitlines()
+                      if line.startswith(f"choreo_effects_per_round_trip_{name}{label}"))
+    assert effects == 200
+    assert trips <= 20, f"{trips:g} round trips for 200 effects: not batched"
+    assert redis_client.hlen(f"probe:{topic}:effects") == 200
 
 
 def test_two_instances_one_killed_the_other_takes_over(

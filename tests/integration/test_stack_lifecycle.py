@@ -25,18 +25,13 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from infra.kafka import KafkaCluster
 from infra.process import port_listening
 from infra.redis_server import redis_process
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 CHOREO = [str(Path(sys.executable).parent / "choreo")]  # the console script a person runs
 KAFKA_LIBS = Path(os.environ.get("KAFKA_LIBS", Path.home() / ".cache/dronepipe/kafka-4.1.2/libs"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def free_port_pair() -> int:

@@ -21,6 +21,7 @@ from choreo.errors import Retryable
 from choreo.events import Event
 from choreo.service import Context, HandlerResult, Service
 from choreo.workflow import Workflow
+from tests.services.routing import private_workflow, routed
 from consumers import delivery as delivery_rules
 from consumers import drone_scheduler as drone_rules
 from consumers import notifier as notifier_rules
@@ -32,23 +33,6 @@ from schemas.models import (
 
 MODULE = "tests.services.ops_pipeline"
 ROLES = ("package", "drone", "delivery", "notifier")
-
-
-def _routed(fn: Callable[[Any, Context], HandlerResult], model: type[Event], prefix: str,
-            before: Callable[[Any, Context], None] | None = None) -> Callable[[Any, Context], None]:
-    def handler(event: Any, ctx: Context) -> None:
-        if before is not None:
-            before(event, ctx)
-        result = fn(event, ctx)
-        for out in [] if result is None else [result] if isinstance(result, Event) else list(result):
-            ctx.emit(out)
-        for emitted in ctx.emitted:
-            if not emitted.topic.startswith(prefix):
-                emitted.topic = prefix + emitted.topic
-
-    handler.__annotations__ = {"event": model, "ctx": Context, "return": None}
-    handler.__name__ = getattr(fn, "__name__", "handler")
-    return handler
 
 
 def _fail_first(role: str) -> Callable[[Any, Context], None] | None:
@@ -66,18 +50,18 @@ def build(prefix: str, batch: int = 500) -> dict[str, Service]:
     t = lambda name: prefix + name  # noqa: E731
     package = Service(t("package"), batch_size=batch)
     package.on(t("delivery.requested"), step="package", deadline_s=30,
-               produces=[PackageReady, PackageFailed])(_routed(package_rules.prepare, DeliveryRequested, prefix,
+               produces=[PackageReady, PackageFailed])(routed(package_rules.prepare, DeliveryRequested, prefix,
                                                                 _fail_first("package")))
     package.on(t("delivery.failed"), step="cancel_package", deadline_s=30,
-               produces=[PackageCancelled])(_routed(package_rules.cancel, DeliveryFailed, prefix))
+               produces=[PackageCancelled])(routed(package_rules.cancel, DeliveryFailed, prefix))
     drone = Service(t("drone-scheduler"), batch_size=batch)
     drone.on_start(drone_rules.seed_fleet)
     drone.on(t("delivery.requested"), step="drone", deadline_s=30,
-             produces=[DroneScheduled, DroneFailed])(_routed(drone_rules.reserve, DeliveryRequested, prefix,
+             produces=[DroneScheduled, DroneFailed])(routed(drone_rules.reserve, DeliveryRequested, prefix,
                                                               _fail_first("drone")))
     drone.on(t("delivery.failed"), step="release_drone", deadline_s=30,
-             produces=[DroneReleased])(_routed(drone_rules.release, DeliveryFailed, prefix))
-    drone.on(t("delivery.shipped"))(_routed(drone_rules.flight_over, DeliveryShipped, prefix))
+             produces=[DroneReleased])(routed(drone_rules.release, DeliveryFailed, prefix))
+    drone.on(t("delivery.shipped"))(routed(drone_rules.flight_over, DeliveryShipped, prefix))
     delivery = Service(t("delivery"), batch_size=batch)
     for topic, model, fn in (
         ("package.ready", PackageReady, delivery_rules.package_ready),
@@ -86,18 +70,14 @@ def build(prefix: str, batch: int = 500) -> dict[str, Service]:
         ("drone.failed", DroneFailed, delivery_rules.drone_failed),
     ):
         delivery.on(t(topic), step="delivery", deadline_s=60,
-                    produces=list(delivery_rules.OUTCOMES))(_routed(fn, model, prefix))
+                    produces=list(delivery_rules.OUTCOMES))(routed(fn, model, prefix))
     notifier = Service(t("notifier"))
-    notifier.on(t("delivery.shipped"))(_routed(notifier_rules.notify, DeliveryShipped, prefix))
+    notifier.on(t("delivery.shipped"))(routed(notifier_rules.notify, DeliveryShipped, prefix))
     return {"package": package, "drone": drone, "delivery": delivery, "notifier": notifier}
 
 
 def workflow(prefix: str, services: dict[str, Service] | None = None) -> Workflow:
-    flow = Workflow(f"ops-{prefix}", service_refs=[f"{MODULE}:{role}" for role in ROLES],
-                    extra_producers={prefix + "delivery.requested": "test"})
-    if services is not None:
-        flow.__dict__["services"] = [services[role] for role in ROLES]
-    return flow
+    return private_workflow(f"ops-{prefix}", MODULE, ROLES, prefix, services)
 
 
 PREFIX = os.environ.get("OPS_PREFIX", "t.ops.unset.")

@@ -4,7 +4,8 @@
 * 7 kg: a transient failure on the first try, then success (in-process retry);
 * 9 kg: always transient → retries exhausted → reported to the recovery topic;
 * 42 kg: the first time, hang after the Redis effect so the test can kill -9 mid-batch;
-* anything else: an idempotent Redis counter effect, then a derived event.
+* anything else: an idempotent Redis counter effect (yielded: batched with the batch's
+  other effects), then a derived event.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from datetime import UTC, datetime
 
 from choreo.effects import OnceEffect
 from choreo.errors import Rejected, Retryable
-from choreo.service import Context, Service
+from choreo.service import Context, Effects, Service
 from schemas.models import DeliveryRequested, PackageReady
 
 TOPIC = os.environ["PROBE_TOPIC"]
@@ -29,14 +30,15 @@ return 'counted'
 
 
 @service.on(TOPIC, step="probe", deadline_s=float(os.environ.get("PROBE_DEADLINE_S", "30")))
-def handle(request: DeliveryRequested, ctx: Context) -> None:
+def handle(request: DeliveryRequested, ctx: Context) -> Effects[None]:
     if request.weight_kg == 13:
         raise Rejected("13 kg is unlucky")
     if request.weight_kg == 7 and ctx.try_no == 1:
         raise Retryable("first try fails")
     if request.weight_kg == 9:
         raise Retryable("always fails")
-    ctx.once(COUNT, keys=[f"probe:{TOPIC}:effects"], args=[request.delivery_id])
+    counted = yield ctx.effect(COUNT, keys=[f"probe:{TOPIC}:effects"], args=[request.delivery_id])
+    assert counted == "counted"
     if request.weight_kg == 42 and ctx.redis.set(f"probe:{TOPIC}:hung", 1, nx=True):
         ctx.redis.set(f"probe:{TOPIC}:hanging", 1)
         time.sleep(120)

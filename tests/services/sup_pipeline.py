@@ -23,6 +23,7 @@ from typing import Any
 from choreo.events import Event
 from choreo.service import Context, HandlerResult, Service
 from choreo.workflow import Workflow
+from tests.services.routing import private_workflow, routed
 from consumers import delivery as delivery_rules
 from consumers import drone_scheduler as drone_rules
 from consumers import package as package_rules
@@ -32,24 +33,6 @@ from schemas.models import (
 
 MODULE = "tests.services.sup_pipeline"
 ROLES = ("package", "drone", "delivery")
-
-
-def _routed(fn: Callable[[Any, Context], HandlerResult], model: type[Event], prefix: str,
-            before: Callable[[Any, Context], None] | None = None) -> Callable[[Any, Context], None]:
-    def handler(event: Any, ctx: Context) -> None:
-        if before is not None:
-            before(event, ctx)
-        result = fn(event, ctx)
-        outputs = [] if result is None else [result] if isinstance(result, Event) else list(result)
-        for out in outputs:
-            ctx.emit(out)
-        for emitted in ctx.emitted:
-            if not emitted.topic.startswith(prefix):
-                emitted.topic = prefix + emitted.topic
-
-    handler.__annotations__ = {"event": model, "ctx": Context, "return": None}
-    handler.__name__ = getattr(fn, "__name__", "handler")
-    return handler
 
 
 def _slow_first(role: str) -> Callable[[Any, Context], None] | None:
@@ -70,16 +53,16 @@ def build(prefix: str, deadline_s: float, budget: int, in_process: int) -> dict[
     opts: dict[str, Any] = {"retry_budget": budget, "in_process_retries": in_process}
     package = Service(t("package"), **opts)
     package.on(t("delivery.requested"), step="package", deadline_s=deadline_s)(
-        _routed(package_rules.prepare, DeliveryRequested, prefix, _slow_first("package")))
+        routed(package_rules.prepare, DeliveryRequested, prefix, _slow_first("package")))
     package.on(t("delivery.failed"), step="cancel_package", deadline_s=deadline_s)(
-        _routed(package_rules.cancel, DeliveryFailed, prefix))
+        routed(package_rules.cancel, DeliveryFailed, prefix))
 
     drone = Service(t("drone-scheduler"), **opts)
     drone.on_start(drone_rules.seed_fleet)
     drone.on(t("delivery.requested"), step="drone", deadline_s=deadline_s)(
-        _routed(drone_rules.reserve, DeliveryRequested, prefix, _slow_first("drone")))
+        routed(drone_rules.reserve, DeliveryRequested, prefix, _slow_first("drone")))
     drone.on(t("delivery.failed"), step="release_drone", deadline_s=deadline_s)(
-        _routed(drone_rules.release, DeliveryFailed, prefix))
+        routed(drone_rules.release, DeliveryFailed, prefix))
 
     delivery = Service(t("delivery"), **opts)
     for topic, model, fn in (
@@ -88,7 +71,7 @@ def build(prefix: str, deadline_s: float, budget: int, in_process: int) -> dict[
         ("package.failed", PackageFailed, delivery_rules.package_failed),
         ("drone.failed", DroneFailed, delivery_rules.drone_failed),
     ):
-        delivery.on(t(topic), step="delivery", deadline_s=deadline_s)(_routed(fn, model, prefix))
+        delivery.on(t(topic), step="delivery", deadline_s=deadline_s)(routed(fn, model, prefix))
     return {"package": package, "drone": drone, "delivery": delivery}
 
 
@@ -102,12 +85,7 @@ def output_topics(prefix: str) -> list[str]:
 
 
 def workflow(prefix: str, services: dict[str, Service] | None = None) -> Workflow:
-    """The test workflow; given ``services``, it uses them instead of importing this module."""
-    flow = Workflow(f"sup-{prefix}", service_refs=[f"{MODULE}:{role}" for role in ROLES],
-                    extra_producers={prefix + "delivery.requested": "test"})
-    if services is not None:
-        flow.__dict__["services"] = [services[role] for role in ROLES]
-    return flow
+    return private_workflow(f"sup-{prefix}", MODULE, ROLES, prefix, services)
 
 
 PREFIX = os.environ.get("SUP_PREFIX", "t.sup.unset.")
