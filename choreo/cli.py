@@ -31,11 +31,19 @@ def fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+SECURE_HELP = ("the secured stack instead (SECURITY.md): SASL/SCRAM + ACL broker on 29092, "
+               "ACL Redis on 26379, registry with basic auth on 28081, under $CHOREO_DATA_DIR/secured")
+
+
 @stack_app.command("start")
-def stack_start(nodes: int = typer.Option(1, help="Kafka nodes: 1, or 3 for failover tests")) -> None:
+def stack_start(nodes: int = typer.Option(1, help="Kafka nodes: 1, or 3 for failover tests"),
+                secure: bool = typer.Option(False, "--secure", help=SECURE_HELP)) -> None:
     """Start the stack (idempotent: what already runs is reused)."""
     from infra import stack
 
+    if secure:
+        _secure_start(nodes)
+        return
     try:
         if nodes == 1:
             started = stack.start()
@@ -48,12 +56,38 @@ def stack_start(nodes: int = typer.Option(1, help="Kafka nodes: 1, or 3 for fail
     console.print(f"started: {', '.join(started) or 'nothing (already running)'}")
 
 
+def _secure_start(nodes: int) -> None:
+    """``stack start --secure``: ``infra.security.up``, so there is one command to remember.
+    Prints where each principal's env file is (never their contents: they hold passwords)."""
+    from choreo.config import settings
+    from infra import security
+
+    if nodes != 1:
+        fail("--secure runs a single secured broker; --nodes does not apply")
+    data_dir = security.default_data_dir()
+    try:
+        files = security.up(data_dir, settings().start_timeout_s)
+    except StackError as exc:
+        fail(str(exc))
+    for user, path in files.items():
+        console.print(f"{user}: {path}")
+    console.print(f"secured stack up: Kafka {security.SECURED_HOST}:{security.SECURED_KAFKA_PORT}, "
+                  f"Redis {security.SECURED_HOST}:{security.SECURED_REDIS_PORT}, registry "
+                  f"{security.registry_url(None, security.Secrets(data_dir / 'secrets'))}")
+    console.print(f"run as a principal: set -a; . {data_dir / 'env'}/<user>.env; set +a")
+
+
 @stack_app.command("stop")
-def stack_stop(nodes: int = typer.Option(1, help="Kafka nodes of the cluster to stop")) -> None:
-    """Stop the stack."""
+def stack_stop(nodes: int = typer.Option(1, help="Kafka nodes of the cluster to stop"),
+               secure: bool = typer.Option(False, "--secure", help="stop the secured stack only")) -> None:
+    """Stop the stack (with --secure: only the secured stack, the default one keeps running)."""
     from infra import stack
 
-    if nodes == 1:
+    if secure:
+        from infra import security
+
+        stopped = security.down(security.default_data_dir())
+    elif nodes == 1:
         stopped = stack.stop()
     else:
         stopped = stack.kafka_cluster(nodes=nodes).stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import MutableMapping
 from typing import Any
@@ -29,12 +30,31 @@ def redact(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapp
     return event_dict
 
 
+URL_USERINFO = re.compile(r"(\w+://)[^/\s@]+@")
+
+
+class RedactUrlCredentials(logging.Filter):
+    """Library log lines (httpx logs every request at INFO, URL included) would carry the
+    ``user:password@`` of a URL such as ``SCHEMA_REGISTRY_URL``: scrub it from every record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "@" in message:
+            record.msg, record.args = URL_USERINFO.sub(r"\1[redacted]@", message), None
+        return True
+
+
 _configured = False
 
 
 def configure(level: str = "INFO", stream: Any = None) -> None:
     global _configured
     logging.basicConfig(format="%(message)s", stream=stream or sys.stderr, level=level)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactUrlCredentials) for f in handler.filters):
+            handler.addFilter(RedactUrlCredentials())
+    for chatty in ("httpx", "httpcore"):  # a line per registry request is noise, not news
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLevelName(level)))
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import secrets as _random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -312,55 +312,163 @@ def secured_topics(workflow: Workflow, bootstrap_config: dict[str, Any],
 
 SECURED_KAFKA_PORT = 29092  # below the ephemeral port range; the controller takes +1
 SECURED_REDIS_PORT = 26379
+SECURED_REGISTRY_PORT = 28081  # never the shared stack's 8081 (nor the chaos run's 18081)
+SECURED_HOST = "127.0.0.1"
 PIPELINE_REDIS_USER = "pipeline"
+REGISTRY_USERS_FILE = "registry-users"  # under the secrets dir: ``user:password`` lines, 0600
 
 
-def secured_cluster(data_dir: Path, secrets: Secrets, base_port: int = SECURED_KAFKA_PORT) -> Any:
+def default_data_dir() -> Path:
+    """Where ``up``/``down`` keep the secured stack unless told otherwise (the CLI shares it)."""
+    from choreo.config import settings
+
+    return settings().data_dir / "secured"
+
+
+def secured_cluster(data_dir: Path, secrets: Secrets, base_port: int = SECURED_KAFKA_PORT,
+                    heap: str | None = None) -> Any:
     """The secured single-node broker of ``data_dir`` (its own data, never the shared stack's)."""
     from choreo.config import settings
     from infra.kafka import KafkaCluster, KafkaSecurity
 
-    return KafkaCluster(data_dir=data_dir, libs=settings().kafka_libs, base_port=base_port,
-                        security=KafkaSecurity(admin_password=secrets.password(ADMIN)))
+    cluster = KafkaCluster(data_dir=data_dir, libs=settings().kafka_libs, base_port=base_port,
+                           security=KafkaSecurity(admin_password=secrets.password(ADMIN)))
+    return replace(cluster, heap=heap) if heap else cluster
 
 
-def up(data_dir: Path, timeout_s: float = 90.0) -> dict[str, Path]:
-    """Start a secured broker and an ACL Redis under ``data_dir``, create the workflow's topics,
-    users and ACLs, and write one env file per principal (0600); returns them by user."""
+def redis_url(secrets: Secrets, port: int = SECURED_REDIS_PORT) -> str:
+    """The ACL Redis's URL with the pipeline user's credentials (what ``REDIS_URL`` holds)."""
+    password = secrets.password(PIPELINE_REDIS_USER, kind="redis")
+    return f"redis://{PIPELINE_REDIS_USER}:{password}@{SECURED_HOST}:{port}/0"
+
+
+def registry_url(user: str | None, secrets: Secrets, port: int = SECURED_REGISTRY_PORT) -> str:
+    """The secured registry's URL; with ``user``'s basic-auth login in it when given
+    (confluent-kafka's ``SchemaRegistryClient`` and httpx both take credentials from the URL)."""
+    if user is None:
+        return f"http://{SECURED_HOST}:{port}"
+    return f"http://{user}:{secrets.password(user, kind='registry')}@{SECURED_HOST}:{port}"
+
+
+def registry_users(policy: Policy) -> list[str]:
+    """Principals with a registry login: every one that publishes events, plus the admin.
+
+    Why the services and ingestion, not only the admin who registers the contracts: their
+    ``choreo.serde.Encoder`` builds confluent-kafka's ``AvroSerializer`` with its default
+    ``auto.register.schemas=True``, which POSTs ``/subjects/<topic>-value/versions`` (a write
+    endpoint) on the first event of each subject in every process, even when the schema is
+    already registered. Without a login that is a 401 and nothing could be published. The
+    registry process itself only serves, so it gets none. Each principal has its own
+    password (``<secrets>/registry/<user>.password``), never its Kafka one.
+    """
+    return sorted({*policy.users, ADMIN} - {REGISTRY})
+
+
+def write_registry_users(secrets: Secrets, users: Iterable[str]) -> Path:
+    """The registry's ``SCHEMA_REGISTRY_AUTH_USERS_FILE`` (0600): one ``user:password`` a line."""
+    path = secrets.root / REGISTRY_USERS_FILE
+    lines = "".join(f"{user}:{secrets.password(user, kind='registry')}\n" for user in sorted(users))
+    write_private(path, "# written by infra.security up\n" + lines)
+    return path
+
+
+def registry_env(data_dir: Path, secrets: Secrets, bootstrap: str, users_file: Path,
+                 port: int = SECURED_REGISTRY_PORT) -> dict[str, str]:
+    """The registry's environment: Kafka as ``schema-registry``, the ACL Redis (leader
+    election), basic auth on writes. Every variable the registry reads is set explicitly so
+    that nothing leaks in from the caller's shell (e.g. an ``SCHEMA_REGISTRY_AUTH_USERS`` of
+    another registry, or another principal's sourced env file)."""
+    url = registry_url(None, secrets, port)
+    return {
+        **client_env(REGISTRY, bootstrap, secrets),
+        "KAFKA_SASL_PASSWORD": "",
+        "REDIS_URL": redis_url(secrets),
+        "CHOREO_DATA_DIR": str(data_dir),
+        "SCHEMA_REGISTRY_URL": url,
+        "SCHEMA_REGISTRY_ADVERTISED_URL": url,
+        "SCHEMA_REGISTRY_TOPIC": REGISTRY_TOPIC,
+        "SCHEMA_REGISTRY_AUTH_USERS_FILE": str(users_file),
+        "SCHEMA_REGISTRY_AUTH_USERS": "",
+        "SCHEMA_REGISTRY_AUTH_READS": "false",
+    }
+
+
+def secured_registry(data_dir: Path, env: dict[str, str] | None = None,
+                     port: int = SECURED_REGISTRY_PORT) -> Any:
+    """The registry process of the secured stack (``<data>/registry``, its own port).
+
+    ``env`` is only needed to start it; stopping finds it by pid file and command line."""
+    from choreo.config import settings
+    from infra.registry.launch import registry_process
+
+    cfg = settings().model_copy(update={
+        "data_dir": data_dir, "schema_registry_url": f"http://{SECURED_HOST}:{port}",
+        **({"kafka_bootstrap_servers": env["KAFKA_BOOTSTRAP_SERVERS"],
+            "redis_url": env["REDIS_URL"]} if env else {}),
+    })
+    return registry_process(cfg, port=port, topic=REGISTRY_TOPIC, name="registry", env=env)
+
+
+def principal_env(user: str, bootstrap: str, secrets: Secrets, data_dir: Path,
+                  registry_login: bool) -> dict[str, str]:
+    """What ``<data>/env/<user>.env`` holds: this principal's Kafka identity and nobody
+    else's, the pipeline's Redis, and the registry (with this principal's login if it has one)."""
+    return {
+        **client_env(user, bootstrap, secrets),
+        "REDIS_URL": redis_url(secrets),
+        "SCHEMA_REGISTRY_URL": registry_url(user if registry_login else None, secrets),
+        "CHOREO_DATA_DIR": str(data_dir),
+    }
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """``KEY=value`` lines of an env file written by ``up`` (to start a process as that principal)."""
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {key.strip(): value for key, value in pairs if not key.lstrip().startswith("#")}
+
+
+def up(data_dir: Path, timeout_s: float = 90.0, *, partitions: int | None = None,
+       heap: str | None = None) -> dict[str, Path]:
+    """Start a secured broker, an ACL Redis and an authenticating registry under ``data_dir``,
+    create the workflow's topics, users and ACLs, and write one env file per principal (0600);
+    returns them by user. Idempotent: what already runs is reused."""
     from consumers.workflow import WORKFLOW
     from confluent_kafka.admin import AdminClient as _Admin
 
     from infra.redis_server import redis_process
 
     secrets = Secrets(data_dir / "secrets")
-    cluster = secured_cluster(data_dir, secrets)
+    cluster = secured_cluster(data_dir, secrets, heap=heap)
     cluster.start(timeout_s)
-    redis_password = secrets.password(PIPELINE_REDIS_USER, kind="redis")
-    redis_url = f"redis://{PIPELINE_REDIS_USER}:{redis_password}@127.0.0.1:{SECURED_REDIS_PORT}/0"
-    redis_process(redis_url, data_dir, name="redis-acl").start(timeout_s)
+    redis_process(redis_url(secrets), data_dir, name="redis-acl").start(timeout_s)
     admin_config = cluster.client_config()
-    secured_topics(WORKFLOW, admin_config)
+    secured_topics(WORKFLOW, admin_config, partitions)
     policy = derive_policy(WORKFLOW)
-    apply(_Admin(admin_config), policy, secrets)
+    apply(_Admin(admin_config), policy, secrets)  # the registry's principal must exist first
+    logins = set(registry_users(policy))
     files: dict[str, Path] = {}
     for user in [*policy.users, ADMIN]:
-        env = {**client_env(user, cluster.bootstrap_servers, secrets), "REDIS_URL": redis_url,
-               "CHOREO_DATA_DIR": str(data_dir)}
+        env = principal_env(user, cluster.bootstrap_servers, secrets, data_dir, user in logins)
         path = data_dir / "env" / f"{user}.env"
         write_private(path, "".join(f"{k}={v}\n" for k, v in env.items()))
         files[user] = path
+    users_file = write_registry_users(secrets, logins)
+    env = registry_env(data_dir, secrets, cluster.bootstrap_servers, users_file)
+    secured_registry(data_dir, env).start(timeout_s)
     return files
 
 
 def down(data_dir: Path) -> list[str]:
-    """Stop what ``up`` started under ``data_dir``."""
+    """Stop what ``up`` started under ``data_dir``: the registry first (it uses both the
+    broker and Redis), then the broker, then Redis."""
     from infra.redis_server import redis_process
 
     secrets = Secrets(data_dir / "secrets")
-    stopped: list[str] = list(secured_cluster(data_dir, secrets).stop())
-    redis_password = secrets.password(PIPELINE_REDIS_USER, kind="redis")
-    url = f"redis://{PIPELINE_REDIS_USER}:{redis_password}@127.0.0.1:{SECURED_REDIS_PORT}/0"
-    if redis_process(url, data_dir, name="redis-acl").stop():
+    stopped: list[str] = []
+    if secured_registry(data_dir).stop():
+        stopped.append("registry")
+    stopped += list(secured_cluster(data_dir, secrets).stop())
+    if redis_process(redis_url(secrets), data_dir, name="redis-acl").stop():
         stopped.append("redis-acl")
     return stopped
 
@@ -368,7 +476,8 @@ def down(data_dir: Path) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m infra.security table``: the ACL table for SECURITY.md;
     ``python -m infra.security up|down [DATA_DIR]``: a secured broker (SASL/SCRAM + ACLs on
-    127.0.0.1:29092) and an ACL Redis (26379) with env files per principal;
+    127.0.0.1:29092), an ACL Redis (26379) and a registry with basic auth on writes (28081,
+    running on that broker as ``schema-registry``) with env files per principal;
     ``python -m infra.security apply``: users and ACLs on the configured cluster
     (run with the admin's credentials in KAFKA_SASL_*)."""
     import sys
@@ -381,12 +490,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(policy.table())
         return 0
     if args[:1] in (["up"], ["down"]):
-        from choreo.config import settings
-
-        data_dir = Path(args[1]) if len(args) > 1 else settings().data_dir / "secured"
+        data_dir = Path(args[1]) if len(args) > 1 else default_data_dir()
         if args[0] == "up":
             for user, path in up(data_dir).items():
                 print(f"{user}: {path}")
+            print(f"registry: {registry_url(None, Secrets(data_dir / 'secrets'))} "
+                  "(writes need a login: SCHEMA_REGISTRY_URL in the env files)")
         else:
             print(f"stopped: {', '.join(down(data_dir)) or 'nothing'}")
         return 0

@@ -1,0 +1,331 @@
+"""The whole pipeline, end to end, on the secured stack: every process as its own principal.
+
+``infra.security.up`` starts the SASL/SCRAM + ACL broker (29092/29093), the ACL Redis (26379)
+and the registry with basic auth on writes (28081, itself running on that broker as
+``schema-registry``) in a private data dir. The admin registers the contracts with the
+documented command (``choreo schemas register`` with ``env/admin.env``); then every workflow
+service and the ingestion API start as real processes, each with nothing but its own
+principal's env file. Deliveries are submitted over HTTP with an owner token and read back as
+the admin from the committed terminal topics. A service started with another service's
+credentials must be refused by the broker's ACLs, so the setup cannot pass by being open.
+
+The ports are fixed, so this takes the same locks as ``test_security_kafka.py`` (broker) and
+``test_security_redis.py`` (Redis on 26379): concurrent runs take turns.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from choreo.config import REPO_ROOT, settings
+from consumers.workflow import WORKFLOW
+from infra.process import ManagedProcess, port_in_use, stop_all
+from infra.security import (
+    ADMIN, SECURED_HOST, SECURED_KAFKA_PORT, SECURED_REDIS_PORT, SECURED_REGISTRY_PORT, Secrets,
+    client_config, down, read_env_file, registry_url, up,
+)
+from infra.services import PIPELINE, ServiceSpec, ingestion_process, service_process
+from tests.factories import request_body
+
+pytestmark = pytest.mark.integration
+
+LOCKS = ("/tmp/choreo-kafka-secured.lock", "/tmp/choreo-redis-acl.lock")  # always in this order
+PORTS = (SECURED_KAFKA_PORT, SECURED_KAFKA_PORT + 1, SECURED_REDIS_PORT, SECURED_REGISTRY_PORT)
+DELIVERIES = 50
+TERMINAL = ("delivery.shipped", "delivery.failed")
+OWNER_TOKEN = "owner-" + uuid.uuid4().hex + uuid.uuid4().hex
+OTHER_TOKEN = "other-" + uuid.uuid4().hex + uuid.uuid4().hex
+# some permanent failures so compensation (package.cancelled, drone.released) runs too
+AGENTS = {"AGENT_WAREHOUSE_PERMANENT_RATE": "0.1", "AGENT_DISPATCH_PERMANENT_RATE": "0.1",
+          "AGENT_WAREHOUSE_TRANSIENT_RATE": "0.05", "AGENT_DISPATCH_TRANSIENT_RATE": "0.05"}
+
+
+@dataclass
+class SecuredPipeline:
+    data: Path
+    envs: dict[str, Path]
+    ingestion_url: str
+    owner: str
+    other: str
+    processes: dict[str, ManagedProcess]
+    accepted: list[str] = field(default_factory=list)
+
+    @property
+    def secrets(self) -> Secrets:
+        return Secrets(self.data / "secrets")
+
+    def env(self, user: str) -> dict[str, str]:
+        return read_env_file(self.envs[user])
+
+    def admin_config(self, **extra: Any) -> dict[str, Any]:
+        bootstrap = self.env(ADMIN)["KAFKA_BOOTSTRAP_SERVERS"]
+        return {**client_config(ADMIN, bootstrap, self.secrets), "log_level": 0, **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cli(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """``choreo ARGS`` as a separate process with ``env`` on top of ours (a principal's env file)."""
+    return subprocess.run([sys.executable, "-m", "choreo.cli", *args], cwd=REPO_ROOT, text=True,
+                          capture_output=True, timeout=timeout_s, env={**os.environ, **env})
+
+
+def wait_for_groups(admin: AdminClient, groups: list[str], timeout_s: float) -> None:
+    """Until every service's group is stable with partitions assigned (so the run measures
+    the pipeline, not group joins); the admin describes them, services cannot."""
+    deadline = time.monotonic() + timeout_s
+    last = "nothing described yet"
+    while time.monotonic() < deadline:
+        try:
+            described = {g: f.result(timeout=10) for g, f in
+                         admin.describe_consumer_groups(groups, request_timeout=10).items()}
+        except KafkaException as exc:
+            last = str(exc)
+            time.sleep(0.5)
+            continue
+        if all(str(d.state).endswith("STABLE") and d.members and
+               all(m.assignment.topic_partitions for m in d.members) for d in described.values()):
+            return
+        last = ", ".join(f"{g}: {d.state} {len(d.members)} members" for g, d in described.items())
+        time.sleep(0.5)
+    raise AssertionError(f"groups not stable after {timeout_s:.0f}s: {last}")
+
+
+def start_pipeline(data: Path, envs: dict[str, Path]) -> tuple[dict[str, ManagedProcess], str]:
+    """Every workflow service and the ingestion API, each as its own principal; only the
+    service's own env file (plus the failure injection) goes into its environment."""
+    cfg = settings().model_copy(update={"data_dir": data})
+    procs: dict[str, ManagedProcess] = {}
+    for name, ref in PIPELINE.items():
+        env = {**read_env_file(envs[name]), **AGENTS}
+        procs[name] = service_process(ServiceSpec(name, ref), env=env, cfg=cfg)
+    url = f"http://127.0.0.1:{free_port()}"
+    tokens = json.dumps({OWNER_TOKEN: "owner-secured", OTHER_TOKEN: "other-secured"})
+    procs["ingestion"] = ingestion_process(url, cfg=cfg, env={**read_env_file(envs["ingestion"]),
+                                                               "INGESTION_TOKENS": tokens})
+    return procs, url
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredPipeline]:
+    with ExitStack() as held:
+        for path in LOCKS:  # fixed ports: one secured stack at a time
+            lock = held.enter_context(open(path, "w"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        taken = [p for p in PORTS if port_in_use(SECURED_HOST, p)]
+        assert not taken, f"ports {taken} are taken; is another secured stack running?"
+        data = tmp_path_factory.mktemp("secured-pipeline")
+        procs: dict[str, ManagedProcess] = {}
+        try:
+            envs = up(data, 120, partitions=2, heap="-Xms128m -Xmx512m")
+            registered = cli(read_env_file(envs[ADMIN]), "schemas", "register")
+            assert registered.returncode == 0, registered.stderr[-2000:]
+            procs, url = start_pipeline(data, envs)
+            for proc in procs.values():
+                proc.start(timeout_s=90)
+            found = SecuredPipeline(data, envs, url, "owner-secured", "other-secured", procs)
+            wait_for_groups(AdminClient(found.admin_config()), list(PIPELINE), 120)
+            yield found
+        finally:
+            stop_all(procs.values(), timeout_s=20)
+            down(data)
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def submit_all(p: SecuredPipeline, count: int) -> list[str]:
+    """``count`` deliveries over HTTP as the owner (429/503 are retried, as a client would)."""
+    run = uuid.uuid4().hex[:8]
+
+    def submit(n: int) -> str:
+        with httpx.Client(base_url=p.ingestion_url, timeout=60) as http:
+            for _ in range(30):
+                answer = http.post("/deliveries", json=request_body(owner_id=p.owner),
+                                   headers={**bearer(OWNER_TOKEN), "Idempotency-Key": f"{run}-{n}"})
+                if answer.status_code == 202:
+                    return str(answer.json()["delivery_id"])
+                assert answer.status_code in (429, 503), answer.text
+                time.sleep(float(answer.headers.get("Retry-After", "1")))
+        raise AssertionError(f"delivery {n} was never accepted")
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(submit, range(count)))
+
+
+def terminal_events(p: SecuredPipeline) -> dict[str, list[str]]:
+    """Delivery id -> terminal topics, read as the admin with read_committed up to the end."""
+    consumer = Consumer(p.admin_config(**{"group.id": f"test-reader-{uuid.uuid4().hex[:8]}",
+                                          "enable.auto.commit": False,
+                                          "isolation.level": "read_committed"}))
+    try:
+        ends: dict[tuple[str, int], int] = {}
+        for topic in TERMINAL:
+            for part in consumer.list_topics(topic, timeout=20).topics[topic].partitions:
+                ends[(topic, part)] = consumer.get_watermark_offsets(TopicPartition(topic, part), timeout=20)[1]
+        consumer.assign([TopicPartition(t, n, 0) for (t, n) in ends])
+        seen: dict[str, list[str]] = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            key = msg.key() if msg is not None and msg.error() is None else None
+            if msg is not None and key is not None:
+                seen.setdefault(key.decode(), []).append(str(msg.topic()))
+            positions = consumer.position([TopicPartition(t, n) for (t, n) in ends])
+            if all(tp.offset >= ends[(tp.topic, tp.partition)] or ends[(tp.topic, tp.partition)] == 0
+                   for tp in positions):
+                return seen
+        raise AssertionError("could not read the terminal topics to their end")
+    finally:
+        consumer.close()
+
+
+@pytest.fixture(scope="module")
+def finished(pipeline: SecuredPipeline) -> dict[str, list[str]]:
+    """Submit the deliveries and wait until each has ended (then a little longer, so a
+    duplicate end would have time to show up)."""
+    pipeline.accepted = submit_all(pipeline, DELIVERIES)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        seen = terminal_events(pipeline)
+        if all(d in seen for d in pipeline.accepted):
+            break
+        time.sleep(2)
+    time.sleep(5)
+    return terminal_events(pipeline)
+
+
+def test_the_registry_runs_on_the_broker_as_its_own_principal_and_refuses_anonymous_writes(
+        pipeline: SecuredPipeline) -> None:
+    env = pipeline.env("schema-registry")
+    assert env["KAFKA_SASL_USERNAME"] == "schema-registry"
+    assert "@" not in env["SCHEMA_REGISTRY_URL"]  # it serves; it has no login of its own
+    body = {"schema": json.dumps({"type": "record", "name": "Probe", "fields": []})}
+    plain = registry_url(None, pipeline.secrets)
+    anonymous = httpx.post(f"{plain}/subjects/probe-value/versions", json=body)
+    assert anonymous.status_code == 401
+    # reads stay open: services decode by schema id without a login
+    assert "delivery.requested-value" in httpx.get(f"{plain}/subjects").json()
+    # the store is on the secured broker, written by User:schema-registry (the only one with ACLs on it)
+    topics = AdminClient(pipeline.admin_config()).list_topics(timeout=20).topics
+    assert "_schemas" in topics
+
+
+def test_every_delivery_ends_exactly_once(finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
+    assert len(pipeline.accepted) == len(set(pipeline.accepted)) == DELIVERIES
+    missing = [d for d in pipeline.accepted if d not in finished]
+    assert not missing, f"{len(missing)} deliveries never ended, e.g. {missing[:3]}"
+    twice = {d: t for d, t in finished.items() if len(t) != 1}
+    assert not twice, f"deliveries ending more than once: {twice}"
+    assert set(finished) == set(pipeline.accepted)  # a fresh stack: nothing else ended
+    outcomes = Counter(t[0] for t in finished.values())
+    assert outcomes["delivery.shipped"] > 0, outcomes
+    print(f"outcomes: {dict(outcomes)}")
+
+
+def test_the_owner_follows_each_delivery_and_nobody_else_sees_it(
+        finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
+    with httpx.Client(base_url=pipeline.ingestion_url, timeout=30) as http:
+        for delivery in pipeline.accepted:
+            expected = finished[delivery][0].removeprefix("delivery.")
+            answer = http.get(f"/deliveries/{delivery}", headers=bearer(OWNER_TOKEN))
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["status"] == expected, answer.json()
+        one = pipeline.accepted[0]
+        assert http.get(f"/deliveries/{one}", headers=bearer(OTHER_TOKEN)).status_code == 404
+        assert http.get(f"/deliveries/{one}").status_code == 401
+        forged = http.post("/deliveries", json=request_body(owner_id=pipeline.owner),
+                           headers=bearer(OTHER_TOKEN))
+        assert forged.status_code == 403
+
+
+def test_each_service_consumed_and_committed_in_its_own_group_with_only_its_own_credentials(
+        finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
+    admin = AdminClient(pipeline.admin_config())
+    passwords = {u: pipeline.secrets.password(u) for u in [*pipeline.envs]}
+    for service in WORKFLOW.services:
+        proc = pipeline.processes[service.name]
+        pid = proc.pid()
+        assert pid is not None, f"{service.name} is not running; see {proc.log_file}"
+        environ = dict(item.split("=", 1) for item in
+                       Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in item)
+        assert environ["KAFKA_SASL_USERNAME"] == service.name
+        assert Path(environ["KAFKA_SASL_PASSWORD_FILE"]).read_text().strip() == passwords[service.name]
+        leaked = [u for u, pw in passwords.items() if u != service.name and pw in "\0".join(environ.values())]
+        assert not leaked, f"{service.name} holds the password of {leaked}"
+        described = admin.describe_consumer_groups([service.name])[service.name].result(timeout=20)
+        assert described.members, f"group {service.name} has no members"
+        # offsets are committed only inside the service's transaction (send_offsets_to_transaction),
+        # which the broker allows only to a principal with READ on this group
+        offsets = admin.list_consumer_group_offsets(
+            [ConsumerGroupTopicPartitions(service.name)])[service.name].result(timeout=20)
+        committed = sum(tp.offset for tp in offsets.topic_partitions if tp.offset > 0)
+        assert committed > 0, f"{service.name} committed nothing"
+
+
+def test_a_service_started_with_another_services_credentials_is_refused(
+        finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
+    impostor = cli({**pipeline.env("package"), "CHOREO_LOG_LEVEL": "DEBUG"},
+                   "run", "consumers.notifier:service", "--instance", "impostor", timeout_s=120)
+    assert impostor.returncode != 0
+    output = impostor.stdout + impostor.stderr
+    assert "TRANSACTIONAL_ID_AUTHORIZATION_FAILED" in output or "Transactional Id authorization failed" in output, \
+        output[-2000:]
+    # the real notifier is untouched by the attempt
+    assert pipeline.processes["notifier"].running()
+
+
+def leaked_into_logs(data: Path, secrets: dict[str, str]) -> list[str]:
+    """``<secret name> -> <log file>`` for every secret found in any log under ``data``
+    (services, ingestion, registry, broker, Redis)."""
+    logs = [path for path in data.rglob("*.log") if path.is_file()]
+    assert any(path.name.startswith("package") for path in logs) and any(
+        path.name == "ingestion.log" for path in logs)
+    found = []
+    for path in logs:
+        text = path.read_text(errors="replace")
+        found += [f"{name} -> {path.relative_to(data)}" for name, secret in secrets.items() if secret in text]
+    return found
+
+
+def secrets_of(data: Path, kind: str) -> dict[str, str]:
+    return {f"{kind}/{path.stem}": path.read_text().strip()
+            for path in (data / "secrets" / kind).glob("*.password")}
+
+
+def test_no_log_holds_a_kafka_or_redis_password_or_a_token(
+        finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
+    secrets = {**secrets_of(pipeline.data, "kafka"), **secrets_of(pipeline.data, "redis"),
+               "owner token": OWNER_TOKEN, "other token": OTHER_TOKEN}
+    assert len(secrets) == len(pipeline.envs) + 3
+    assert not leaked_into_logs(pipeline.data, secrets)
+
+
+def test_no_log_holds_a_registry_login(finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
+    secrets = secrets_of(pipeline.data, "registry")
+    assert len(secrets) == len(pipeline.envs) - 1  # everyone but the registry itself
+    assert not leaked_into_logs(pipeline.data, secrets)
