@@ -5,6 +5,11 @@ after Redis recorded an effect, the replay must be told the same outcome (e.g. "
 "drone-7"), or the output of the aborted transaction is lost forever. So every effect
 runs inside one Lua script that first looks up the outcome remembered for this event id,
 and otherwise applies the effect and remembers its outcome, atomically.
+
+The outcome is remembered as a field of the delivery's dedupe hash (``seen:{id}``), not as a
+key of its own: a key per effect per event cost about 190 bytes each, six per delivery
+(bench/README.md); a hash field costs its name and value. The hash lives as long as the
+longer of the dedupe and the effect TTLs.
 """
 
 from __future__ import annotations
@@ -16,14 +21,14 @@ from typing import Any
 import redis
 
 ONCE_TEMPLATE = """
-local remembered = redis.call('GET', KEYS[1])
+local remembered = redis.call('HGET', KEYS[1], ARGV[1])
 if remembered then return remembered end
-local once_ttl = tonumber(ARGV[1])
 local outcome = (function(KEYS, ARGV)
 %s
-end)({select(2, unpack(KEYS))}, {select(2, unpack(ARGV))})
+end)({select(2, unpack(KEYS))}, {select(3, unpack(ARGV))})
 if not outcome then return false end
-redis.call('SET', KEYS[1], outcome, 'EX', once_ttl)
+redis.call('HSET', KEYS[1], ARGV[1], outcome)
+if redis.call('TTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 return outcome
 """
 
@@ -41,9 +46,9 @@ class OnceEffect:
         self.source = ONCE_TEMPLATE % body
         self._scripts: dict[int, Any] = {}
 
-    def run(self, client: redis.Redis, once_key: str, keys: Sequence[str],
+    def run(self, client: redis.Redis, memo_key: str, memo_field: str, keys: Sequence[str],
             args: Sequence[str | int | float], ttl_s: int) -> str | None:
-        return EffectCall(self, once_key, tuple(keys), tuple(args), ttl_s).run(client)
+        return EffectCall(self, memo_key, memo_field, tuple(keys), tuple(args), ttl_s).run(client)
 
     def script(self, client: redis.Redis) -> Any:
         script = self._scripts.get(id(client))
@@ -58,14 +63,15 @@ class EffectCall:
     every other event of a batch in one round trip (``run_all``)."""
 
     effect: OnceEffect
-    once_key: str
+    memo_key: str  # the hash that remembers the outcome
+    memo_field: str  # its field for this (event, effect)
     keys: tuple[str, ...]
     args: tuple[str | int | float, ...]
     ttl_s: int
 
     def queue(self, client: redis.Redis, pipe: Any = None) -> Any:
-        return self.effect.script(client)(keys=[self.once_key, *self.keys], args=[self.ttl_s, *self.args],
-                                          client=pipe)
+        return self.effect.script(client)(keys=[self.memo_key, *self.keys],
+                                          args=[self.memo_field, self.ttl_s, *self.args], client=pipe)
 
     def run(self, client: redis.Redis) -> str | None:
         return _answer(self.queue(client))

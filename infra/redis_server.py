@@ -77,6 +77,10 @@ def redis_process(url: str, data_dir: Path, users: Mapping[str, str] | None = No
         "--save", "",
         "--daemonize", "no",
         "--protected-mode", "no",
+        # a delivery's hashes (state, dedupe and effect answers) hold values up to ~100 bytes (a
+        # fan-in decision); past the default 64 a hash leaves the compact listpack encoding and
+        # costs ~45 % more (1,921 vs 1,328 bytes for one delivery's dedupe hash)
+        "--hash-max-listpack-value", "128",
     ]
     password = unquote(parsed.password) if parsed.password else None  # redis-py unquotes too
     username = unquote(parsed.username) if parsed.username else None
