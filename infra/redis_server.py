@@ -11,7 +11,6 @@ More users (e.g. one per service) can be given to ``redis_process(..., users=...
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +19,7 @@ from urllib.parse import unquote, urlparse
 import redis
 
 from infra.process import ManagedProcess
+from infra.security import write_private
 
 
 INSTALL_HINT = "Install it with: apt-get install -y redis-server (bash infra/setup.sh does this)."
@@ -38,17 +38,6 @@ def acl_file_text(users: Mapping[str, str], rules: str = PIPELINE_RULES) -> str:
         digest = hashlib.sha256(password.encode()).hexdigest()
         lines.append(f"user {name} on resetpass #{digest} resetkeys resetchannels {rules}")
     return "\n".join(lines) + "\n"
-
-
-def _write_acl_file(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.parent.chmod(0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    path.chmod(0o600)
 
 
 def redis_process(url: str, data_dir: Path, users: Mapping[str, str] | None = None,
@@ -89,7 +78,7 @@ def redis_process(url: str, data_dir: Path, users: Mapping[str, str] | None = No
         acl_users.setdefault(username, password or "")
     if acl_users:
         acl_file = workdir / "users.acl"
-        _write_acl_file(acl_file, acl_file_text(acl_users))
+        write_private(acl_file, acl_file_text(acl_users))
         argv += ["--aclfile", str(acl_file)]
     elif password:
         argv += ["--requirepass", password]
