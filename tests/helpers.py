@@ -133,3 +133,17 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def start_group_at_end(group: str, topic: str) -> None:
+    """Commit ``group`` at the end of ``topic``: a new group joins a shared topic where a
+    deployed one would, not at its history."""
+    consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers, "group.id": group,
+                         "enable.auto.commit": False})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        ends = [TopicPartition(topic, p, consumer.get_watermark_offsets(
+            TopicPartition(topic, p), timeout=10)[1]) for p in partitions]
+        consumer.commit(offsets=ends, asynchronous=False)
+    finally:
+        consumer.close()

@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 
 import pytest
 import redis
-from confluent_kafka import Consumer, ConsumerGroupState, TopicPartition
+from confluent_kafka import ConsumerGroupState
 
 from choreo import topology
-from choreo.config import settings
 from choreo.kafka import admin, ensure_topics
 from choreo.ops.rebuild import rebuild
 from choreo.ops.trace import trace
@@ -37,7 +36,7 @@ from choreo.workflow import Workflow
 from consumers import fleet
 from schemas.models import ALL_EVENTS, DroneScheduled
 from tests.factories import delivery_request
-from tests.helpers import ServiceProcess, read_topic, wait_for
+from tests.helpers import ServiceProcess, read_topic, start_group_at_end, wait_for
 from tests.services import ops_pipeline
 
 pytestmark = pytest.mark.integration
@@ -97,7 +96,7 @@ class IsolatedPipeline:
         """The real supervisor on this pipeline: its own group and lease (``name``), this
         pipeline's topics, workflow and Redis. A new group joins the shared recovery topic
         at its end, as a deployed one would, not at its history."""
-        _start_at_end(name, RECOVERY_TOPIC)
+        start_group_at_end(name, RECOVERY_TOPIC)
         proc = ServiceProcess("consumers.supervisor:service", instance=name,
                               workflow="tests.services.ops_pipeline:WORKFLOW",
                               env={**self._env(), "SUPERVISOR_NAME": name,
@@ -196,18 +195,6 @@ def test_rebuild_restores_a_drone_only_to_its_latest_booking(isolated: IsolatedP
     assert (report.bookings_restored, report.bookings_superseded) == (1, 1)
     assert isolated.client.hget(fleet.HELD, "drone-00007") == second.delivery_id.encode()
     assert _bookings(isolated.client).get(first.delivery_id) is None
-
-
-def _start_at_end(group: str, topic: str) -> None:
-    consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers, "group.id": group,
-                         "enable.auto.commit": False})
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = [TopicPartition(topic, p, consumer.get_watermark_offsets(
-            TopicPartition(topic, p), timeout=10)[1]) for p in partitions]
-        consumer.commit(offsets=ends, asynchronous=False)
-    finally:
-        consumer.close()
 
 
 def _consuming(group: str) -> bool:

@@ -18,10 +18,9 @@ from typing import Any
 
 import pytest
 import redis
-from confluent_kafka import Consumer, ConsumerGroupState, TopicPartition
+from confluent_kafka import ConsumerGroupState
 
 from choreo import topology
-from choreo.config import settings
 from choreo.kafka import admin, ensure_topics
 from choreo.lease import holder
 from choreo.publisher import Publisher
@@ -32,7 +31,7 @@ from choreo.state import DEADLINE_INDEX, delivery_key
 from consumers import fleet
 from schemas.models import CompensationRecord, DeliveryFailed
 from tests.factories import delivery_request
-from tests.helpers import ServiceProcess, read_topic, wait_for
+from tests.helpers import ServiceProcess, read_topic, start_group_at_end, wait_for
 from tests.services import sup_pipeline
 
 pytestmark = pytest.mark.integration
@@ -68,7 +67,7 @@ class World:
 
     def supervisor(self, instance: str = "0", members: int = 1, **env: str) -> ServiceProcess:
         if members == 1:  # a new group joins the shared recovery topic at its end, as a
-            _start_at_end(self.name, RECOVERY_TOPIC)  # deployed one would (not at its history)
+            start_group_at_end(self.name, RECOVERY_TOPIC)  # deployed one would (not at its history)
         proc = ServiceProcess("consumers.supervisor:service", instance=f"{self.name}-{instance}",
                               env={**self.env, **env}, workflow=f"{sup_pipeline.MODULE}:WORKFLOW")
         self.procs.append(proc.start())
@@ -107,18 +106,6 @@ class World:
     def log(self, proc: ServiceProcess) -> str:
         path = Path(proc.log_dir) / f"{proc.ref.replace(':', '_')}-{proc.instance}.log"
         return path.read_text(errors="replace")
-
-
-def _start_at_end(group: str, topic: str) -> None:
-    consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers, "group.id": group,
-                         "enable.auto.commit": False})
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = [TopicPartition(topic, p, consumer.get_watermark_offsets(
-            TopicPartition(topic, p), timeout=10)[1]) for p in partitions]
-        consumer.commit(offsets=ends, asynchronous=False)
-    finally:
-        consumer.close()
 
 
 def _group_ready(group: str, members: int) -> bool:
