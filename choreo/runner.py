@@ -20,7 +20,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from types import FrameType, GeneratorType
 from typing import Any
@@ -351,8 +351,11 @@ class Runner:
              f"{w.handler.topic}|{w.topic}|{w.message.partition()}|{w.message.offset()}")
             for w in stepped
         ], self.service.retry_budget)
-        for w, verdict in zip(stepped, verdicts):
+        for w, (verdict, attempt) in zip(stepped, verdicts):
             w.verdict = verdict
+            if attempt != w.envelope.attempt:  # it joined the step's current attempt: answer as that
+                w.envelope = replace(w.envelope, attempt=attempt)
+                w.log = w.log.bind(attempt=attempt, joined=True)
 
     def _run_all(self, work: list[Work]) -> list[Work]:
         """Run the batch's handlers; the ones whose outputs await ``finish`` are returned.

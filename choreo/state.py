@@ -79,7 +79,16 @@ if not status then
   status = 'pending'
 end
 local token = tonumber(redis.call('HGET', KEYS[1], f .. 'attempt') or '1')
-if attempt < token then return 'stale' end
+local joined = false
+if attempt < token then
+  -- the same trigger at an older attempt is stale: the supervisor gave it away. Another of
+  -- the step's triggers (a fan-in's other half, queued before the requeue) is not: it joins
+  -- the current attempt, or a delivery whose service was down past a deadline between the
+  -- two halves would wait for a half it already has and fail at its budget
+  local current = redis.call('HGET', KEYS[1], f .. 'source') or ''
+  if string.match(current, '^[^|]*') == string.match(ARGV[7], '^[^|]*') then return 'stale' end
+  attempt, joined = token, true
+end
 if status == 'completed' then return 'replay' end
 if status ~= 'pending' and status ~= 'processing' then return 'closed' end
 -- the service has now seen this input: remember where it lies even if it will not run it,
@@ -89,6 +98,7 @@ if now > tonumber(redis.call('HGET', KEYS[1], f .. 'complete_by')) then return '
 local tries = redis.call('HINCRBY', KEYS[1], f .. 'tries', 1)
 if tries > tonumber(ARGV[5]) then return 'exhausted' end
 redis.call('HSET', KEYS[1], f .. 'status', 'processing', f .. 'attempt', attempt, f .. 'updated', now)
+if joined then return 'go:' .. attempt end
 return 'go'
 """
 
@@ -175,11 +185,13 @@ class StateTable:
             args=[step, attempt, now_ms, default_deadline_ms, budget,
                   index_member(delivery_id, step), source],
         )
-        return Begin(result.decode())
+        return _started(_text(result), attempt)[0]
 
-    def begin_many(self, items: list[tuple[str, str, int, int, int, str]], budget: int) -> list[Begin]:
+    def begin_many(self, items: list[tuple[str, str, int, int, int, str]],
+                   budget: int) -> list[tuple[Begin, int]]:
         """``begin`` for a whole batch in one round trip: (delivery, step, attempt, now,
-        default deadline ms, source) per item."""
+        default deadline ms, source) per item; each verdict comes with the attempt the input
+        runs as (the current one when it joins a step requeued meanwhile)."""
         if not items:
             return []
         pipe = self.client.pipeline(transaction=False)
@@ -187,7 +199,7 @@ class StateTable:
             self._begin(keys=[delivery_key(delivery_id), DEADLINE_INDEX],
                         args=[step, attempt, now, default_deadline_ms, budget,
                               index_member(delivery_id, step), source], client=pipe)
-        return [Begin(_text(r)) for r in pipe.execute()]
+        return [_started(_text(r), item[2]) for r, item in zip(pipe.execute(), items)]
 
     def complete_many(self, items: list[tuple[str, str, int]], now_ms: int) -> list[str]:
         """``finish(COMPLETED)`` for a whole batch in one round trip: (delivery, step, attempt)."""
@@ -239,3 +251,10 @@ def parse_steps(raw: dict[str, str]) -> dict[str, StepState]:
         )
         for name in names
     }
+
+
+def _started(verdict: str, attempt: int) -> tuple[Begin, int]:
+    """``go:<n>``: another trigger of a requeued step, joining its attempt ``n``."""
+    if verdict.startswith("go:"):
+        return Begin.GO, int(verdict[3:])
+    return Begin(verdict), attempt

@@ -189,6 +189,26 @@ def test_a_step_killed_mid_work_is_requeued_and_ships_once(world: World) -> None
         assert state["drone.status"] == "completed" and int(state["drone.attempt"]) >= 2
 
 
+def test_fan_in_half_queued_while_its_service_was_down_past_the_deadline_still_ships(world: World) -> None:
+    """The delivery service took the package half, then was down for more than a deadline after
+    the drone half was produced: the supervisor claimed the fan-in (attempt 2) and requeued the
+    package half. The drone half, queued at attempt 1 all along, must still count."""
+    world.start("package")
+    delivery = world.start("delivery")
+    world.supervisor()
+    ids = world.publish(2)  # the drone scheduler is down: only the package half arrives
+    wait_for(lambda: all(world.state(d).get("fanin.package") for d in ids), timeout_s=30,
+             what="the package halves recorded")
+    delivery.kill()
+    world.start("drone")
+    wait_for(lambda: all(int(world.state(d).get("delivery.attempt", 1)) >= 2 for d in ids),
+             timeout_s=45, what="the fan-in claimed while its service is down")
+    world.start("delivery", instance="1")
+    _shipped_once(world, ids)
+    for d in ids:
+        assert world.state(d)["outcome"] == "shipped"
+
+
 def test_late_answer_of_an_old_attempt_changes_nothing(world: World) -> None:
     world.start("package")
     world.start("delivery")

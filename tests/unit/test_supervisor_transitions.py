@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from choreo.lease import Lease
-from choreo.state import DEADLINE_INDEX, StateTable, StepStatus, delivery_key, index_member
+from choreo.state import DEADLINE_INDEX, Begin, StateTable, StepStatus, delivery_key, index_member
 from choreo.supervision import (
     COMPENSATION, FORWARD, MARK_COMPENSATED, MARK_COMPENSATING, Action, Policies, Scanner,
     StepPolicy, SupervisorSettings, Transitions, parse_marked,
@@ -144,6 +144,13 @@ def test_a_fan_in_still_open_a_deadline_after_its_halves_is_claimed(
     # a deadline after the last half, the fan-in itself is stuck: claimed as any step
     claim = _scan(client, lease, 1_001_600)[(d, "delivery")]
     assert claim.kind == "claim" and claim.data["attempt"] == 2
+    # the claim gave the first half's trigger away: that trigger at attempt 1 is stale; the
+    # other half, still queued from before the claim (its service was down), joins attempt 2
+    assert table.begin_many([(d, "delivery", 1, 1_001_700, DEADLINE, "s|s|0|9")], BUDGET) \
+        == [(Begin.STALE, 1)]
+    assert table.begin_many([(d, "delivery", 1, 1_001_700, DEADLINE, "t|t|1|4")], BUDGET) \
+        == [(Begin.GO, 2)]
+    assert table.finish(d, "delivery", 2, 1_001_710, StepStatus.COMPLETED) == "ok"
     # a failed fan-in (its own error) is claimed at once, whatever its upstream does
     d2 = _new(client, "package", "drone", "delivery")
     table.begin(d2, "delivery", 1, 1_000_010, DEADLINE, BUDGET, "p|p|0|5")
