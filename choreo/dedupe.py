@@ -5,9 +5,6 @@ service with the input position (topic|partition|offset) that first carried it. 
 position again is a *replay* after an aborted transaction and must run again (its outputs
 were never committed); another position is a *duplicate* (a producer retry, a redrive, a
 copy) whose outputs were already committed from the first position: it is skipped.
-
-The same per-delivery hash also remembers the answers of the handlers' effects
-(``choreo.effects``, fields ``fx:…``): one key per delivery for both.
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ after Redis recorded an effect, the replay must be told the same outcome (e.g. "
 runs inside one Lua script that first looks up the outcome remembered for this event id,
 and otherwise applies the effect and remembers its outcome, atomically.
 
-The outcome is remembered as a field of the delivery's dedupe hash (``seen:{id}``), not as a
-key of its own: a key per effect per event cost about 190 bytes each, six per delivery
-(bench/README.md); a hash field costs its name and value. The hash lives as long as the
-longer of the dedupe and the effect TTLs.
+The outcomes are remembered as fields (``<service>:<effect>:<event id>``) of one hash per
+delivery (``fx:{id}``), not as a key per effect per event: each such key cost about 190 bytes,
+six per delivery (bench/README.md); a field costs its name and value. The hash lives
+``CHOREO_ONCE_TTL_S`` after its last answer.
 """
 
 from __future__ import annotations
@@ -90,3 +90,7 @@ def _answer(result: Any) -> str | None:
     if result is None:
         return None
     return result.decode() if isinstance(result, bytes) else str(result)
+
+
+def memo_key(delivery_id: str) -> str:
+    return f"fx:{{{delivery_id}}}"

@@ -38,9 +38,14 @@ class RedactUrlCredentials(logging.Filter):
     ``user:password@`` of a URL such as ``SCHEMA_REGISTRY_URL``: scrub it from every record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except Exception:  # a library's malformed %-args: logging reports it on emit, as before
+            return True
         if "@" in message:
             record.msg, record.args = URL_USERINFO.sub(r"\1[redacted]@", message), None
+        if record.exc_text and "@" in record.exc_text:
+            record.exc_text = URL_USERINFO.sub(r"\1[redacted]@", record.exc_text)
         return True
 
 
@@ -49,12 +54,15 @@ _configured = False
 
 def configure(level: str = "INFO", stream: Any = None) -> None:
     global _configured
+    level = level.upper()
     logging.basicConfig(format="%(message)s", stream=stream or sys.stderr, level=level)
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RedactUrlCredentials) for f in handler.filters):
             handler.addFilter(RedactUrlCredentials())
+    numeric = logging.getLevelName(level)
     for chatty in ("httpx", "httpcore"):  # a line per registry request is noise, not news
-        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, numeric if isinstance(numeric, int)
+                                               else logging.INFO))
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

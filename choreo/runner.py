@@ -80,27 +80,31 @@ class Attempt:
 
     def start(self) -> None:
         self.request, self.result, self.error, self._gen, self.seconds = None, None, None, None, 0.0
-        self._step(lambda: self.work.handler.fn(self.work.event, self.ctx))
+        self._step(lambda: self.work.handler.fn(self.work.event, self.ctx), first=True)
 
     def resume(self, answer: str | None) -> None:
         assert self._gen is not None
         gen = self._gen
         self._step(lambda: gen.send(answer))
 
-    def _step(self, call: Callable[[], Any]) -> None:
+    def _step(self, call: Callable[[], Any], first: bool = False) -> None:
         started = time.perf_counter()
         try:
             out = call()
-            if self._gen is None and isinstance(out, GeneratorType):
-                self._gen, out = out, out.send(None)
+            if first and isinstance(out, GeneratorType):
+                self._gen = out
+                out = out.send(None)
             if self._gen is None:
                 self.result = out
             elif isinstance(out, EffectCall):
                 self.request = out
-            else:
-                raise TypeError(f"{self.work.handler.fn.__name__} yielded {type(out).__name__}; "
-                                "yield ctx.effect(...) only")
+            else:  # a bug in the rule, not in the event: dead-letter it with the reason
+                self.request, self.error = None, Rejected(
+                    f"{self.work.handler.fn.__name__} yielded {type(out).__name__}; a handler yields "
+                    "ctx.effect(...) only (emit events with ctx.emit or return them)")
         except StopIteration as stop:
+            if self._gen is None:  # a plain handler's own StopIteration is a bug, not a result
+                raise RuntimeError(f"{self.work.handler.fn.__name__} raised StopIteration") from stop
             self.request, self.result = None, stop.value
         except (Retryable, Rejected) as exc:
             self.request, self.error = None, exc
@@ -358,34 +362,40 @@ class Runner:
                 w.log = w.log.bind(attempt=attempt, joined=True)
 
     def _run_all(self, work: list[Work]) -> list[Work]:
-        """Run the batch's handlers; the ones whose outputs await ``finish`` are returned.
+        """Run the batch's handlers; the ones whose outputs await ``finish`` are returned, in
+        input order.
 
         Handlers that ``yield ctx.effect(...)`` run side by side: each round sends every
-        pending effect of the batch to Redis in one round trip and resumes each handler with
-        its answer. A ``Retryable`` is retried in process (a fresh try of the whole handler)
-        after one back-off for all of this round's retries, within the step's deadline and
-        budget; then the step is reported (or, outside a step, the event dead-lettered)."""
-        runs = [Attempt(w) for w in work if self._admitted(w)]
+        pending effect to Redis in one round trip and resumes each handler with its answer.
+        The events of one delivery still run one after the other, in input order (waves: the
+        first event of every delivery, then the second...), as a reservation and a release of
+        the same delivery must not interleave. A ``Retryable`` is retried in process (a fresh
+        try of the whole handler) after one back-off for all of the wave's retries, within the
+        step's deadline and budget; then the step is reported (or, outside a step, the event
+        dead-lettered)."""
+        order = {id(w): i for i, w in enumerate(work)}
         done: list[Work] = []
-        while runs:
-            self._drive(runs)
-            retry: list[Attempt] = []
-            for run in runs:
-                if run.error is None:
-                    for out in _as_events(run.result):
-                        run.ctx.emit(out)
-                    run.work.ctx = run.ctx
-                    done.append(run.work)
-                elif self._retry(run):
-                    retry.append(run)
-            if retry:
-                delay = max(run.delay_s for run in retry)
-                for run in retry:
-                    run.work.log.info("handler.retry", error=str(run.error)[:300], tries=run.tries,
-                                      delay_s=round(delay, 3))
-                time.sleep(delay)
-            runs = retry
-        return done
+        for wave in _waves([w for w in work if self._admitted(w)]):
+            runs = [Attempt(w) for w in wave]
+            while runs:
+                self._drive(runs)
+                retry: list[Attempt] = []
+                for run in runs:
+                    if run.error is None:
+                        for out in _as_events(run.result):
+                            run.ctx.emit(out)
+                        run.work.ctx = run.ctx
+                        done.append(run.work)
+                    elif self._retry(run):
+                        retry.append(run)
+                if retry:
+                    delay = max(run.delay_s for run in retry)
+                    for run in retry:
+                        run.work.log.info("handler.retry", error=str(run.error)[:300], tries=run.tries,
+                                          delay_s=round(delay, 3))
+                    time.sleep(delay)
+                runs = retry
+        return sorted(done, key=lambda w: order[id(w)])
 
     def _admitted(self, w: Work) -> bool:
         """Whether the step's state lets this attempt run (stale, closed, expired or exhausted
@@ -546,6 +556,19 @@ def _as_events(result: Event | Iterable[Event] | None) -> list[Event]:
     if isinstance(result, Event):
         return [result]
     return list(result)
+
+
+def _waves(work: list[Work]) -> list[list[Work]]:
+    """The k-th input of every delivery in wave k (input order kept within a delivery)."""
+    waves: list[list[Work]] = []
+    seen: dict[str, int] = {}
+    for w in work:
+        k = seen.get(w.envelope.correlation_id, 0)
+        seen[w.envelope.correlation_id] = k + 1
+        if k == len(waves):
+            waves.append([])
+        waves[k].append(w)
+    return waves
 
 
 def _next_offsets(batch: list[Message]) -> list[TopicPartition]:

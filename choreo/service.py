@@ -22,8 +22,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from choreo.dedupe import seen_key
-from choreo.effects import EffectCall, OnceEffect
+from choreo.effects import EffectCall, OnceEffect, memo_key
 from choreo.envelope import Envelope, derived_id
 from choreo.events import Event
 
@@ -156,9 +155,7 @@ class Context:
         effects of every event of the batch in one Redis round trip and sends each handler its
         answer (what ``once`` would have returned). A round trip per event was the largest
         cost of every service (bench/README.md)."""
-        # effect names are unique per service's rules; the field stays under the 64 bytes of a
-        # compact (listpack) hash entry
-        return EffectCall(effect, seen_key(self.delivery_id), f"fx:{effect.name}:{self.event_id}",
+        return EffectCall(effect, memo_key(self.delivery_id), f"{self.service}:{effect.name}:{self.event_id}",
                           tuple(keys), tuple(args), self.once_ttl_s)
 
 

@@ -79,17 +79,24 @@ if not status then
   status = 'pending'
 end
 local token = tonumber(redis.call('HGET', KEYS[1], f .. 'attempt') or '1')
+local origin = string.match(ARGV[7], '^[^|]*')
 local joined = false
 if attempt < token then
-  -- the same trigger at an older attempt is stale: the supervisor gave it away. Another of
-  -- the step's triggers (a fan-in's other half, queued before the requeue) is not: it joins
-  -- the current attempt, or a delivery whose service was down past a deadline between the
-  -- two halves would wait for a half it already has and fail at its budget
-  local current = redis.call('HGET', KEYS[1], f .. 'source') or ''
-  if string.match(current, '^[^|]*') == string.match(ARGV[7], '^[^|]*') then return 'stale' end
+  -- a trigger the step already began at an older attempt is stale: the supervisor gave it
+  -- away. One it never began (a fan-in's other half, queued before the requeue) joins the
+  -- current attempt, or a delivery whose service was down past a deadline between the two
+  -- halves would wait for a half it already has and fail at its budget. The input that
+  -- joined joins again when it is replayed (its transaction aborted).
+  local origins = ',' .. (redis.call('HGET', KEYS[1], f .. 'origins') or '') .. ','
+  if ARGV[7] ~= redis.call('HGET', KEYS[1], f .. 'joined')
+     and string.find(origins, ',' .. origin .. ',', 1, true) then return 'stale' end
   attempt, joined = token, true
+  redis.call('HSET', KEYS[1], f .. 'joined', ARGV[7])
 end
-if status == 'completed' then return 'replay' end
+if status == 'completed' then
+  if joined then return 'replay:' .. attempt end
+  return 'replay'
+end
 if status ~= 'pending' and status ~= 'processing' then return 'closed' end
 -- the service has now seen this input: remember where it lies even if it will not run it,
 -- so the supervisor can requeue it (an expired trigger is consumed and would be lost)
@@ -98,6 +105,12 @@ if now > tonumber(redis.call('HGET', KEYS[1], f .. 'complete_by')) then return '
 local tries = redis.call('HINCRBY', KEYS[1], f .. 'tries', 1)
 if tries > tonumber(ARGV[5]) then return 'exhausted' end
 redis.call('HSET', KEYS[1], f .. 'status', 'processing', f .. 'attempt', attempt, f .. 'updated', now)
+local known = redis.call('HGET', KEYS[1], f .. 'origins')
+if not known then
+  redis.call('HSET', KEYS[1], f .. 'origins', origin)
+elseif not string.find(',' .. known .. ',', ',' .. origin .. ',', 1, true) then
+  redis.call('HSET', KEYS[1], f .. 'origins', known .. ',' .. origin)
+end
 if joined then return 'go:' .. attempt end
 return 'go'
 """
@@ -254,7 +267,6 @@ def parse_steps(raw: dict[str, str]) -> dict[str, StepState]:
 
 
 def _started(verdict: str, attempt: int) -> tuple[Begin, int]:
-    """``go:<n>``: another trigger of a requeued step, joining its attempt ``n``."""
-    if verdict.startswith("go:"):
-        return Begin.GO, int(verdict[3:])
-    return Begin(verdict), attempt
+    """``go:<n>`` / ``replay:<n>``: another trigger of a requeued step, joining its attempt ``n``."""
+    name, _, joined = verdict.partition(":")
+    return Begin(name), int(joined) if joined else attempt

@@ -3,7 +3,7 @@
 What is rebuilt, and why each piece matters for exactly-once after a wipe:
 
 * **Delivery outcome** (``outcome`` in ``dl:{id}``) from ``delivery.shipped`` /
-  ``delivery.failed``. The dedupe entries and remembered effect answers (``seen:``) are gone, so a copy
+  ``delivery.failed``. The dedupe entries (``seen:``) and remembered effect answers (``fx:``) are gone, so a copy
   of a step result or a requeue would otherwise find "both results in, no decision" and
   decide again: the restored outcome makes it ``late``, no second shipment.
 * **Fan-in** (``fanin.package`` / ``fanin.drone`` / ``fanin.order``) from every committed
@@ -30,7 +30,7 @@ What is rebuilt, and why each piece matters for exactly-once after a wipe:
   so a copy arriving after the wipe is still recognised.
 * **Business records** derived from events: packages (``pkg:{id}``), notifications.
 
-Remembered effect answers (the ``fx:`` fields of ``seen:``) are not rebuilt: every effect is also idempotent on its business key
+Remembered effect answers (``fx:{id}``) are not rebuilt: every effect is also idempotent on its business key
 (a booking by delivery id, a package by its derived id, the fan-in by its fields, the
 outcome), and those keys are what is restored.
 

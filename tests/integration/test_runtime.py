@@ -111,17 +111,19 @@ def test_poison_messages_are_dead_lettered_while_good_ones_flow(
         producer.produce(topic, key=b"bad", value=value, headers=headers)
     producer.flush(10)
     rejected = _publish([delivery_request(weight_kg=13)], topic)
+    _publish([delivery_request(weight_kg=11)], topic)  # yields its event: a bug, dead-lettered
     flaky = _publish([delivery_request(weight_kg=7)], topic)
     hopeless = _publish([delivery_request(weight_kg=9)], topic)
     good_ids += _publish(good[10:], topic)
 
     services.append(ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic}).start())
-    dlq = wait_for(lambda: len(r := read_topic(f"{topic}.dlq")) >= 9 and r, what="9 dead letters")
+    dlq = wait_for(lambda: len(r := read_topic(f"{topic}.dlq")) >= 10 and r, what="10 dead letters")
     reasons = Counter(r.header("dlq.reason") for r in dlq)
     assert reasons == {
         "UNDECODABLE": 3, "UNKNOWN_SCHEMA": 1, "INCOMPATIBLE_SCHEMA": 1, "INVALID_PAYLOAD": 1,
-        "MISSING_HEADERS": 1, "HOP_LIMIT": 1, "REJECTED": 1,
+        "MISSING_HEADERS": 1, "HOP_LIMIT": 1, "REJECTED": 2,
     }
+    assert any("yields ctx.effect(...) only" in (r.header("dlq.error") or "") for r in dlq)
     for record in dlq:
         assert record.header("dlq.source.topic") == topic
         assert record.header("dlq.service") == f"probe-{topic}"

@@ -1,6 +1,7 @@
 """A service whose behaviour the runtime tests steer through the request's weight:
 
 * 13 kg: the handler rejects the event (non-retryable) → dead letter;
+* 11 kg: the handler yields its event instead of an effect (a bug in a rule) → dead letter;
 * 7 kg: a transient failure on the first try, then success (in-process retry);
 * 9 kg: always transient → retries exhausted → reported to the recovery topic;
 * 42 kg: the first time, hang after the Redis effect so the test can kill -9 mid-batch;
@@ -33,6 +34,8 @@ return 'counted'
 def handle(request: DeliveryRequested, ctx: Context) -> Effects[None]:
     if request.weight_kg == 13:
         raise Rejected("13 kg is unlucky")
+    if request.weight_kg == 11:
+        yield request  # type: ignore[misc]  # the bug this weight stands for
     if request.weight_kg == 7 and ctx.try_no == 1:
         raise Retryable("first try fails")
     if request.weight_kg == 9:

@@ -151,6 +151,13 @@ def test_a_fan_in_still_open_a_deadline_after_its_halves_is_claimed(
     assert table.begin_many([(d, "delivery", 1, 1_001_700, DEADLINE, "t|t|1|4")], BUDGET) \
         == [(Begin.GO, 2)]
     assert table.finish(d, "delivery", 2, 1_001_710, StepStatus.COMPLETED) == "ok"
+    # its batch aborted after all: the replay of the input that joined answers as attempt 2 again
+    # (its outputs are published), while a copy of the given-away first half stays stale
+    assert table.begin_many([(d, "delivery", 1, 1_001_720, DEADLINE, "t|t|1|4")], BUDGET) \
+        == [(Begin.REPLAY, 2)]
+    assert table.finish(d, "delivery", 2, 1_001_730, StepStatus.COMPLETED) == "replay"
+    assert table.begin_many([(d, "delivery", 1, 1_001_740, DEADLINE, "s|retry.s|0|3")], BUDGET) \
+        == [(Begin.STALE, 1)]
     # a failed fan-in (its own error) is claimed at once, whatever its upstream does
     d2 = _new(client, "package", "drone", "delivery")
     table.begin(d2, "delivery", 1, 1_000_010, DEADLINE, BUDGET, "p|p|0|5")
@@ -187,7 +194,7 @@ def test_budget_spent_fails_the_delivery_once_with_compensations_newest_first(
     again = _scan(client, lease, 1_000_050 + 5_001)[(d, "drone")]
     assert again.kind == "fail" and again.data["again"] == 1
     # seen: marked compensating, and nothing left in the index
-    raw = MARK_COMPENSATING.run(client, f"seen:{{{d}}}", "fx:t:1", [delivery_key(d), DEADLINE_INDEX],
+    raw = MARK_COMPENSATING.run(client, f"fx:{{{d}}}", "t:1", [delivery_key(d), DEADLINE_INDEX],
                                 [1_000_060, d, "drone", "package"], 60)
     assert [m["step"] for m in parse_marked(raw)] == ["package"]
     assert _fields(client, d)["package.status"] == "compensating"
@@ -249,15 +256,15 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
 def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis) -> None:
     d = _new(client, "package")
     client.hset(delivery_key(d), mapping={"package.status": "completed"})
-    memo = f"seen:{{{d}}}"
-    assert MARK_COMPENSATED.run(client, memo, "fx:t:1", [delivery_key(d)], ["package", 5], 60) \
+    memo = f"fx:{{{d}}}"
+    assert MARK_COMPENSATED.run(client, memo, "t:1", [delivery_key(d)], ["package", 5], 60) \
         == "compensated:completed:1"
-    raw = MARK_COMPENSATING.run(client, memo, "fx:t:2", [delivery_key(d), DEADLINE_INDEX],
+    raw = MARK_COMPENSATING.run(client, memo, "t:2", [delivery_key(d), DEADLINE_INDEX],
                                 [6, d, "drone", "package"], 60)
     assert parse_marked(raw) == []
     assert _fields(client, d)["package.status"] == "compensated"
     # a replay of either is told the same answer
-    assert MARK_COMPENSATED.run(client, memo, "fx:t:1", [delivery_key(d)], ["package", 5], 60) \
+    assert MARK_COMPENSATED.run(client, memo, "t:1", [delivery_key(d)], ["package", 5], 60) \
         == "compensated:completed:1"
 
 
