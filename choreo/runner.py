@@ -139,6 +139,7 @@ class Runner:
         self.dedupe = Deduper(self.redis, service.name, self.cfg.dedupe_ttl_s)
         self.registry = registry_client()
         self.decoders = {t: Decoder(h.model, t, self.registry) for t, h in service.handlers.items()}
+        self.joinable = frozenset(s.name for s in service.steps() if len(s.triggers) > 1)
         self.encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}
         self.running = False
         self.consumer = Consumer(transactional_consumer_config(
@@ -354,7 +355,7 @@ class Runner:
              int(w.handler.deadline_s * 1000),
              f"{w.handler.topic}|{w.topic}|{w.message.partition()}|{w.message.offset()}")
             for w in stepped
-        ], self.service.retry_budget)
+        ], self.service.retry_budget, self.joinable)
         for w, (verdict, attempt) in zip(stepped, verdicts):
             w.verdict = verdict
             if attempt != w.envelope.attempt:  # it joined the step's current attempt: answer as that

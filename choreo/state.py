@@ -87,6 +87,8 @@ if attempt < token then
   -- current attempt, or a delivery whose service was down past a deadline between the two
   -- halves would wait for a half it already has and fail at its budget. The input that
   -- joined joins again when it is replayed (its transaction aborted).
+  -- (only a step with several trigger topics, ARGV[8] = '1', keeps the origins it began)
+  if ARGV[8] ~= '1' then return 'stale' end
   local origins = ',' .. (redis.call('HGET', KEYS[1], f .. 'origins') or '') .. ','
   if ARGV[7] ~= redis.call('HGET', KEYS[1], f .. 'joined')
      and string.find(origins, ',' .. origin .. ',', 1, true) then return 'stale' end
@@ -105,11 +107,13 @@ if now > tonumber(redis.call('HGET', KEYS[1], f .. 'complete_by')) then return '
 local tries = redis.call('HINCRBY', KEYS[1], f .. 'tries', 1)
 if tries > tonumber(ARGV[5]) then return 'exhausted' end
 redis.call('HSET', KEYS[1], f .. 'status', 'processing', f .. 'attempt', attempt, f .. 'updated', now)
-local known = redis.call('HGET', KEYS[1], f .. 'origins')
-if not known then
-  redis.call('HSET', KEYS[1], f .. 'origins', origin)
-elseif not string.find(',' .. known .. ',', ',' .. origin .. ',', 1, true) then
-  redis.call('HSET', KEYS[1], f .. 'origins', known .. ',' .. origin)
+if ARGV[8] == '1' then
+  local known = redis.call('HGET', KEYS[1], f .. 'origins')
+  if not known then
+    redis.call('HSET', KEYS[1], f .. 'origins', origin)
+  elseif not string.find(',' .. known .. ',', ',' .. origin .. ',', 1, true) then
+    redis.call('HSET', KEYS[1], f .. 'origins', known .. ',' .. origin)
+  end
 end
 if joined then return 'go:' .. attempt end
 return 'go'
@@ -190,28 +194,26 @@ class StateTable:
                       args=[step, index_member(delivery_id, step)])
 
     def begin(self, delivery_id: str, step: str, attempt: int, now_ms: int,
-              default_deadline_ms: int, budget: int, source: str) -> Begin:
+              default_deadline_ms: int, budget: int, source: str, joinable: bool = False) -> Begin:
         """Start (or replay) an attempt; ``source`` (handler topic|topic|partition|offset)
         lets the supervisor fetch the input again to requeue it."""
-        result = self._begin(
-            keys=[delivery_key(delivery_id), DEADLINE_INDEX],
-            args=[step, attempt, now_ms, default_deadline_ms, budget,
-                  index_member(delivery_id, step), source],
-        )
-        return _started(_text(result), attempt)[0]
+        return self.begin_many([(delivery_id, step, attempt, now_ms, default_deadline_ms, source)],
+                               budget, {step} if joinable else set())[0][0]
 
-    def begin_many(self, items: list[tuple[str, str, int, int, int, str]],
-                   budget: int) -> list[tuple[Begin, int]]:
+    def begin_many(self, items: list[tuple[str, str, int, int, int, str]], budget: int,
+                   joinable: set[str] | frozenset[str] = frozenset()) -> list[tuple[Begin, int]]:
         """``begin`` for a whole batch in one round trip: (delivery, step, attempt, now,
         default deadline ms, source) per item; each verdict comes with the attempt the input
-        runs as (the current one when it joins a step requeued meanwhile)."""
+        runs as (the current one when it joins a step requeued meanwhile). ``joinable``: the
+        steps with several trigger topics (a fan-in), whose other triggers may join."""
         if not items:
             return []
         pipe = self.client.pipeline(transaction=False)
         for delivery_id, step, attempt, now, default_deadline_ms, source in items:
             self._begin(keys=[delivery_key(delivery_id), DEADLINE_INDEX],
                         args=[step, attempt, now, default_deadline_ms, budget,
-                              index_member(delivery_id, step), source], client=pipe)
+                              index_member(delivery_id, step), source, "1" if step in joinable else "0"],
+                        client=pipe)
         return [_started(_text(r), item[2]) for r, item in zip(pipe.execute(), items)]
 
     def complete_many(self, items: list[tuple[str, str, int]], now_ms: int) -> list[str]:

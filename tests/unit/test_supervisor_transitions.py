@@ -136,7 +136,7 @@ def test_a_fan_in_still_open_a_deadline_after_its_halves_is_claimed(
     for step, at in (("package", 1_000_010), ("drone", 1_000_500)):
         table.begin(d, step, 1, at, DEADLINE, BUDGET, "q|q|0|1")
         table.finish(d, step, 1, at + 10, StepStatus.COMPLETED)
-    table.begin(d, "delivery", 1, 1_000_600, DEADLINE, BUDGET, "s|s|0|9")
+    table.begin(d, "delivery", 1, 1_000_600, DEADLINE, BUDGET, "s|s|0|9", joinable=True)
     # the drone's half came out less than a deadline ago: it is on its way
     wait = _scan(client, lease, 1_001_200)[(d, "delivery")]
     assert wait.kind == "wait" and wait.data["on"] == "drone"
@@ -146,17 +146,17 @@ def test_a_fan_in_still_open_a_deadline_after_its_halves_is_claimed(
     assert claim.kind == "claim" and claim.data["attempt"] == 2
     # the claim gave the first half's trigger away: that trigger at attempt 1 is stale; the
     # other half, still queued from before the claim (its service was down), joins attempt 2
-    assert table.begin_many([(d, "delivery", 1, 1_001_700, DEADLINE, "s|s|0|9")], BUDGET) \
+    assert table.begin_many([(d, "delivery", 1, 1_001_700, DEADLINE, "s|s|0|9")], BUDGET, {"delivery"}) \
         == [(Begin.STALE, 1)]
-    assert table.begin_many([(d, "delivery", 1, 1_001_700, DEADLINE, "t|t|1|4")], BUDGET) \
+    assert table.begin_many([(d, "delivery", 1, 1_001_700, DEADLINE, "t|t|1|4")], BUDGET, {"delivery"}) \
         == [(Begin.GO, 2)]
     assert table.finish(d, "delivery", 2, 1_001_710, StepStatus.COMPLETED) == "ok"
     # its batch aborted after all: the replay of the input that joined answers as attempt 2 again
     # (its outputs are published), while a copy of the given-away first half stays stale
-    assert table.begin_many([(d, "delivery", 1, 1_001_720, DEADLINE, "t|t|1|4")], BUDGET) \
+    assert table.begin_many([(d, "delivery", 1, 1_001_720, DEADLINE, "t|t|1|4")], BUDGET, {"delivery"}) \
         == [(Begin.REPLAY, 2)]
     assert table.finish(d, "delivery", 2, 1_001_730, StepStatus.COMPLETED) == "replay"
-    assert table.begin_many([(d, "delivery", 1, 1_001_740, DEADLINE, "s|retry.s|0|3")], BUDGET) \
+    assert table.begin_many([(d, "delivery", 1, 1_001_740, DEADLINE, "s|retry.s|0|3")], BUDGET, {"delivery"}) \
         == [(Begin.STALE, 1)]
     # a failed fan-in (its own error) is claimed at once, whatever its upstream does
     d2 = _new(client, "package", "drone", "delivery")
