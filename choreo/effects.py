@@ -78,8 +78,8 @@ class EffectCall:
 
 
 def run_all(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:
-    """Every call in one pipeline (not a transaction: each script is atomic on its own, and
-    they touch different deliveries)."""
+    """Every call in one pipeline, run in order (not a transaction: each script is atomic on its
+    own, and the runner sends at most one effect per delivery per round)."""
     pipe = client.pipeline(transaction=False)
     for call in calls:
         call.queue(client, pipe)
