@@ -123,6 +123,7 @@ HAPPY_PATH: tuple[Stage, ...] = (
     Stage("delivery", {"package.ready": "delivery.shipped", "drone.scheduled": "delivery.shipped"},
           fan_in=True),
     Stage("notifier", {"delivery.shipped": None}),
+    Stage("supervisor", {"delivery.shipped": None}),  # records it for choreo.release
 )
 
 

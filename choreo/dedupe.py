@@ -5,15 +5,24 @@ service with the input position (topic|partition|offset) that first carried it. 
 position again is a *replay* after an aborted transaction and must run again (its outputs
 were never committed); another position is a *duplicate* (a producer retry, a redrive, a
 copy) whose outputs were already committed from the first position: it is skipped.
+
+A workflow service also skips every event of a *released* delivery (``choreo.release``): its
+dedupe entries are gone with the rest of its state, and the tombstone left in its step table
+says it is finished.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import StrEnum
 
 import redis
 
+from choreo.state import delivery_key
+
+# KEYS: the dedupe hash, the step table. ARGV: field, position, ttl s, '1' to refuse released.
 _SEEN = """
+if ARGV[4] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return 2 end
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
 if previous and previous ~= ARGV[2] then return 0 end
 if not previous then
@@ -28,20 +37,33 @@ def seen_key(delivery_id: str) -> str:
     return f"seen:{{{delivery_id}}}"
 
 
+class Seen(StrEnum):
+    FRESH = "fresh"  # first sighting, or a replay at the same position: run it
+    DUPLICATE = "duplicate"  # already handled from another position
+    RELEASED = "released"  # its delivery is finished and its state released
+
+
+_VERDICTS = {0: Seen.DUPLICATE, 1: Seen.FRESH, 2: Seen.RELEASED}
+
+
 class Deduper:
-    def __init__(self, client: redis.Redis, service: str, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, service: str, ttl_s: int,
+                 refuse_released: bool = False) -> None:
         self.client = client
         self.service = service
         self.ttl_s = ttl_s
+        # only a workflow's own services: the releaser waits for their groups, not for others
+        self.refuse_released = "1" if refuse_released else "0"
         self._script = client.register_script(_SEEN)
 
-    def fresh(self, items: Sequence[tuple[str, str, int, str]]) -> list[bool]:
-        """For (delivery id, event id, attempt, position) items: True unless a duplicate."""
+    def fresh(self, items: Sequence[tuple[str, str, int, str]]) -> list[Seen]:
+        """For (delivery id, event id, attempt, position) items: whether each is to run."""
         if not items:
             return []
         pipe = self.client.pipeline(transaction=False)
         for delivery_id, event_id, attempt, position in items:
-            self._script(keys=[seen_key(delivery_id)],
-                         args=[f"{self.service}:{event_id}:{attempt}", position, self.ttl_s],
+            self._script(keys=[seen_key(delivery_id), delivery_key(delivery_id)],
+                         args=[f"{self.service}:{event_id}:{attempt}", position, self.ttl_s,
+                               self.refuse_released],
                          client=pipe)
-        return [bool(r) for r in pipe.execute()]
+        return [_VERDICTS[int(r)] for r in pipe.execute()]

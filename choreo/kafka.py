@@ -6,7 +6,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import (
+    Consumer, ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from choreo.config import settings
@@ -53,6 +55,15 @@ def transactional_consumer_config(group: str, client_id: str) -> dict[str, Any]:
 
 def admin(bootstrap: str | None = None) -> AdminClient:
     return AdminClient(base_config(bootstrap))
+
+
+def committed_offsets(client: AdminClient, topic: str, partitions: Iterable[int], group: str,
+                      timeout_s: float = 5.0) -> dict[int, int]:
+    """The offsets ``group`` has committed on ``topic`` (the next record it will read); a
+    partition it never committed on is negative."""
+    request = [ConsumerGroupTopicPartitions(group, [TopicPartition(topic, p) for p in partitions])]
+    result = client.list_consumer_group_offsets(request, request_timeout=timeout_s)[group].result()
+    return {tp.partition: int(tp.offset) for tp in result.topic_partitions}
 
 
 def ensure_topics(

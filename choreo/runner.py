@@ -31,7 +31,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 from choreo import metrics
 from choreo.kafka import base_config, transactional_consumer_config
 from choreo.config import settings
-from choreo.dedupe import Deduper
+from choreo.dedupe import Deduper, Seen
 from choreo.envelope import Envelope, HeaderList, pairs, derived_id, now_ms
 from choreo.errors import DeadLetterReason, Rejected, Retryable
 from choreo.events import Event
@@ -136,7 +136,9 @@ class Runner:
         self.log = get_logger(service=service.name, instance=self.options.instance)
         self.redis = redis.Redis.from_url(self.cfg.redis_url, socket_timeout=5)
         self.state = StateTable(self.redis)
-        self.dedupe = Deduper(self.redis, service.name, self.cfg.dedupe_ttl_s)
+        in_workflow = workflow is not None and service.name in {s.name for s in workflow.services}
+        self.dedupe = Deduper(self.redis, service.name, self.cfg.dedupe_ttl_s,
+                              refuse_released=in_workflow)
         self.registry = registry_client()
         self.decoders = {t: Decoder(h.model, t, self.registry) for t, h in service.handlers.items()}
         self.joinable = frozenset(s.name for s in service.steps() if len(s.triggers) > 1)
@@ -227,9 +229,9 @@ class Runner:
         (one round trip each for the whole batch), handlers (their own effects), then
         finish for all and only then the outputs of the attempts that still own their step."""
         try:
-            fresh = self._fresh(batch)
+            seen = self._seen(batch)
             self.producer.begin_transaction()
-            work = [w for m, f in zip(batch, fresh) if (w := self._prepare(m, f)) is not None]
+            work = [w for m, s in zip(batch, seen) if (w := self._prepare(m, s)) is not None]
             self._begin_all(work)
             self._finish_all(self._run_all(work))
             self.producer.send_offsets_to_transaction(
@@ -268,8 +270,9 @@ class Runner:
                     raise
                 self.log.warning("transaction.commit_retry", error=str(err), attempt=attempt)
 
-    def _fresh(self, batch: list[Message]) -> list[bool]:
-        """Which messages are not duplicates of an event already handled at another position."""
+    def _seen(self, batch: list[Message]) -> list[Seen]:
+        """Which messages are to run: not copies of an event already handled at another
+        position, nor events of a released delivery."""
         keyed: list[tuple[int, tuple[str, str, int, str]]] = []
         for i, m in enumerate(batch):
             env = Envelope.from_headers(m.headers())
@@ -280,10 +283,10 @@ class Runner:
             verdicts = self.dedupe.fresh([item for _, item in keyed])
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise BatchTransient(f"redis: {exc}") from exc
-        fresh = [True] * len(batch)
+        seen = [Seen.FRESH] * len(batch)
         for (i, _), verdict in zip(keyed, verdicts):
-            fresh[i] = verdict
-        return fresh
+            seen[i] = verdict
+        return seen
 
     def _tick(self, periodic: Periodic) -> None:
         """One run of a periodic task, its output in one transaction (no input offsets)."""
@@ -320,12 +323,12 @@ class Runner:
 
     # -- one message -------------------------------------------------------------------
 
-    def _prepare(self, message: Message, fresh: bool) -> Work | None:
+    def _prepare(self, message: Message, seen: Seen) -> Work | None:
         """Decode and guard one message; what can never succeed is dead-lettered here."""
         topic = message.topic() or ""
         metrics.EVENTS_IN.labels(self.service.name, topic).inc()
-        if not fresh:
-            metrics.IGNORED.labels(self.service.name, topic, "duplicate").inc()
+        if seen is not Seen.FRESH:
+            metrics.IGNORED.labels(self.service.name, topic, seen.value).inc()
             return None
         envelope = Envelope.from_headers(message.headers())
         if envelope is None:
@@ -528,6 +531,9 @@ class Runner:
         ]
         # retry topics share their origin's dead-letter topic: one place to look per event type
         origin = self.service.handlers[topic].topic if topic in self.service.handlers else topic
+        envelope = Envelope.from_headers(message.headers())
+        if envelope is not None and envelope.correlation_id:
+            self.state.note_dead_letter(envelope.correlation_id)
         self.producer.produce(dlq_topic(origin), key=message.key(), value=message.value(),
                               headers=headers)
         metrics.DEAD_LETTERS.labels(self.service.name, topic, reason.value).inc()

@@ -173,6 +173,7 @@ class Service:
         self.outputs: set[type[Event]] = set()
         self.startup: list[Callable[[redis.Redis], None]] = []
         self.periodic: list[Periodic] = []
+        self.per_delivery_keys: list[Callable[[str], str]] = []
 
     def every(self, period_s: float) -> Callable[[Callable[[Context], None]], Callable[[Context], None]]:
         """Run the decorated function every ``period_s`` between batches; what it emits is
@@ -188,6 +189,13 @@ class Service:
         """Run ``fn`` once per instance before consuming (e.g. seed reference data idempotently)."""
         self.startup.append(fn)
         return fn
+
+    def released_with_delivery(self, key: Callable[[str], str]) -> Callable[[str], str]:
+        """Declare ``key(delivery_id)`` as this service's own per-delivery record, deleted with
+        the runtime's state once the delivery is finished (``choreo.release``): kept past
+        that it would only cost memory, since every event that could still read it is gone."""
+        self.per_delivery_keys.append(key)
+        return key
 
     def on(self, topic: str, *, step: str | None = None, deadline_s: float = 30.0,
            produces: Sequence[type[Event]] = ()) -> Callable[[Callable[..., HandlerOutput]], Callable[..., HandlerOutput]]:

@@ -68,6 +68,8 @@ return 1
 """
 
 _BEGIN = """
+-- a released delivery (choreo.release) is finished: nothing of it starts again
+if redis.call('HEXISTS', KEYS[1], 'done') == 1 then return 'closed' end
 local f = ARGV[1] .. '.'
 local attempt, now = tonumber(ARGV[2]), tonumber(ARGV[3])
 local status = redis.call('HGET', KEYS[1], f .. 'status')
@@ -154,6 +156,14 @@ return 'ok'
 """
 
 
+# a dead-lettered event keeps its delivery's state for the redrive (choreo.release); no
+# table is created for an event of a delivery that has none
+_NOTE_DEAD_LETTER = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HINCRBY', KEYS[1], 'dead_letters', 1) end
+return 0
+"""
+
+
 @dataclass(frozen=True)
 class StepState:
     step: str
@@ -178,6 +188,7 @@ class StateTable:
         self._begin = client.register_script(_BEGIN)
         self._try_again = client.register_script(_TRY_AGAIN)
         self._finish = client.register_script(_FINISH)
+        self._note_dead_letter = client.register_script(_NOTE_DEAD_LETTER)
 
     def open(self, delivery_id: str, step: str, complete_by_ms: int, now_ms: int,
              pipe: Any = None) -> None:
@@ -240,6 +251,10 @@ class StateTable:
             args=[step, attempt, now_ms, status.value, index_member(delivery_id, step), error[:500]],
         )
         return str(result.decode())
+
+    def note_dead_letter(self, delivery_id: str) -> None:
+        """Keep the delivery's state when it is finished: a redrive of the letter needs it."""
+        self._note_dead_letter(keys=[delivery_key(delivery_id)])
 
     def steps(self, delivery_id: str) -> dict[str, StepState]:
         raw = {_text(k): _text(v) for k, v in self.client.hgetall(delivery_key(delivery_id)).items()}

@@ -30,5 +30,13 @@ class Workflow:
     def steps_triggered_by(self, topic: str) -> list[StepSpec]:
         return [spec for spec in self.steps if topic in spec.triggers]
 
+    def consumer_groups(self, topic: str) -> list[str]:
+        """The consumer groups that read ``topic`` (a service's group id is its name)."""
+        return sorted({s.name for s in self.services if topic in s.topics})
+
+    def released_keys(self, delivery_id: str) -> list[str]:
+        """The per-delivery keys services declared to go with a finished delivery's state."""
+        return [key(delivery_id) for s in self.services for key in s.per_delivery_keys]
+
     def step(self, name: str) -> StepSpec:
         return next(s for s in self.steps if s.name == name)

@@ -38,6 +38,7 @@ return package_id
 RETENTION_S = 24 * 3600
 
 
+@service.released_with_delivery  # a shipped delivery's package is out of the warehouse
 def package_key(delivery_id: str) -> str:
     return f"pkg:{{{delivery_id}}}"
 

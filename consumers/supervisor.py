@@ -22,14 +22,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from confluent_kafka import KafkaException
+
 from choreo.config import settings
 from choreo.envelope import Envelope, derived_id, now_ms
 from choreo.events import Event
-from choreo.kafka import base_config
+from choreo.kafka import admin, base_config
 from choreo.lease import Lease
+from choreo.release import AWAIT_RELEASE, Releaser, awaiting_key
 from choreo.runner import RECOVERY_TOPIC
 from choreo.serde import DecodeFailure, Decoder, RegistryUnavailable, registry_client
-from choreo.service import Context, Service, retry_topic
+from choreo.service import Context, Effects, Service, retry_topic
 from choreo.state import DEADLINE_INDEX, delivery_key
 from choreo.supervision import (
     COMPENSATION, COMPENSATION_FAILURES, COMPENSATIONS, FORWARD, LEADER, MARK_COMPENSATED,
@@ -39,7 +42,7 @@ from choreo.supervision import (
 )
 from choreo.workflow import Workflow
 from schemas.models import (
-    CompensationRecord, DeliveryFailed, DroneReleased, PackageCancelled, StepReport,
+    CompensationRecord, DeliveryFailed, DeliveryShipped, DroneReleased, PackageCancelled, StepReport,
 )
 
 NAME = os.environ.get("SUPERVISOR_NAME", "supervisor")  # consumer group and lease name
@@ -60,6 +63,7 @@ def topic(name: str) -> str:
 
 
 DELIVERY_FAILED = topic(DeliveryFailed.topic)
+SHIPPED = topic(DeliveryShipped.topic)  # the terminal after which a delivery's state is released
 COMPENSATION_LOG = topic(CompensationRecord.topic)
 
 service = Service(NAME)
@@ -74,6 +78,7 @@ class _Runtime:
     transitions: Transitions
     policies: Policies
     models: dict[tuple[str, str], type[Event]]  # (service, handler topic) -> event type
+    releaser: Releaser
     reader: SourceReader | None = None
     leading: bool = False
     decoders: dict[tuple[type[Event], str], Decoder[Any]] | None = None
@@ -122,6 +127,8 @@ def _rt(ctx: Context) -> _Runtime:
             lease=Lease(ctx.redis, NAME, owner, int(SETTINGS.lease_ttl_s * 1000)),
             scanner=Scanner(ctx.redis, SETTINGS), transitions=Transitions(ctx.redis),
             policies=policies_of(flow), models=models,
+            releaser=Releaser(ctx.redis, admin(), SHIPPED, flow.consumer_groups(SHIPPED),
+                              flow.released_keys, settings().dedupe_ttl_s),
         )
     return _runtime
 
@@ -187,6 +194,14 @@ def on_package_cancelled(cancelled: PackageCancelled, ctx: Context) -> None:
 @service.on(topic(DroneReleased.topic), produces=[CompensationRecord])
 def on_drone_released(released: DroneReleased, ctx: Context) -> None:
     _undone(ctx, released.delivery_id, "drone")
+
+
+@service.on(SHIPPED)
+def on_shipped(shipment: DeliveryShipped, ctx: Context) -> Effects[None]:
+    """A shipped delivery is finished: its state goes once every reader of this event has
+    committed past it (``choreo.release``)."""
+    yield ctx.effect(AWAIT_RELEASE, keys=[awaiting_key(ctx.topic, ctx.partition)],
+                     args=[ctx.offset, shipment.delivery_id])
 
 
 # -- what only the leader does ----------------------------------------------------------------
@@ -312,3 +327,19 @@ def _requeue(ctx: Context, rt: _Runtime, action: Action, log: Any) -> None:
     REQUEUES.labels(action.step).inc()
     log.info("step.requeued", attempt=data["attempt"], topic=target, event_id=original.event_id,
              fetch_ms=fetch_ms)
+
+
+@service.every(SETTINGS.scan_period_s)
+def release(ctx: Context) -> None:
+    """Release the state of the shipped deliveries every reader has passed (the leader does)."""
+    rt = _rt(ctx)
+    if not rt.leading:
+        return
+    try:
+        stats = rt.releaser.release_due(now_ms())
+    except (KafkaException, RuntimeError) as exc:  # offsets unreadable now: the next period retries
+        ctx.log.warning("supervisor.release_unavailable", error=str(exc)[:300])
+        return
+    kept = {v: n for v, n in stats.verdicts.items() if v.startswith("kept")}
+    if kept:
+        ctx.log.info("supervisor.release_kept", kept=kept, awaiting=stats.awaiting)

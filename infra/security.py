@@ -16,7 +16,8 @@ Per service principal ``User:<service>`` (the consumer group is the service name
 * WRITE on transactional ids prefixed ``<service>-`` (WRITE implies DESCRIBE).
 
 The supervisor also READs each step's trigger and retry topics (it fetches the source of a
-step it requeues) with its ``<name>-source-reader`` group. Ingestion may WRITE
+step it requeues) with its ``<name>-source-reader`` group, and DESCRIBEs every service's
+group (``choreo.release`` waits for their commits). Ingestion may WRITE
 ``delivery.requested`` and DESCRIBE the groups whose lag is its admission backlog. The
 registry owns ``_schemas``. Ops tools (``ops``) read every workflow topic, write them
 (redrive), own the redrive marker topic and ``choreo-ops-*`` groups and transactional ids.
@@ -149,6 +150,8 @@ def derive_policy(workflow: Workflow, topo: Topology | None = None, *,
     supervisor = next((s for s in workflow.services if s.name == "supervisor"), None)
     if supervisor is not None:
         acls.append(Acl(supervisor.name, "group", f"{supervisor.name}-source-reader", "READ"))
+        for name in names:  # choreo.release: how far each group has committed
+            acls.append(Acl(supervisor.name, "group", name, "DESCRIBE"))
         for step in workflow.steps:
             for topic in step.triggers:
                 acls.append(Acl(supervisor.name, "topic", topic, "READ"))

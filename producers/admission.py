@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel, TopicPartition
+from confluent_kafka import IsolationLevel, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
 
-from choreo.kafka import admin as kafka_admin
+from choreo.kafka import admin as kafka_admin, committed_offsets
 from choreo.logs import get_logger
 from choreo.state import delivery_key
 from choreo.workflow import Workflow
@@ -62,7 +62,7 @@ def lag_groups(workflow: Workflow, topic: str, configured: str = "") -> list[str
     of ``topic`` (a service's group id is its name)."""
     if configured.strip():
         return [g.strip() for g in configured.split(",") if g.strip()]
-    return sorted({s.name for s in workflow.services if topic in s.topics})
+    return workflow.consumer_groups(topic)
 
 
 class InFlight:
@@ -169,14 +169,12 @@ class LagMeter:
         lags: dict[str, int] = {}
         committed_sums: dict[str, int] = {}
         for group in self.groups:
-            request = [ConsumerGroupTopicPartitions(group, [TopicPartition(self.topic, p) for p in parts])]
-            result = self.client.list_consumer_group_offsets(
-                request, request_timeout=self.timeout_s)[group].result()
             lag = committed_sum = 0
-            for tp in result.topic_partitions:
+            for partition, offset in committed_offsets(self.client, self.topic, parts, group,
+                                                       self.timeout_s).items():
                 # no commit yet: the group starts from the earliest offset (auto.offset.reset)
-                position = tp.offset if tp.offset >= 0 else starts[tp.partition]
-                lag += max(0, ends[tp.partition] - position)
+                position = offset if offset >= 0 else starts[partition]
+                lag += max(0, ends[partition] - position)
                 committed_sum += position
             lags[group] = lag
             committed_sums[group] = committed_sum

@@ -45,6 +45,7 @@ from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from confluent_kafka import ConsumerGroupTopicPartitions
 
 from choreo.config import settings
+from choreo.dedupe import Seen
 from choreo.kafka import base_config, admin
 from choreo.ops.records import Span, reader, resolve
 from choreo.runner import Runner, RunnerOptions
@@ -123,10 +124,11 @@ class ReplayRunner(Runner):
         self.duplicate_count = 0
         self.aborts = 0
 
-    def _fresh(self, batch: list[Message]) -> list[bool]:
-        verdicts = super()._fresh(cast(list[Message], [_AtReplayPosition(m, self.group) for m in batch]))
-        self.fresh_count += sum(verdicts)
-        self.duplicate_count += len(verdicts) - sum(verdicts)
+    def _seen(self, batch: list[Message]) -> list[Seen]:
+        verdicts = super()._seen(cast(list[Message], [_AtReplayPosition(m, self.group) for m in batch]))
+        fresh = sum(v is Seen.FRESH for v in verdicts)
+        self.fresh_count += fresh
+        self.duplicate_count += len(verdicts) - fresh
         return verdicts
 
     def _abort(self, batch: list[Message]) -> None:

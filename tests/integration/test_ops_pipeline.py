@@ -42,7 +42,9 @@ from tests.services import ops_pipeline
 pytestmark = pytest.mark.integration
 
 FLEET = 200
-STARTS = ("state table", "request event before the state table's times")
+# a shipped delivery's state table is released soon after it ends (choreo.release): the trace
+# then finds the request event in the entry topic by itself
+STARTS = ("state table", "request event before the state table's times", "request event")
 
 
 @pytest.fixture()
@@ -295,6 +297,8 @@ def test_trace_of_a_requeued_delivery(isolated: IsolatedPipeline, unique: str) -
         assert not h.causation_id or h.causation_id in shown, h
         shown.add(h.event_id)
     assert all(h.since_previous_ms >= 0 for h in found.hops)
-    assert found.state["drone.status"] == "completed" and found.state["drone.attempt"] == "2"
-    assert found.state["outcome"] == "shipped" and found.state["delivery.status"] == "completed"
+    assert found.state["outcome"] == "shipped"
+    if "done" not in found.state:  # not yet released (choreo.release): the steps are still there
+        assert found.state["drone.status"] == "completed" and found.state["drone.attempt"] == "2"
+        assert found.state["delivery.status"] == "completed"
     assert found.stats.partitions <= len(found.hops) * 10

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from choreo.dedupe import Deduper
+from choreo.dedupe import Deduper, Seen
 from choreo.lease import Lease
 from choreo.state import Begin, StateTable, StepStatus
 from infra.process import ManagedProcess, port_in_use
@@ -77,8 +77,8 @@ def test_the_pipeline_user_runs_the_pipeline_scripts(acl_redis: tuple[str, Manag
     assert state.steps(delivery)["prepare_package"].status == "completed"
     dedupe = Deduper(client, "package", 3600)
     item = (delivery, "event-1", 1, "delivery.requested|0|7")
-    assert dedupe.fresh([item]) == [True]
-    assert dedupe.fresh([(delivery, "event-1", 1, "delivery.requested|0|8")]) == [False]
+    assert dedupe.fresh([item]) == [Seen.FRESH]
+    assert dedupe.fresh([(delivery, "event-1", 1, "delivery.requested|0|8")]) == [Seen.DUPLICATE]
     lease = Lease(client, f"supervisor-{uuid.uuid4().hex[:6]}", "a", 5000)
     assert lease.acquire() and lease.token is not None
     lease.release()

@@ -53,8 +53,9 @@ def test_happy_path_hops() -> None:
     assert hops.per_topic == {"delivery.requested": 1, "delivery.shipped": 1,
                               "drone.scheduled": 1, "package.ready": 1}
     assert hops.produced == 4
-    # requested x2 (package, drone), ready + scheduled (delivery), shipped x2 (notifier, drone)
-    assert hops.consumed == 6
+    # requested x2 (package, drone), ready + scheduled (delivery), shipped x3 (notifier, drone,
+    # supervisor)
+    assert hops.consumed == 7
 
 
 def test_fan_out_and_fan_in_counting() -> None:
@@ -81,8 +82,8 @@ def test_happy_path_matches_the_services_declarations() -> None:
         declared = {model.topic for model in service.outputs}
         for out in stage.outputs:
             assert out in declared, f"{stage.name} does not declare {out}"
-    # every service consuming a happy-path topic is in the chain (the supervisor only reads
-    # recovery and retry topics, which the happy path never touches)
+    # every service consuming a happy-path topic is in the chain (the supervisor too: it
+    # records each delivery.shipped for choreo.release)
     hops = hop_count(HAPPY_PATH)
     for name, service in services.items():
         on_path = [t for t in service.handlers if t in hops.per_topic]

@@ -1,0 +1,148 @@
+"""Release a finished delivery's Redis state as soon as Kafka says nothing can replay it.
+
+A delivery's state (its step table ``dl:{id}``, the dedupe entries ``seen:{id}``, the
+remembered effect answers ``fx:{id}`` and the records services declare with
+``Service.released_with_delivery``) exists so that a replayed or copied event of it is
+harmless. Left to its TTLs (1 to 24 h) it was about 3 KB per delivery long after the
+delivery ended: at 500 deliveries/s, tens of gigabytes a day (bench/README.md).
+
+When is nothing left to replay? Once the delivery's terminal event is committed and every
+consumer group that reads it has committed past it: the transactions that touched the
+delivery are all committed, so no replay can come (a replay is a batch whose transaction
+did not commit). Kafka knows both facts: the supervisor records each terminal's position
+(partition, offset) in a sorted set per partition as it reads it, and ``Releaser`` compares
+those with the groups' committed offsets (one admin request per group per period) and
+releases everything behind all of them, one pipelined script per delivery.
+
+What stays is a tombstone, ``dl:{id}`` = {``done``, ``outcome``}, for the dedupe window
+(``CHOREO_DEDUPE_TTL_S``): a late copy of any event of the delivery is then refused by the
+dedupe and the state table instead of starting it again, and status reads and admission
+still see the outcome.
+
+A delivery is kept (its TTLs apply) when a step of it is still open or one of its events was
+dead-lettered: a redrive needs the dedupe entries and the steps. Only the terminal the
+supervisor records is released (``delivery.shipped``): a failed delivery's compensation is a
+chain of its own, and its state is what an operator reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis
+from confluent_kafka.admin import AdminClient
+from prometheus_client import Counter as MetricCounter, Gauge
+
+from choreo.dedupe import seen_key
+from choreo.effects import OnceEffect, memo_key
+from choreo.kafka import committed_offsets
+from choreo.state import DEADLINE_INDEX, delivery_key
+
+RELEASES = MetricCounter("choreo_releases_total", "Finished deliveries looked at for release, by verdict",
+                         ["verdict"])
+AWAITING = Gauge("choreo_release_awaiting", "Terminal events whose readers have not all committed past them")
+
+# the supervisor's record of a terminal event's position (ZADD is idempotent: a replay is harmless)
+AWAIT_RELEASE = OnceEffect("await_release", """
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+return 'awaiting'
+""")
+
+# KEYS[1] the deadline index, KEYS[2] the step table, KEYS[3..] the rest of the delivery's
+# state. ARGV: delivery id, now ms, tombstone ttl s.
+_RELEASE = """
+local fields = redis.call('HGETALL', KEYS[2])
+if #fields == 0 then return 'gone' end
+local outcome, members = nil, {}
+for i = 1, #fields, 2 do
+  local name, value = fields[i], fields[i + 1]
+  if name == 'done' then return 'done' end
+  if name == 'dead_letters' then return 'kept:dead_letter' end
+  if name == 'outcome' then outcome = value end
+  local step = string.match(name, '^(.+)%.status$')
+  if step then
+    if value ~= 'completed' then return 'kept:open_step' end
+    members[#members + 1] = ARGV[1] .. '|' .. step
+  end
+end
+if #members > 0 then redis.call('ZREM', KEYS[1], unpack(members)) end
+redis.call('DEL', unpack(KEYS, 2))
+redis.call('HSET', KEYS[2], 'done', ARGV[2], 'outcome', outcome or '')
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 'released'
+"""
+
+
+def awaiting_key(topic: str, partition: int) -> str:
+    return f"release:{topic}:{partition}"
+
+
+@dataclass
+class ReleaseStats:
+    verdicts: Counter[str] = field(default_factory=Counter)
+    awaiting: int = 0
+    seconds: float = 0.0
+
+
+class Releaser:
+    """Releases the deliveries whose terminal on ``topic`` every group in ``groups`` passed."""
+
+    def __init__(self, client: redis.Redis, admin: AdminClient, topic: str, groups: list[str],
+                 records: Callable[[str], list[str]], tombstone_ttl_s: int, page: int = 2000,
+                 timeout_s: float = 5.0) -> None:
+        self.client = client
+        self.admin = admin
+        self.topic = topic
+        self.groups = groups
+        self.records = records
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self.page = page
+        self.timeout_s = timeout_s
+        self._release = client.register_script(_RELEASE)
+
+    def passed_by_all(self) -> dict[int, int]:
+        """Per partition, the offset every group has committed past (the lowest commit)."""
+        meta = self.admin.list_topics(self.topic, timeout=self.timeout_s).topics[self.topic]
+        if meta.error is not None:
+            raise RuntimeError(f"topic {self.topic}: {meta.error}")
+        lowest: dict[int, int] = {}
+        for group in self.groups:
+            for partition, offset in committed_offsets(self.admin, self.topic, meta.partitions,
+                                                       group, self.timeout_s).items():
+                lowest[partition] = min(offset, lowest.get(partition, offset))
+        return lowest
+
+    def release_due(self, now_ms: int) -> ReleaseStats:
+        """One pass: every partition's terminals behind all groups, ``page`` at most each."""
+        started = time.monotonic()
+        stats = ReleaseStats()
+        for partition, passed in self.passed_by_all().items():
+            key = awaiting_key(self.topic, partition)
+            if passed > 0:
+                due = [_text(m) for m in self.client.zrangebyscore(key, "-inf", f"({passed}",
+                                                                   start=0, num=self.page)]
+                if due:
+                    stats.verdicts.update(self.release(due, now_ms))
+                    self.client.zrem(key, *due)
+            stats.awaiting += int(self.client.zcard(key))
+        for verdict, n in stats.verdicts.items():
+            RELEASES.labels(verdict).inc(n)
+        AWAITING.set(stats.awaiting)
+        stats.seconds = time.monotonic() - started
+        return stats
+
+    def release(self, delivery_ids: list[str], now_ms: int) -> list[str]:
+        """Release these deliveries now (one round trip); each one's verdict, in order."""
+        pipe = self.client.pipeline(transaction=False)
+        for delivery_id in delivery_ids:
+            keys = [DEADLINE_INDEX, delivery_key(delivery_id), seen_key(delivery_id),
+                    memo_key(delivery_id), *self.records(delivery_id)]
+            self._release(keys=keys, args=[delivery_id, now_ms, self.tombstone_ttl_s], client=pipe)
+        return [_text(v) for v in pipe.execute()]
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

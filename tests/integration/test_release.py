@@ -1,0 +1,158 @@
+"""Releasing a finished delivery's Redis state (``choreo.release``) on the real stack: when it
+goes, what it leaves, what it waits for and what it refuses afterwards."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from confluent_kafka import Producer
+
+from choreo import topology
+from choreo.config import settings
+from choreo.dedupe import seen_key
+from choreo.effects import memo_key
+from choreo.envelope import Envelope
+from choreo.release import Releaser, awaiting_key
+from choreo.kafka import admin
+from choreo.state import DEADLINE_INDEX, StateTable, delivery_key
+from consumers import fleet
+from consumers.package import package_key
+from consumers.workflow import WORKFLOW
+from tests.factories import delivery_request
+from tests.helpers import ServiceProcess, read_topic, wait_for
+from tests.pipeline import SERVICES, Pipeline, of, submit, wait_terminal
+
+pytestmark = pytest.mark.integration
+
+WITHOUT_NOTIFIER = [ref for ref in SERVICES if "notifier" not in ref]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def topics(stack: None) -> None:
+    topology.create(WORKFLOW)
+
+
+@pytest.fixture()
+def pipeline() -> Iterator[Pipeline]:
+    running = Pipeline().start()
+    yield running
+    running.kill()
+
+
+def released(client: redis.Redis, ids: set[str]) -> set[str]:
+    pipe = client.pipeline(transaction=False)
+    for d in sorted(ids):
+        pipe.hexists(delivery_key(d), "done")
+    return {d for d, done in zip(sorted(ids), pipe.execute()) if done}
+
+
+def state_keys(client: redis.Redis, delivery_id: str) -> list[str]:
+    return [k.decode() for k in client.scan_iter(match=f"*{{{delivery_id}}}*", count=1000)]
+
+
+def test_a_shipped_delivery_leaves_only_a_tombstone(pipeline: Pipeline, redis_client: redis.Redis) -> None:
+    ids = set(submit([delivery_request() for _ in range(100)]))
+    assert set(wait_terminal(ids).values()) == {1}
+    wait_for(lambda: released(redis_client, ids) == ids, timeout_s=60, what="every delivery released")
+    for d in ids:
+        assert state_keys(redis_client, d) == [delivery_key(d)], d
+        tomb = {k.decode(): v.decode() for k, v in redis_client.hgetall(delivery_key(d)).items()}
+        assert set(tomb) == {"done", "outcome"} and tomb["outcome"] == "shipped"
+        assert 0 < redis_client.ttl(delivery_key(d)) <= settings().dedupe_ttl_s
+        assert (redis_client.memory_usage(delivery_key(d)) or 0) <= 160  # 136 measured
+    members = {m.decode() for m in redis_client.zrange(DEADLINE_INDEX, 0, -1)}
+    assert not {m for m in members if m.split("|")[0] in ids}
+    assert pipeline.alive()
+
+
+def test_a_copy_of_a_released_delivery_starts_nothing_again(pipeline: Pipeline,
+                                                            redis_client: redis.Redis) -> None:
+    ids = set(submit([delivery_request() for _ in range(20)]))
+    wait_terminal(ids)
+    wait_for(lambda: released(redis_client, ids) == ids, timeout_s=60, what="released")
+    # every event of theirs again, byte for byte, as a redrive or an upstream retry would
+    producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers})
+    copied = ("delivery.requested", "package.ready", "drone.scheduled", "delivery.shipped")
+    for topic in copied:
+        for record in of(read_topic(topic), ids):
+            producer.produce(topic, key=record.key, value=record.value, headers=record.headers)
+    producer.flush(10)
+    sentinel = set(submit([delivery_request()]))  # after the copies on its partitions
+    wait_terminal(sentinel)
+    wait_for(lambda: released(redis_client, sentinel) == sentinel, timeout_s=60, what="sentinel")
+    for topic in copied:  # the original and the copy: nothing was produced again
+        assert len(of(read_topic(topic), ids)) == 2 * len(ids), topic
+    assert not of(read_topic("delivery.failed"), ids)
+    for d in ids:  # refused before anything was written: no dedupe entry, no effect, no booking
+        assert state_keys(redis_client, d) == [delivery_key(d)], d
+    assert not set(redis_client.hvals(fleet.BOOKING)) & {d.encode() for d in ids}
+
+
+def test_release_waits_for_every_reader_of_the_terminal(redis_client: redis.Redis) -> None:
+    core = Pipeline().start(WITHOUT_NOTIFIER)
+    notifier = None
+    try:
+        ids = set(submit([delivery_request() for _ in range(30)]))
+        wait_terminal(ids)
+        # the supervisor has recorded them; the notifier's group has not read them yet
+        wait_for(lambda: sum(redis_client.zcard(awaiting_key("delivery.shipped", p)) for p in range(6))
+                 >= len(ids), what="terminals recorded")
+        with pytest.raises(AssertionError, match="timed out"):  # several release periods
+            wait_for(lambda: released(redis_client, ids), timeout_s=4)
+        assert all(redis_client.exists(seen_key(d)) for d in ids)
+        notifier = ServiceProcess("consumers.notifier:service", instance="late").start()
+        wait_for(lambda: all(redis_client.hmget("notifications", sorted(ids))), what="notified")
+        wait_for(lambda: released(redis_client, ids) == ids, timeout_s=60, what="released after it")
+    finally:
+        core.kill()
+        if notifier:
+            notifier.kill()
+
+
+def test_a_delivery_with_a_dead_letter_keeps_its_state(redis_client: redis.Redis) -> None:
+    core = Pipeline().start(WITHOUT_NOTIFIER)
+    notifier = None
+    try:
+        ids = set(submit([delivery_request() for _ in range(10)]))
+        poisoned = sorted(ids)[0]
+        # an undecodable event of that delivery, read by the notifier before the delivery ends
+        headers = Envelope(str(uuid.uuid4()), poisoned, event_type="DeliveryShipped").to_headers()
+        producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers})
+        producer.produce("delivery.shipped", key=poisoned.encode(), value=b"\x00garbage", headers=headers)
+        producer.flush(10)
+        wait_terminal(ids)
+        notifier = ServiceProcess("consumers.notifier:service", instance="late").start()
+        wait_for(lambda: released(redis_client, ids) == ids - {poisoned}, timeout_s=60,
+                 what="the others released")
+        assert redis_client.hget(delivery_key(poisoned), "dead_letters") is not None
+        assert redis_client.exists(seen_key(poisoned))  # what a redrive needs is still there
+    finally:
+        core.kill()
+        if notifier:
+            notifier.kill()
+
+
+def test_the_release_script_keeps_an_open_step_and_is_idempotent(redis_client: redis.Redis) -> None:
+    state = StateTable(redis_client)
+    releaser = Releaser(redis_client, admin(), "delivery.shipped", [], WORKFLOW.released_keys, 60)
+    done, open_, gone = (f"rel-{uuid.uuid4()}" for _ in range(3))
+    for d in (done, open_):
+        state.open(d, "package", 10**13, 1)
+        redis_client.hset(memo_key(d), "x", "1")
+        redis_client.hset(seen_key(d), "y", "1")
+        redis_client.hset(package_key(d), "status", "ready")
+    redis_client.hset(delivery_key(done), mapping={"package.status": "completed", "outcome": "shipped"})
+    assert releaser.release([done, open_, gone], 5) == ["released", "kept:open_step", "gone"]
+    assert releaser.release([done], 6) == ["done"]
+    assert state_keys(redis_client, done) == [delivery_key(done)]
+    assert redis_client.hgetall(delivery_key(done)) == {b"done": b"5", b"outcome": b"shipped"}
+    assert redis_client.ttl(delivery_key(done)) <= 60
+    assert sorted(state_keys(redis_client, open_)) == sorted(
+        [delivery_key(open_), memo_key(open_), seen_key(open_), package_key(open_)])
+    assert f"{done}|package".encode() not in redis_client.zrange(DEADLINE_INDEX, 0, -1)
+    assert not redis_client.exists(delivery_key(gone))  # no tombstone for what was never there
+    redis_client.zrem(DEADLINE_INDEX, f"{open_}|package")
+    redis_client.delete(*state_keys(redis_client, open_), delivery_key(done))
