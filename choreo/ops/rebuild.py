@@ -65,6 +65,7 @@ from choreo.runner import RECOVERY_TOPIC, dlq_topic
 from choreo.state import StateTable, StepStatus, delivery_key
 from choreo.workflow import Workflow
 from consumers import fleet
+from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
 from consumers.package import RETENTION_S as PACKAGE_RETENTION_S
 from consumers.package import package_key
 from schemas.models import (
@@ -278,6 +279,9 @@ class Rebuilder:
             key = delivery_key(delivery)
             if facts.outcome:
                 pipe.hsetnx(key, "outcome", facts.outcome)
+                # as the delivery service does when it decides: a decided delivery's state goes
+                # in time, rebuilt or not (it stayed forever, for every delivery of the window)
+                pipe.expire(key, DECIDED_RETENTION_S)
                 report.outcomes += 1
             for kind, (_, ok, value) in facts.results.items():
                 pipe.hsetnx(key, f"fanin.{kind}", f"{ok}:{value}")

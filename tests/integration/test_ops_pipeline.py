@@ -32,8 +32,10 @@ from choreo.ops.trace import trace
 from choreo.publisher import Publisher
 from choreo.runner import RECOVERY_TOPIC
 from choreo.service import retry_topic
+from choreo.state import delivery_key
 from choreo.workflow import Workflow
 from consumers import fleet
+from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
 from schemas.models import ALL_EVENTS, DroneScheduled
 from tests.factories import delivery_request
 from tests.helpers import ServiceProcess, read_topic, start_group_at_end, wait_for
@@ -166,6 +168,7 @@ def test_flushall_mid_run_then_rebuild_every_delivery_ends_once(isolated: Isolat
     assert report.outcomes == len(before)
     assert report.booking_conflicts == []
     assert report.steps > 0 and report.seen_entries > 0
+    assert all(0 < client.ttl(delivery_key(d)) <= DECIDED_RETENTION_S for d in before)  # none forever
     isolated.start()  # resume
     counts = wait_for(lambda: len(c := isolated.terminal(ids)) == len(ids) and c, timeout_s=60,
                       interval_s=0.5, what="every delivery to end")
