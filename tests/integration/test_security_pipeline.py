@@ -33,18 +33,22 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from choreo.config import REPO_ROOT, settings
+from choreo.dedupe import seen_key
+from choreo.state import delivery_key
 from consumers.workflow import WORKFLOW
 from infra.process import ManagedProcess, port_in_use, stop_all
 from infra.security import (
     ADMIN, SECURED_HOST, SECURED_KAFKA_PORT, SECURED_REDIS_PORT, SECURED_REGISTRY_PORT, Secrets,
-    client_config, down, read_env_file, registry_url, up,
+    client_config, down, read_env_file, redis_url, registry_url, up,
 )
 from infra.services import PIPELINE, ServiceSpec, ingestion_process, service_process
 from tests.factories import request_body
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -245,6 +249,16 @@ def test_every_delivery_ends_exactly_once(finished: dict[str, list[str]], pipeli
     outcomes = Counter(t[0] for t in finished.values())
     assert outcomes["delivery.shipped"] > 0, outcomes
     print(f"outcomes: {dict(outcomes)}")
+
+
+def test_the_supervisor_releases_shipped_deliveries_under_its_acls(
+        finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
+    """``choreo.release`` reads every reader group's commits (its DESCRIBE on their groups)."""
+    client = redis.Redis.from_url(redis_url(pipeline.secrets))
+    shipped = [d for d, ends in finished.items() if ends == ["delivery.shipped"]]
+    wait_for(lambda: all(client.hexists(delivery_key(d), "done") for d in shipped), timeout_s=60,
+             what="every shipped delivery released")
+    assert not any(client.exists(seen_key(d)) for d in shipped)
 
 
 def test_the_owner_follows_each_delivery_and_nobody_else_sees_it(
