@@ -29,7 +29,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
-from choreo.kafka import base_config, transactional_consumer_config
+from choreo.kafka import pipeline_producer_config, transactional_consumer_config
 
 BATCH = 500
 POLL_S = 0.05
@@ -81,7 +81,7 @@ def consumer_config(group: str, client_id: str) -> dict[str, Any]:
 
 def producer_config(transactional_id: str | None) -> dict[str, Any]:
     """The runtime's producer settings; idempotent (acks=all) in both modes."""
-    config: dict[str, Any] = {**base_config(), "linger.ms": 2, "compression.type": "lz4",
+    config: dict[str, Any] = {**pipeline_producer_config(),
                               "enable.idempotence": True, "acks": "all"}
     if transactional_id:
         config.update({"transactional.id": transactional_id, "transaction.timeout.ms": 30000})

@@ -98,12 +98,12 @@ def drive_ceiling(n: int, topic: str, samples_path: Path, rate: float = 0.0) -> 
     from confluent_kafka import KafkaError, Message, Producer
 
     from bench.ceiling import load_samples
-    from choreo.kafka import base_config
+    from choreo.kafka import pipeline_producer_config
 
     sample = load_samples(samples_path)["delivery.requested"]
     # the Publisher's settings (choreo.publisher)
-    producer = Producer({**base_config(), "enable.idempotence": True, "acks": "all",
-                         "linger.ms": 2, "compression.type": "lz4", "delivery.timeout.ms": 30000})
+    producer = Producer({**pipeline_producer_config(), "enable.idempotence": True, "acks": "all",
+                         "delivery.timeout.ms": 30000})
     accepted: list[list[Any]] = []
     errors: Counter[str] = Counter()
     keys = [str(uuid.uuid4()) for _ in range(n)]

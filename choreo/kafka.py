@@ -32,6 +32,12 @@ def base_config(bootstrap: str | None = None) -> dict[str, Any]:
     return config
 
 
+def pipeline_producer_config() -> dict[str, Any]:
+    """Batching settings every producer of the pipeline shares (services, ingestion, and the
+    benchmark's no-logic ceiling, which must be like for like)."""
+    return {**base_config(), "linger.ms": 2, "compression.type": settings().kafka_compression}
+
+
 def transactional_consumer_config(group: str, client_id: str) -> dict[str, Any]:
     """The consumer side of a consume-transform-produce service: offsets are committed only
     through the producer's transaction, and only committed records are read."""

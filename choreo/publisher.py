@@ -15,7 +15,7 @@ from typing import Any
 import redis
 from confluent_kafka import KafkaError, Message, Producer
 
-from choreo.kafka import base_config
+from choreo.kafka import pipeline_producer_config
 from choreo.config import settings
 from choreo.envelope import Envelope, now_ms
 from choreo.events import Event
@@ -42,11 +42,9 @@ class Publisher:
         self.registry = registry_client()
         self._encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}
         self.producer = Producer({
-            **base_config(),
+            **pipeline_producer_config(),
             "enable.idempotence": True,
             "acks": "all",
-            "linger.ms": 2,
-            "compression.type": "lz4",
             "delivery.timeout.ms": 30000,
             **(producer_config or {}),
         })

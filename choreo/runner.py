@@ -29,7 +29,7 @@ import redis
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from choreo import metrics
-from choreo.kafka import base_config, transactional_consumer_config
+from choreo.kafka import pipeline_producer_config, transactional_consumer_config
 from choreo.config import settings
 from choreo.dedupe import Deduper, Seen
 from choreo.envelope import Envelope, HeaderList, pairs, derived_id, now_ms
@@ -150,11 +150,9 @@ class Runner:
 
     def _new_producer(self) -> Producer:
         producer = Producer({
-            **base_config(),
+            **pipeline_producer_config(),
             # stable per instance: a restarted instance fences its zombie predecessor
             "transactional.id": f"{self.service.name}-{self.options.instance}",
-            "linger.ms": 2,
-            "compression.type": "lz4",
             "transaction.timeout.ms": 30000,
         })
         producer.init_transactions(30)
