@@ -53,10 +53,10 @@ class Deduper:
         self.service = service
         self.ttl_s = ttl_s
         # only a workflow's own services: the releaser waits for their groups, not for others
-        self.refuse_released = "1" if refuse_released else "0"
+        self.refuse_released = refuse_released
         self._script = client.register_script(_SEEN)
 
-    def fresh(self, items: Sequence[tuple[str, str, int, str]]) -> list[Seen]:
+    def verdicts(self, items: Sequence[tuple[str, str, int, str]]) -> list[Seen]:
         """For (delivery id, event id, attempt, position) items: whether each is to run."""
         if not items:
             return []
@@ -64,6 +64,6 @@ class Deduper:
         for delivery_id, event_id, attempt, position in items:
             self._script(keys=[seen_key(delivery_id), delivery_key(delivery_id)],
                          args=[f"{self.service}:{event_id}:{attempt}", position, self.ttl_s,
-                               self.refuse_released],
+                               "1" if self.refuse_released else "0"],
                          client=pipe)
         return [_VERDICTS[int(r)] for r in pipe.execute()]

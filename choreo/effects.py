@@ -9,7 +9,11 @@ and otherwise applies the effect and remembers its outcome, atomically.
 The outcomes are remembered as fields (``<service>:<effect>:<event id>``) of one hash per
 delivery (``fx:{id}``), not as a key per effect per event: each such key cost about 190 bytes,
 six per delivery (bench/README.md); a field costs its name and value. The hash lives
-``CHOREO_ONCE_TTL_S`` after its last answer.
+``CHOREO_ONCE_TTL_S`` after its last answer, or until its delivery is released
+(``choreo.release``). An effect of a workflow service that finds its delivery released and
+no answer remembered is not run: it answers ``RELEASED``, and the runner drops the attempt.
+That is an attempt which began before the release and resumed after it (a stalled or
+fenced instance): run, it would book a drone for a delivery that has already ended.
 """
 
 from __future__ import annotations
@@ -20,12 +24,20 @@ from typing import Any
 
 import redis
 
+from choreo.state import delivery_key
+
+# an answer no effect body gives (bodies return text they build, never a NUL byte)
+RELEASED = "\x00released"
+
+# KEYS: the memo hash, the delivery's step table, the body's keys. ARGV: the memo field, the
+# memo TTL, '1' to refuse a released delivery, the body's args.
 ONCE_TEMPLATE = """
 local remembered = redis.call('HGET', KEYS[1], ARGV[1])
 if remembered then return remembered end
+if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return '\\0released' end
 local outcome = (function(KEYS, ARGV)
 %s
-end)({select(2, unpack(KEYS))}, {select(3, unpack(ARGV))})
+end)({select(3, unpack(KEYS))}, {select(4, unpack(ARGV))})
 if not outcome then return false end
 redis.call('HSET', KEYS[1], ARGV[1], outcome)
 if redis.call('TTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
@@ -46,9 +58,9 @@ class OnceEffect:
         self.source = ONCE_TEMPLATE % body
         self._scripts: dict[int, Any] = {}
 
-    def run(self, client: redis.Redis, memo_key: str, memo_field: str, keys: Sequence[str],
+    def run(self, client: redis.Redis, delivery_id: str, memo_field: str, keys: Sequence[str],
             args: Sequence[str | int | float], ttl_s: int) -> str | None:
-        return EffectCall(self, memo_key, memo_field, tuple(keys), tuple(args), ttl_s).run(client)
+        return EffectCall(self, delivery_id, memo_field, tuple(keys), tuple(args), ttl_s).run(client)
 
     def script(self, client: redis.Redis) -> Any:
         script = self._scripts.get(id(client))
@@ -63,15 +75,18 @@ class EffectCall:
     every other event of a batch in one round trip (``run_all``)."""
 
     effect: OnceEffect
-    memo_key: str  # the hash that remembers the outcome
-    memo_field: str  # its field for this (event, effect)
+    delivery_id: str  # its answers are remembered in the delivery's hash, ``memo_key``
+    memo_field: str  # the answer's field there, for this (event, effect)
     keys: tuple[str, ...]
     args: tuple[str | int | float, ...]
     ttl_s: int
+    refuse_released: bool = False  # a workflow service's effect (see the module doc)
 
     def queue(self, client: redis.Redis, pipe: Any = None) -> Any:
-        return self.effect.script(client)(keys=[self.memo_key, *self.keys],
-                                          args=[self.memo_field, self.ttl_s, *self.args], client=pipe)
+        return self.effect.script(client)(
+            keys=[memo_key(self.delivery_id), delivery_key(self.delivery_id), *self.keys],
+            args=[self.memo_field, self.ttl_s, "1" if self.refuse_released else "0", *self.args],
+            client=pipe)
 
     def run(self, client: redis.Redis) -> str | None:
         return _answer(self.queue(client))

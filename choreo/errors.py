@@ -26,6 +26,11 @@ class Retryable(HandlerError):
     """A transient failure: retry with back-off within the step's deadline and budget."""
 
 
+class DeliveryReleased(Exception):
+    """The delivery ended and its state was released while this attempt was still running
+    (``choreo.release``): the runtime drops the attempt, its effect not run."""
+
+
 class Rejected(HandlerError):
     """The event can never succeed: dead-letter it at once with this reason, retry nothing."""
 

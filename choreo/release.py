@@ -27,19 +27,22 @@ chain of its own, and its state is what an operator reads.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
+from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 from prometheus_client import Counter as MetricCounter, Gauge
 
 from choreo.dedupe import seen_key
 from choreo.effects import OnceEffect, memo_key
 from choreo.kafka import committed_offsets
-from choreo.state import DEADLINE_INDEX, delivery_key
+from choreo.state import DEADLINE_INDEX, delivery_key, text
 
 RELEASES = MetricCounter("choreo_releases_total", "Finished deliveries looked at for release, by verdict",
                          ["verdict"])
@@ -51,8 +54,11 @@ redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
 return 'awaiting'
 """)
 
-# KEYS[1] the deadline index, KEYS[2] the step table, KEYS[3..] the rest of the delivery's
-# state. ARGV: delivery id, now ms, tombstone ttl s.
+# KEYS[1] the deadline index, KEYS[2] the step table, KEYS[3] the dedupe hash, KEYS[4] the
+# effect answers, KEYS[5..] records the services declared. ARGV: delivery id, now ms,
+# tombstone ttl s, then the names of the workflow's services (the ones that refuse a released
+# delivery): only their fields of the shared hashes go; another subscriber's stay, under
+# their own TTLs.
 _RELEASE = """
 local fields = redis.call('HGETALL', KEYS[2])
 if #fields == 0 then return 'gone' end
@@ -68,9 +74,20 @@ for i = 1, #fields, 2 do
     members[#members + 1] = ARGV[1] .. '|' .. step
   end
 end
+if not outcome or outcome == '' then return 'kept:no_outcome' end
 if #members > 0 then redis.call('ZREM', KEYS[1], unpack(members)) end
-redis.call('DEL', unpack(KEYS, 2))
-redis.call('HSET', KEYS[2], 'done', ARGV[2], 'outcome', outcome or '')
+local ours = {}
+for i = 4, #ARGV do ours[ARGV[i]] = true end
+for k = 3, 4 do
+  local theirs = {}
+  for _, name in ipairs(redis.call('HKEYS', KEYS[k])) do
+    if ours[string.match(name, '^[^:]*')] then theirs[#theirs + 1] = name end
+  end
+  if #theirs > 0 then redis.call('HDEL', KEYS[k], unpack(theirs)) end
+end
+if #KEYS > 4 then redis.call('DEL', unpack(KEYS, 5)) end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'done', ARGV[2], 'outcome', outcome)
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 'released'
 """
@@ -84,54 +101,71 @@ def awaiting_key(topic: str, partition: int) -> str:
 class ReleaseStats:
     verdicts: Counter[str] = field(default_factory=Counter)
     awaiting: int = 0
-    seconds: float = 0.0
+    blocking: dict[str, list[int]] = field(default_factory=dict)  # group -> partitions it holds back
 
 
 class Releaser:
-    """Releases the deliveries whose terminal on ``topic`` every group in ``groups`` passed."""
+    """Releases the deliveries whose terminal on ``topic`` every group in ``groups`` passed.
+
+    ``groups`` are the workflow's services that read ``topic`` (their group id is their
+    name), ``services`` all of the workflow's services (their dedupe entries and effect
+    answers go); ``extra_keys`` gives the records they declared for a delivery. ``cap`` bounds each
+    partition's set of terminals awaiting release: past it (a listed service that never
+    commits: not deployed, renamed) the oldest fall back to their TTLs, with a warning.
+    """
 
     def __init__(self, client: redis.Redis, admin: AdminClient, topic: str, groups: list[str],
-                 records: Callable[[str], list[str]], tombstone_ttl_s: int, page: int = 2000,
-                 timeout_s: float = 5.0) -> None:
+                 services: list[str], extra_keys: Callable[[str], list[str]], tombstone_ttl_s: int,
+                 page: int = 2000, cap: int = 200_000, timeout_s: float = 5.0) -> None:
         self.client = client
         self.admin = admin
         self.topic = topic
         self.groups = groups
-        self.records = records
+        self.services = services
+        self.extra_keys = extra_keys
         self.tombstone_ttl_s = tombstone_ttl_s
         self.page = page
+        self.cap = cap
         self.timeout_s = timeout_s
         self._release = client.register_script(_RELEASE)
 
-    def passed_by_all(self) -> dict[int, int]:
-        """Per partition, the offset every group has committed past (the lowest commit)."""
+    def passed_by_all(self, stats: ReleaseStats) -> dict[int, int]:
+        """Per partition, the offset every group has committed past (the lowest commit); the
+        group holding each partition back goes into ``stats.blocking``."""
         meta = self.admin.list_topics(self.topic, timeout=self.timeout_s).topics[self.topic]
         if meta.error is not None:
             raise RuntimeError(f"topic {self.topic}: {meta.error}")
-        lowest: dict[int, int] = {}
+        lowest: dict[int, tuple[int, str]] = {}
         for group in self.groups:
             for partition, offset in committed_offsets(self.admin, self.topic, meta.partitions,
                                                        group, self.timeout_s).items():
-                lowest[partition] = min(offset, lowest.get(partition, offset))
-        return lowest
+                if partition not in lowest or offset < lowest[partition][0]:
+                    lowest[partition] = (offset, group)
+        for partition, (offset, group) in lowest.items():
+            if offset <= 0:
+                stats.blocking.setdefault(group, []).append(partition)
+        return {partition: offset for partition, (offset, _) in lowest.items()}
 
     def release_due(self, now_ms: int) -> ReleaseStats:
         """One pass: every partition's terminals behind all groups, ``page`` at most each."""
-        started = time.monotonic()
         stats = ReleaseStats()
-        for partition, passed in self.passed_by_all().items():
+        for partition, passed in self.passed_by_all(stats).items():
             key = awaiting_key(self.topic, partition)
             if passed > 0:
-                due = [_text(m) for m in self.client.zrangebyscore(key, "-inf", f"({passed}",
-                                                                   start=0, num=self.page)]
+                due = [text(m) for m in self.client.zrangebyscore(key, "-inf", f"({passed}",
+                                                                  start=0, num=self.page)]
                 if due:
                     stats.verdicts.update(self.release(due, now_ms))
                     self.client.zrem(key, *due)
-            stats.awaiting += int(self.client.zcard(key))
+            awaiting = int(self.client.zcard(key))
+            if awaiting > self.cap:
+                self.client.zremrangebyrank(key, 0, awaiting - self.cap - 1)
+                stats.verdicts["dropped:cap"] += awaiting - self.cap
+                awaiting = self.cap
+            stats.awaiting += awaiting
         for verdict, n in stats.verdicts.items():
             RELEASES.labels(verdict).inc(n)
         AWAITING.set(stats.awaiting)
-        stats.seconds = time.monotonic() - started
         return stats
 
     def release(self, delivery_ids: list[str], now_ms: int) -> list[str]:
@@ -139,10 +173,34 @@ class Releaser:
         pipe = self.client.pipeline(transaction=False)
         for delivery_id in delivery_ids:
             keys = [DEADLINE_INDEX, delivery_key(delivery_id), seen_key(delivery_id),
-                    memo_key(delivery_id), *self.records(delivery_id)]
-            self._release(keys=keys, args=[delivery_id, now_ms, self.tombstone_ttl_s], client=pipe)
-        return [_text(v) for v in pipe.execute()]
+                    memo_key(delivery_id), *self.extra_keys(delivery_id)]
+            self._release(keys=keys, args=[delivery_id, now_ms, self.tombstone_ttl_s, *self.services],
+                          client=pipe)
+        return [text(v) for v in pipe.execute()]
 
+    def run_in_background(self, period_s: float, leading: Callable[[], bool], log: Any) -> threading.Thread:
+        """Release every ``period_s`` while ``leading()``, on a thread of its own: the admin
+        requests can wait seconds on a slow or moving group coordinator, and the supervisor's
+        main loop must keep renewing its lease and scanning meanwhile."""
+        def loop() -> None:
+            warned = 0.0
+            while True:
+                time.sleep(period_s)
+                if not leading():
+                    continue
+                try:
+                    stats = self.release_due(int(time.time() * 1000))
+                except (KafkaException, RuntimeError, redis.RedisError) as exc:
+                    log.warning("release.unavailable", error=str(exc)[:300])
+                    continue
+                kept = {v: n for v, n in stats.verdicts.items() if not v.startswith(("released", "done"))}
+                if kept:
+                    log.info("release.kept", kept=kept, awaiting=stats.awaiting)
+                if stats.blocking and stats.awaiting and time.monotonic() - warned > 60:
+                    warned = time.monotonic()
+                    log.warning("release.blocked", groups=stats.blocking, awaiting=stats.awaiting,
+                                why="these groups have committed nothing on the terminal topic")
 
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+        thread = threading.Thread(target=loop, name="release", daemon=True)
+        thread.start()
+        return thread

@@ -33,11 +33,11 @@ from choreo.kafka import pipeline_producer_config, transactional_consumer_config
 from choreo.config import settings
 from choreo.dedupe import Deduper, Seen
 from choreo.envelope import Envelope, HeaderList, pairs, derived_id, now_ms
-from choreo.errors import DeadLetterReason, Rejected, Retryable
+from choreo.errors import DeadLetterReason, DeliveryReleased, Rejected, Retryable
 from choreo.events import Event
 from choreo.logs import get_logger
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
-from choreo.effects import EffectCall, run_all
+from choreo.effects import RELEASED, EffectCall, run_all
 from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerResult, Periodic, Service
 from choreo.state import Begin, StateTable, StepStatus
 from choreo.workflow import Workflow
@@ -76,15 +76,21 @@ class Attempt:
     error: Retryable | Rejected | None = None
     delay_s: float = 0.0
     seconds: float = 0.0  # the handler's own time, not its wait for Redis
+    released: bool = False  # its delivery was released under it: dropped (choreo.effects)
     _gen: EffectfulHandler | None = None
 
     def start(self) -> None:
         self.request, self.result, self.error, self._gen, self.seconds = None, None, None, None, 0.0
+        self.released = False
         self._step(lambda: self.work.handler.fn(self.work.event, self.ctx), first=True)
 
     def resume(self, answer: str | None) -> None:
         assert self._gen is not None
         gen = self._gen
+        if answer == RELEASED:
+            gen.close()
+            self.request, self.released = None, True
+            return
         self._step(lambda: gen.send(answer))
 
     def _step(self, call: Callable[[], Any], first: bool = False) -> None:
@@ -108,6 +114,8 @@ class Attempt:
             self.request, self.result = None, stop.value
         except (Retryable, Rejected) as exc:
             self.request, self.error = None, exc
+        except DeliveryReleased:  # from ctx.once
+            self.request, self.released = None, True
         finally:
             self.seconds += time.perf_counter() - started
 
@@ -136,9 +144,10 @@ class Runner:
         self.log = get_logger(service=service.name, instance=self.options.instance)
         self.redis = redis.Redis.from_url(self.cfg.redis_url, socket_timeout=5)
         self.state = StateTable(self.redis)
-        in_workflow = workflow is not None and service.name in {s.name for s in workflow.services}
+        # the release waits for the workflow's services only, so only they refuse its deliveries
+        self.in_workflow = workflow is not None and service.name in {s.name for s in workflow.services}
         self.dedupe = Deduper(self.redis, service.name, self.cfg.dedupe_ttl_s,
-                              refuse_released=in_workflow)
+                              refuse_released=self.in_workflow)
         self.registry = registry_client()
         self.decoders = {t: Decoder(h.model, t, self.registry) for t, h in service.handlers.items()}
         self.joinable = frozenset(s.name for s in service.steps() if len(s.triggers) > 1)
@@ -278,7 +287,7 @@ class Runner:
                 keyed.append((i, (env.correlation_id, env.event_id, env.attempt,
                                   f"{m.topic()}|{m.partition()}|{m.offset()}")))
         try:
-            verdicts = self.dedupe.fresh([item for _, item in keyed])
+            verdicts = self.dedupe.verdicts([item for _, item in keyed])
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise BatchTransient(f"redis: {exc}") from exc
         seen = [Seen.FRESH] * len(batch)
@@ -383,7 +392,10 @@ class Runner:
                 self._drive(runs)
                 retry: list[Attempt] = []
                 for run in runs:
-                    if run.error is None:
+                    if run.released:
+                        metrics.IGNORED.labels(self.service.name, run.work.topic, "released").inc()
+                        run.work.log.info("step.released_meanwhile", step=run.work.handler.step)
+                    elif run.error is None:
                         for out in _as_events(run.result):
                             run.ctx.emit(out)
                         run.work.ctx = run.ctx
@@ -419,7 +431,8 @@ class Runner:
         for run in runs:
             w = run.work
             run.ctx = Context(self.service.name, w.envelope, w.topic, w.message.partition() or 0,
-                              w.message.offset() or 0, self.redis, w.log, try_no=run.tries + 1)
+                              w.message.offset() or 0, self.redis, w.log, try_no=run.tries + 1,
+                              refuse_released=self.in_workflow)
             run.start()
         waiting = [run for run in runs if run.request is not None]
         while waiting:

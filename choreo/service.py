@@ -22,8 +22,9 @@ from typing import Any, TypeVar
 
 import redis
 
-from choreo.effects import EffectCall, OnceEffect, memo_key
+from choreo.effects import RELEASED, EffectCall, OnceEffect
 from choreo.envelope import Envelope, derived_id
+from choreo.errors import DeliveryReleased
 from choreo.events import Event
 
 HandlerResult = Event | Iterable[Event] | None
@@ -98,6 +99,7 @@ class Context:
     once_ttl_s: int = int(os.environ.get("CHOREO_ONCE_TTL_S", "3600"))
     emitted: list[Emitted] = field(default_factory=list)
     keep_step_open: bool = False
+    refuse_released: bool = False  # a workflow service: see choreo.effects
 
     def keep_open(self) -> None:
         """The step is not done with this input (a fan-in still waiting for its other half):
@@ -148,15 +150,18 @@ class Context:
 
     def once(self, effect: OnceEffect, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> str | None:
         """Run ``effect`` at most once for this input event, now; a replay gets the same answer."""
-        return self.effect(effect, keys, args).run(self.redis)
+        answer = self.effect(effect, keys, args).run(self.redis)
+        if answer == RELEASED:
+            raise DeliveryReleased(self.delivery_id)
+        return answer
 
     def effect(self, effect: OnceEffect, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> EffectCall:
         """``effect`` for this input event, to ``yield`` from the handler: the runner runs the
         effects of every event of the batch in one Redis round trip and sends each handler its
         answer (what ``once`` would have returned). A round trip per event was the largest
         cost of every service (bench/README.md)."""
-        return EffectCall(effect, memo_key(self.delivery_id), f"{self.service}:{effect.name}:{self.event_id}",
-                          tuple(keys), tuple(args), self.once_ttl_s)
+        return EffectCall(effect, self.delivery_id, f"{self.service}:{effect.name}:{self.event_id}",
+                          tuple(keys), tuple(args), self.once_ttl_s, self.refuse_released)
 
 
 class Service:

@@ -225,7 +225,7 @@ class StateTable:
                         args=[step, attempt, now, default_deadline_ms, budget,
                               index_member(delivery_id, step), source, "1" if step in joinable else "0"],
                         client=pipe)
-        return [_started(_text(r), item[2]) for r, item in zip(pipe.execute(), items)]
+        return [_started(text(r), item[2]) for r, item in zip(pipe.execute(), items)]
 
     def complete_many(self, items: list[tuple[str, str, int]], now_ms: int) -> list[str]:
         """``finish(COMPLETED)`` for a whole batch in one round trip: (delivery, step, attempt)."""
@@ -236,7 +236,7 @@ class StateTable:
             self._finish(keys=[delivery_key(delivery_id), DEADLINE_INDEX],
                          args=[step, attempt, now_ms, StepStatus.COMPLETED.value,
                                index_member(delivery_id, step), ""], client=pipe)
-        return [_text(r) for r in pipe.execute()]
+        return [text(r) for r in pipe.execute()]
 
     def try_again(self, delivery_id: str, step: str, attempt: int) -> int:
         """Count one more try against the step's budget; -1 when this attempt is stale."""
@@ -257,12 +257,15 @@ class StateTable:
         self._note_dead_letter(keys=[delivery_key(delivery_id)])
 
     def steps(self, delivery_id: str) -> dict[str, StepState]:
-        raw = {_text(k): _text(v) for k, v in self.client.hgetall(delivery_key(delivery_id)).items()}
+        raw = {text(k): text(v) for k, v in self.client.hgetall(delivery_key(delivery_id)).items()}
         return parse_steps(raw)
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def text(value: object) -> str:
+    """A Redis reply (bytes, str or None) as text (clients may or may not decode responses)."""
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def parse_steps(raw: dict[str, str]) -> dict[str, StepState]:

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from confluent_kafka import KafkaException
+import redis
 
 from choreo.config import settings
 from choreo.envelope import Envelope, derived_id, now_ms
 from choreo.events import Event
 from choreo.kafka import admin, base_config
 from choreo.lease import Lease
+from choreo.logs import get_logger
 from choreo.release import AWAIT_RELEASE, Releaser, awaiting_key
 from choreo.runner import RECOVERY_TOPIC
 from choreo.serde import DecodeFailure, Decoder, RegistryUnavailable, registry_client
@@ -78,7 +79,6 @@ class _Runtime:
     transitions: Transitions
     policies: Policies
     models: dict[tuple[str, str], type[Event]]  # (service, handler topic) -> event type
-    releaser: Releaser
     reader: SourceReader | None = None
     leading: bool = False
     decoders: dict[tuple[type[Event], str], Decoder[Any]] | None = None
@@ -127,8 +127,6 @@ def _rt(ctx: Context) -> _Runtime:
             lease=Lease(ctx.redis, NAME, owner, int(SETTINGS.lease_ttl_s * 1000)),
             scanner=Scanner(ctx.redis, SETTINGS), transitions=Transitions(ctx.redis),
             policies=policies_of(flow), models=models,
-            releaser=Releaser(ctx.redis, admin(), SHIPPED, flow.consumer_groups(SHIPPED),
-                              flow.released_keys, settings().dedupe_ttl_s),
         )
     return _runtime
 
@@ -329,17 +327,16 @@ def _requeue(ctx: Context, rt: _Runtime, action: Action, log: Any) -> None:
              fetch_ms=fetch_ms)
 
 
-@service.every(SETTINGS.scan_period_s)
-def release(ctx: Context) -> None:
-    """Release the state of the shipped deliveries every reader has passed (the leader does)."""
-    rt = _rt(ctx)
-    if not rt.leading:
-        return
-    try:
-        stats = rt.releaser.release_due(now_ms())
-    except (KafkaException, RuntimeError) as exc:  # offsets unreadable now: the next period retries
-        ctx.log.warning("supervisor.release_unavailable", error=str(exc)[:300])
-        return
-    kept = {v: n for v, n in stats.verdicts.items() if v.startswith("kept")}
-    if kept:
-        ctx.log.info("supervisor.release_kept", kept=kept, awaiting=stats.awaiting)
+
+@service.on_start
+def start_releasing(client: redis.Redis) -> None:
+    """The leader releases shipped deliveries' state (``choreo.release``) on a thread of its
+    own, so that slow admin requests never hold up the lease renewal and the scans."""
+    flow = _load_workflow(WORKFLOW_REF)
+    groups = flow.consumer_groups(SHIPPED)
+    log = get_logger(service=NAME, component="release")
+    if groups == [NAME]:  # e.g. a topic prefix the workflow's services do not use
+        log.warning("release.waits_for_no_reader", topic=SHIPPED)
+    releaser = Releaser(client, admin(), SHIPPED, groups, [s.name for s in flow.services],
+                        flow.released_keys, settings().dedupe_ttl_s)
+    releaser.run_in_background(SETTINGS.scan_period_s, lambda: _runtime is not None and _runtime.leading, log)

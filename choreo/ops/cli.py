@@ -146,8 +146,9 @@ def replay_cmd(
     for warning in result.warnings:
         err.print(f"[yellow]warning:[/] {warning}")
     table = Table("records in range", "handled (new to the service)", "skipped (already handled)",
-                  "aborted batches", "seconds", title=f"replay into {result.service} (group {result.group})")
-    table.add_row(str(result.records), str(result.handled), str(result.duplicates),
+                  "skipped (delivery released)", "aborted batches", "seconds",
+                  title=f"replay into {result.service} (group {result.group})")
+    table.add_row(str(result.records), str(result.handled), str(result.duplicates), str(result.released),
                   str(result.aborted_batches), f"{result.seconds:.2f}")
     out.print(table)
 
@@ -180,7 +181,8 @@ def rebuild_cmd(
         return
     table = Table("restored", "count", title=f"rebuild from {_when(report.since_ms)} ({report.seconds:.1f}s)")
     for name in ("records_read", "deliveries", "outcomes", "fanin_fields", "steps", "open_steps",
-                 "bookings_restored", "seen_entries", "packages", "notifications", "fleet_seeded"):
+                 "bookings_restored", "seen_entries", "packages", "notifications", "fleet_seeded",
+                 "released_skipped"):
         table.add_row(name.replace("_", " "), str(getattr(report, name)))
     out.print(table)
     for conflict in report.booking_conflicts:

@@ -35,7 +35,10 @@ Remembered effect answers (``fx:{id}``) are not rebuilt: every effect is also id
 outcome), and those keys are what is restored.
 
 Everything is **merge-only** (a field or booking that exists is kept), so running it
-twice, or once more after the services resumed, is harmless.
+twice, or once more after the services resumed, is harmless. A delivery whose tombstone
+says it was released (``choreo.release``) is left as it is; a decided delivery's rebuilt
+state expires as the delivery service's does; a delivery with dead letters gets its
+``dead_letters`` mark back, so it is not released before a redrive.
 
 **Procedure.** Pause the workflow's services (stop them, or SIGSTOP), run
 ``rebuild-state``, resume them. Between a wipe and the end of the rebuild a running
@@ -121,6 +124,7 @@ class DeliveryFacts:
     triggers: dict[str, Trigger] = field(default_factory=dict)  # step -> latest trigger
     reports: dict[tuple[str, int], str] = field(default_factory=dict)  # (step, attempt) -> error
     compensation: dict[str, str] = field(default_factory=dict)  # forward step -> status
+    dead_letters: int = 0  # its events in dead-letter topics: the state stays for a redrive
 
 
 @dataclass
@@ -139,6 +143,7 @@ class RebuildReport:
     packages: int = 0
     notifications: int = 0
     fleet_seeded: int = 0
+    released_skipped: int = 0  # released deliveries (choreo.release): their tombstone is left alone
     seconds: float = 0.0
 
 
@@ -158,6 +163,7 @@ class Rebuilder:
         self.facts: dict[str, DeliveryFacts] = {}
         self.seen: list[tuple[str, str, str]] = []  # (delivery, field, position)
         self.dead_lettered: set[tuple[str, str]] = set()  # (service, source position)
+        self.released: set[str] = set()
         self.decode = BodyDecoder()
         self._consumed: dict[tuple[str, str, int], int] = {}  # (service, topic, partition) -> committed
         # handler topic (origin or retry) -> [(service, step, origin topic, deadline)]
@@ -216,6 +222,7 @@ class Rebuilder:
             return committed.get((service, r.topic, r.partition), -1) > r.offset
 
         if r.topic.endswith(".dlq"):
+            facts.dead_letters += 1
             self.dead_lettered.add((r.header("dlq.service") or "",
                                     f"{r.header('dlq.source.topic')}|{r.header('dlq.source.partition')}|"
                                     f"{r.header('dlq.source.offset')}"))
@@ -265,6 +272,8 @@ class Rebuilder:
 
     def write(self, report: RebuildReport) -> None:
         report.deliveries = len(self.facts)
+        self.released = self._released()
+        report.released_skipped = len(self.released)
         report.fleet_seeded = fleet.seed(self.client, self.fleet_size)
         self._write_fanin(report)
         self._write_steps(report)
@@ -273,10 +282,24 @@ class Rebuilder:
         self._write_seen(report)
         self.client.set(READY_KEY, now_ms())
 
+    def _released(self) -> set[str]:
+        """Deliveries whose tombstone says they are finished: on a live Redis, writing their
+        state again would bring back what the release freed (and shorten the tombstone)."""
+        deliveries = list(self.facts)
+        pipe = self.client.pipeline(transaction=False)
+        for delivery in deliveries:
+            pipe.hexists(delivery_key(delivery), "done")
+        return {d for d, done in zip(deliveries, pipe.execute()) if done}
+
+    def _unreleased(self) -> Iterable[tuple[str, DeliveryFacts]]:
+        return ((d, f) for d, f in self.facts.items() if d not in self.released)
+
     def _write_fanin(self, report: RebuildReport) -> None:
         pipe = self.client.pipeline(transaction=False)
-        for delivery, facts in self.facts.items():
+        for delivery, facts in self._unreleased():
             key = delivery_key(delivery)
+            if facts.dead_letters:
+                pipe.hsetnx(key, "dead_letters", facts.dead_letters)
             if facts.outcome:
                 pipe.hsetnx(key, "outcome", facts.outcome)
                 # as the delivery service does when it decides: a decided delivery's state goes
@@ -293,7 +316,7 @@ class Rebuilder:
 
     def _write_steps(self, report: RebuildReport) -> None:
         state = StateTable(self.client)
-        items = [(d, t) for d, f in self.facts.items() for t in f.triggers.values()]
+        items = [(d, t) for d, f in self._unreleased() for t in f.triggers.values()]
         pipe = self.client.pipeline(transaction=False)
         for delivery, trigger in items:
             pipe.hexists(delivery_key(delivery), f"{trigger.step}.status")
@@ -317,7 +340,7 @@ class Rebuilder:
             state.finish(delivery, trigger.step, trigger.attempt, now,
                          StepStatus.FAILED if error else StepStatus.COMPLETED, error)
         pipe = self.client.pipeline(transaction=False)
-        for delivery, facts in self.facts.items():
+        for delivery, facts in self._unreleased():
             for step, status in facts.compensation.items():
                 # the supervisor's log is the record of compensation states
                 pipe.hset(delivery_key(delivery), f"{step}.status", StepStatus(status).value)
@@ -345,7 +368,7 @@ class Rebuilder:
     def _write_records(self, report: RebuildReport) -> None:
         pipe = self.client.pipeline(transaction=False)
         for delivery, facts in self.facts.items():
-            if facts.package:
+            if facts.package and delivery not in self.released:
                 key = package_key(delivery)
                 for name, value in facts.package.items():
                     pipe.hsetnx(key, name, value)
@@ -362,6 +385,8 @@ class Rebuilder:
         for chunk in _chunks(self.seen, 2000):
             pipe = self.client.pipeline(transaction=False)
             for delivery, name, position in chunk:
+                if delivery in self.released:
+                    continue
                 pipe.hsetnx(seen_key(delivery), name, position)
                 pipe.expire(seen_key(delivery), ttl)
             pipe.execute()

@@ -26,6 +26,7 @@ from choreo.kafka import base_config
 from choreo.config import settings
 from choreo.envelope import Envelope, header_value, pairs
 from choreo.serde import MAGIC_BYTE, registry_client
+from choreo.state import text
 
 Progress = Callable[[int], None]
 
@@ -49,13 +50,6 @@ def parse_time(text: str, now_ms: int | None = None) -> int:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return int(moment.timestamp() * 1000)
-
-
-def text(value: Any) -> str:
-    """A Redis reply (bytes, str or None) as text."""
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def partition_for(key: bytes, partitions: int, partitioner: str = "consistent_random") -> int:

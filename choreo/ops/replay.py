@@ -16,6 +16,8 @@ effects, exactly-once transactions, dead letters and recovery reports) with thre
   service already handled must be the second case, or every handler would run again and
   re-produce its outputs: so events the service already handled are skipped as copies,
   and only events it never handled (missed, newly subscribed, dedupe entry expired) run.
+  Events of a delivery that ended and was released (``choreo.release``) are skipped too, and
+  counted apart: that delivery is finished, for a replay and for ``--reset-live-group`` alike.
   Even those cannot double an effect: effects are remembered per event id
   (``ctx.once``) and outputs carry deterministic ids.
 
@@ -78,6 +80,7 @@ class ReplayResult:
     records: int = 0
     handled: int = 0
     duplicates: int = 0
+    released: int = 0  # events of deliveries already finished and released (choreo.release)
     aborted_batches: int = 0
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
@@ -122,13 +125,14 @@ class ReplayRunner(Runner):
         })
         self.fresh_count = 0
         self.duplicate_count = 0
+        self.released_count = 0
         self.aborts = 0
 
     def _seen(self, batch: list[Message]) -> list[Seen]:
         verdicts = super()._seen(cast(list[Message], [_AtReplayPosition(m, self.group) for m in batch]))
-        fresh = sum(v is Seen.FRESH for v in verdicts)
-        self.fresh_count += fresh
-        self.duplicate_count += len(verdicts) - fresh
+        self.fresh_count += sum(v is Seen.FRESH for v in verdicts)
+        self.duplicate_count += sum(v is Seen.DUPLICATE for v in verdicts)
+        self.released_count += sum(v is Seen.RELEASED for v in verdicts)
         return verdicts
 
     def _abort(self, batch: list[Message]) -> None:
@@ -199,6 +203,7 @@ def replay_into_service(service: Service, spec: RangeSpec, *, group: str | None 
     runner = ReplayRunner(service, group, replay_id, workflow)
     runner.replay(spans, progress)
     result.handled, result.duplicates = runner.fresh_count, runner.duplicate_count
+    result.released = runner.released_count
     result.aborted_batches = runner.aborts
     result.seconds = time.perf_counter() - started
     return result

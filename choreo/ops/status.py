@@ -19,8 +19,8 @@ import redis
 from confluent_kafka import Message, TopicPartition
 
 from choreo.config import settings
-from choreo.ops.records import existing_topics, read, reader, resolve, text
-from choreo.state import DEADLINE_INDEX, StepStatus, delivery_key
+from choreo.ops.records import existing_topics, read, reader, resolve
+from choreo.state import DEADLINE_INDEX, StepStatus, delivery_key, text
 from choreo.workflow import Workflow
 from schemas.models import DeliveryFailed, DeliveryShipped
 

@@ -37,10 +37,10 @@ from confluent_kafka import Consumer, Message, TopicPartition
 
 from choreo.config import settings
 from choreo.ops.records import (
-    BodyDecoder, Progress, Rec, existing_topics, partition_for, read, reader, resolve, text,
+    BodyDecoder, Progress, Rec, existing_topics, partition_for, read, reader, resolve,
 )
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
-from choreo.state import delivery_key
+from choreo.state import delivery_key, text
 from choreo.topology import derive
 from choreo.workflow import Workflow
 

@@ -13,7 +13,7 @@ from confluent_kafka import Producer
 from choreo import topology
 from choreo.config import settings
 from choreo.dedupe import seen_key
-from choreo.effects import memo_key
+from choreo.effects import RELEASED, EffectCall, OnceEffect, memo_key
 from choreo.envelope import Envelope
 from choreo.release import Releaser, awaiting_key
 from choreo.kafka import admin
@@ -137,15 +137,18 @@ def test_a_delivery_with_a_dead_letter_keeps_its_state(redis_client: redis.Redis
 
 def test_the_release_script_keeps_an_open_step_and_is_idempotent(redis_client: redis.Redis) -> None:
     state = StateTable(redis_client)
-    releaser = Releaser(redis_client, admin(), "delivery.shipped", [], WORKFLOW.released_keys, 60)
+    releaser = Releaser(redis_client, admin(), "delivery.shipped", [], ["package"], WORKFLOW.released_keys, 60)
     done, open_, gone = (f"rel-{uuid.uuid4()}" for _ in range(3))
     for d in (done, open_):
         state.open(d, "package", 10**13, 1)
-        redis_client.hset(memo_key(d), "x", "1")
-        redis_client.hset(seen_key(d), "y", "1")
+        redis_client.hset(memo_key(d), "package:x", "1")
+        redis_client.hset(seen_key(d), "package:y", "1")
         redis_client.hset(package_key(d), "status", "ready")
     redis_client.hset(delivery_key(done), mapping={"package.status": "completed", "outcome": "shipped"})
     assert releaser.release([done, open_, gone], 5) == ["released", "kept:open_step", "gone"]
+    redis_client.hset(delivery_key(open_), "package.status", "completed")  # still no outcome
+    assert releaser.release([open_], 5) == ["kept:no_outcome"]
+    redis_client.hset(delivery_key(open_), "package.status", "processing")
     assert releaser.release([done], 6) == ["done"]
     assert state_keys(redis_client, done) == [delivery_key(done)]
     assert redis_client.hgetall(delivery_key(done)) == {b"done": b"5", b"outcome": b"shipped"}
@@ -156,3 +159,46 @@ def test_the_release_script_keeps_an_open_step_and_is_idempotent(redis_client: r
     assert not redis_client.exists(delivery_key(gone))  # no tombstone for what was never there
     redis_client.zrem(DEADLINE_INDEX, f"{open_}|package")
     redis_client.delete(*state_keys(redis_client, open_), delivery_key(done))
+
+
+BOOK = OnceEffect("probe_book", """
+redis.call('SET', KEYS[1], ARGV[1])
+return 'booked'
+""")
+
+
+def test_an_effect_that_finds_its_delivery_released_is_not_run(redis_client: redis.Redis) -> None:
+    """An attempt that began before the release and resumes after it (a stalled instance)
+    must not book anything for a finished delivery; its answer says so instead."""
+    d = f"rel-{uuid.uuid4()}"
+    target = f"probe:{{{d}}}"
+    redis_client.hset(delivery_key(d), mapping={"done": "1", "outcome": "shipped"})
+    try:
+        call = EffectCall(BOOK, d, "package:probe_book:e1", (target,), ("x",), 60, refuse_released=True)
+        assert call.run(redis_client) == RELEASED
+        assert not redis_client.exists(target)
+        # an answer remembered before the release is still replayed
+        redis_client.hset(memo_key(d), "package:probe_book:e2", "earlier")
+        again = EffectCall(BOOK, d, "package:probe_book:e2", (target,), ("x",), 60, refuse_released=True)
+        assert again.run(redis_client) == "earlier"
+        # a subscriber outside the workflow is not refused
+        other = EffectCall(BOOK, d, "audit:probe_book:e1", (target,), ("x",), 60)
+        assert other.run(redis_client) == "booked" and redis_client.get(target) == b"x"
+    finally:
+        redis_client.delete(delivery_key(d), memo_key(d), target)
+
+
+def test_the_release_leaves_other_subscribers_entries(redis_client: redis.Redis) -> None:
+    """Only the workflow services' dedupe entries and answers go with the delivery."""
+    releaser = Releaser(redis_client, admin(), "delivery.shipped", [], ["notifier", "package"],
+                        WORKFLOW.released_keys, 60)
+    d = f"rel-{uuid.uuid4()}"
+    redis_client.hset(delivery_key(d), mapping={"package.status": "completed", "outcome": "shipped"})
+    redis_client.hset(seen_key(d), mapping={"package:e1:1": "p|0|1", "audit:e9:1": "p|0|2"})
+    redis_client.hset(memo_key(d), mapping={"notifier:notify:e2": "sent", "audit:count:e9": "1"})
+    try:
+        assert releaser.release([d], 7) == ["released"]
+        assert redis_client.hgetall(seen_key(d)) == {b"audit:e9:1": b"p|0|2"}
+        assert redis_client.hgetall(memo_key(d)) == {b"audit:count:e9": b"1"}
+    finally:
+        redis_client.delete(delivery_key(d), seen_key(d), memo_key(d))

@@ -77,8 +77,8 @@ def test_the_pipeline_user_runs_the_pipeline_scripts(acl_redis: tuple[str, Manag
     assert state.steps(delivery)["prepare_package"].status == "completed"
     dedupe = Deduper(client, "package", 3600)
     item = (delivery, "event-1", 1, "delivery.requested|0|7")
-    assert dedupe.fresh([item]) == [Seen.FRESH]
-    assert dedupe.fresh([(delivery, "event-1", 1, "delivery.requested|0|8")]) == [Seen.DUPLICATE]
+    assert dedupe.verdicts([item]) == [Seen.FRESH]
+    assert dedupe.verdicts([(delivery, "event-1", 1, "delivery.requested|0|8")]) == [Seen.DUPLICATE]
     lease = Lease(client, f"supervisor-{uuid.uuid4().hex[:6]}", "a", 5000)
     assert lease.acquire() and lease.token is not None
     lease.release()

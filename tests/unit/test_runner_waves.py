@@ -21,3 +21,26 @@ def test_the_kth_event_of_every_delivery_is_in_wave_k() -> None:
 def test_distinct_deliveries_make_one_wave() -> None:
     assert len(_waves([work(str(i), i) for i in range(100)])) == 1
     assert _waves([]) == []
+
+
+def test_an_attempt_whose_delivery_was_released_is_dropped_not_resumed() -> None:
+    """The answer ``RELEASED`` ends the handler where it waits (choreo.effects): what it would
+    have done after its effect, and its outputs, never happen."""
+    from choreo.effects import RELEASED, EffectCall, OnceEffect
+    from choreo.runner import Attempt
+
+    reached: list[str] = []
+    effect = EffectCall(OnceEffect("book", "return 'drone-1'"), "d-1", "svc:book:e-1", (), (), 60)
+
+    def handler(event: Any, ctx: Any) -> Any:
+        answer = yield effect
+        reached.append(answer)
+        return "an output"
+
+    attempt = Attempt(SimpleNamespace(handler=SimpleNamespace(fn=handler), event=None))
+    attempt.ctx = SimpleNamespace()
+    attempt.start()
+    assert attempt.request is effect and attempt.error is None
+    attempt.resume(RELEASED)
+    assert attempt.released and attempt.request is None and attempt.result is None
+    assert attempt.error is None and reached == []

@@ -194,7 +194,7 @@ def test_budget_spent_fails_the_delivery_once_with_compensations_newest_first(
     again = _scan(client, lease, 1_000_050 + 5_001)[(d, "drone")]
     assert again.kind == "fail" and again.data["again"] == 1
     # seen: marked compensating, and nothing left in the index
-    raw = MARK_COMPENSATING.run(client, f"fx:{{{d}}}", "t:1", [delivery_key(d), DEADLINE_INDEX],
+    raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), DEADLINE_INDEX],
                                 [1_000_060, d, "drone", "package"], 60)
     assert [m["step"] for m in parse_marked(raw)] == ["package"]
     assert _fields(client, d)["package.status"] == "compensating"
@@ -256,15 +256,14 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
 def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis) -> None:
     d = _new(client, "package")
     client.hset(delivery_key(d), mapping={"package.status": "completed"})
-    memo = f"fx:{{{d}}}"
-    assert MARK_COMPENSATED.run(client, memo, "t:1", [delivery_key(d)], ["package", 5], 60) \
+    assert MARK_COMPENSATED.run(client, d, "t:1", [delivery_key(d)], ["package", 5], 60) \
         == "compensated:completed:1"
-    raw = MARK_COMPENSATING.run(client, memo, "t:2", [delivery_key(d), DEADLINE_INDEX],
+    raw = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), DEADLINE_INDEX],
                                 [6, d, "drone", "package"], 60)
     assert parse_marked(raw) == []
     assert _fields(client, d)["package.status"] == "compensated"
     # a replay of either is told the same answer
-    assert MARK_COMPENSATED.run(client, memo, "t:1", [delivery_key(d)], ["package", 5], 60) \
+    assert MARK_COMPENSATED.run(client, d, "t:1", [delivery_key(d)], ["package", 5], 60) \
         == "compensated:completed:1"
 
 
