@@ -566,6 +566,7 @@ class Chaos:
         self.restores: list[tuple[float, int, str, Callable[[], None]]] = []
         self.busy: set[str] = set()  # processes down or paused right now
         self.fleet_before_loss: list[tuple[bytes, dict[bytes, bytes]]] = []
+        self.redis_lost_at_ms = 2**62
         self._seq = 0
         self.started = 0.0
         self.settle_transactions = True
@@ -662,6 +663,7 @@ class Chaos:
         wait_groups_empty(self.stack.groups, 60)
         client = redis.Redis.from_url(self.stack.cfg.redis_url, socket_timeout=10)
         self.fleet_before_loss = fleet.history(client)
+        self.redis_lost_at_ms = int(time.time() * 1000)
         self.stack.redis.kill()
         # every connection this process still holds leaves the dead server's side of it in
         # FIN_WAIT2 until it times out (tcp_fin_timeout, 60 s), and the port can't be bound
@@ -723,16 +725,22 @@ class FleetHistory:
 
     before_loss: list[tuple[bytes, dict[bytes, bytes]]]
     after_loss: list[tuple[bytes, dict[bytes, bytes]]]
+    lost_at_ms: int = 2**62  # when Redis was lost (services stopped, transactions settled)
 
-    def double_bookings(self, booked: dict[str, str]) -> tuple[list[str], int]:
+    def double_bookings(self, booked: dict[str, str],
+                        booked_at: dict[str, int] | None = None) -> tuple[list[str], int]:
         """Every reservation of a held drone; and how many holds at the loss were forgotten
-        because their booking never reached Kafka (redone after the rebuild, not a violation).
-        A hold whose booking is committed stays held across the loss: a rebuild that lost it
-        shows up as the drone reserved again while its committed holder flies it."""
+        because their booking had not reached Kafka by then (redone after the rebuild, not a
+        violation). A hold whose booking was committed before the loss stays held across it: a
+        rebuild that lost it shows up as the drone reserved again while its holder flies it.
+        A booking committed only after the loss is the redone reservation, which may well pick
+        the same drone again: the hold at the loss was still forgotten."""
         from consumers.fleet import violations_in
 
         found, held = violations_in(self.before_loss)
-        kept = {drone: delivery for drone, delivery in held.items() if booked.get(delivery) == drone}
+        times = booked_at or {}
+        kept = {drone: delivery for drone, delivery in held.items()
+                if booked.get(delivery) == drone and times.get(delivery, 0) < self.lost_at_ms}
         after, _ = violations_in(self.after_loss, holding=kept)
         return found + after, len(held) - len(kept)
 
@@ -827,7 +835,7 @@ def judge(plan: Plan, submitter: Submitter, found: Findings,
     lost = sorted(accepted - found.requested)
     duplicates = {t: sum(n - 1 for n in c.values() if n > 1) for t, c in found.ids.items()}
     duplicates = {t: n for t, n in duplicates.items() if n}
-    doubled_drones, forgotten = fleet_history.double_bookings(found.booked)
+    doubled_drones, forgotten = fleet_history.double_bookings(found.booked, found.booked_at)
     dead = sum(found.dead_letters.values())
     violations = {
         "missing_terminal": len(missing),
@@ -970,7 +978,7 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     log(f"settled in {settle_s:.1f}s ({len(pending)} pending); stopping services, reading every topic")
     stop_all(stack.services, timeout_s=20)
     client = redis.Redis.from_url(stack.cfg.redis_url, socket_timeout=10)
-    history = FleetHistory(chaos.fleet_before_loss, fleet.history(client))
+    history = FleetHistory(chaos.fleet_before_loss, fleet.history(client), chaos.redis_lost_at_ms)
     held_at_end = int(client.hlen(fleet.HELD))
     found = read_everything()
     result = judge(plan, submitter, found, history, pending)

@@ -34,3 +34,14 @@ def test_a_committed_hold_restored_by_the_rebuild_is_no_violation() -> None:
     history = FleetHistory([entry("reserve", "d1", "a")],
                            [entry("reserve", "d1", "a"), entry("return", "d1", "a"), entry("reserve", "d1", "b")])
     assert history.double_bookings({"a": "d1"}) == ([], 0)
+
+
+def test_a_hold_whose_booking_was_committed_only_after_the_loss_was_forgotten() -> None:
+    """Full chaos run at 538d3f9: a reservation in flight at the loss was redone after the
+    rebuild and happened to pick the same drone; its committed booking is that later one."""
+    history = FleetHistory([entry("reserve", "d1", "a")],
+                           [entry("reserve", "d1", "b"), entry("return", "d1", "b"),
+                            entry("reserve", "d1", "a")], lost_at_ms=1_000)
+    assert history.double_bookings({"a": "d1"}, {"a": 2_000}) == ([], 1)
+    # committed before the loss, the same history is a double booking
+    assert history.double_bookings({"a": "d1"}, {"a": 500}) == (["d1 reserved for b while held by a"], 0)
