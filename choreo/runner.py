@@ -152,6 +152,7 @@ class Runner:
         self.decoders = {t: Decoder(h.model, t, self.registry) for t, h in service.handlers.items()}
         self.joinable = frozenset(s.name for s in service.steps() if len(s.triggers) > 1)
         self.encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}
+        self._dead_lettered: set[str] = set()  # deliveries of the batch's dead letters
         self.running = False
         self.consumer = Consumer(transactional_consumer_config(
             service.name, f"{service.name}-{self.options.instance}"))
@@ -235,12 +236,14 @@ class Runner:
         """One transaction for the batch, with Redis work batched per phase: dedupe, begin
         (one round trip each for the whole batch), handlers (their own effects), then
         finish for all and only then the outputs of the attempts that still own their step."""
+        self._dead_lettered.clear()
         try:
             seen = self._seen(batch)
             self.producer.begin_transaction()
             work = [w for m, s in zip(batch, seen) if (w := self._prepare(m, s)) is not None]
             self._begin_all(work)
             self._finish_all(self._run_all(work))
+            self.state.note_dead_letters(self._dead_lettered)  # before the commit: one round trip
             self.producer.send_offsets_to_transaction(
                 _next_offsets(batch), self.consumer.consumer_group_metadata(), 30
             )
@@ -544,7 +547,7 @@ class Runner:
         origin = self.service.handlers[topic].topic if topic in self.service.handlers else topic
         envelope = Envelope.from_headers(message.headers())
         if envelope is not None and envelope.correlation_id:
-            self.state.note_dead_letter(envelope.correlation_id)
+            self._dead_lettered.add(envelope.correlation_id)
         self.producer.produce(dlq_topic(origin), key=message.key(), value=message.value(),
                               headers=headers)
         metrics.DEAD_LETTERS.labels(self.service.name, topic, reason.value).inc()

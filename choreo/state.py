@@ -10,6 +10,7 @@ The hash is the step's only record in Redis; Kafka remains the record of what ha
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -252,9 +253,14 @@ class StateTable:
         )
         return str(result.decode())
 
-    def note_dead_letter(self, delivery_id: str) -> None:
-        """Keep the delivery's state when it is finished: a redrive of the letter needs it."""
-        self._note_dead_letter(keys=[delivery_key(delivery_id)])
+    def note_dead_letters(self, delivery_ids: Iterable[str]) -> None:
+        """Keep these deliveries' state when they finish: a redrive of their letters needs it
+        (one round trip for a batch's dead letters)."""
+        pipe = self.client.pipeline(transaction=False)
+        for delivery_id in delivery_ids:
+            self._note_dead_letter(keys=[delivery_key(delivery_id)], client=pipe)
+        if len(pipe):
+            pipe.execute()
 
     def steps(self, delivery_id: str) -> dict[str, StepState]:
         raw = {text(k): text(v) for k, v in self.client.hgetall(delivery_key(delivery_id)).items()}

@@ -327,7 +327,6 @@ def _requeue(ctx: Context, rt: _Runtime, action: Action, log: Any) -> None:
              fetch_ms=fetch_ms)
 
 
-
 @service.on_start
 def start_releasing(client: redis.Redis) -> None:
     """The leader releases shipped deliveries' state (``choreo.release``) on a thread of its
