@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from choreo.publisher import Publisher
@@ -35,6 +36,20 @@ class Pipeline:
 
     def alive(self) -> bool:
         return all(p.alive() for p in self.procs)
+
+
+NOTIFIER = "consumers.notifier:service"
+
+
+@contextmanager
+def notifier_later(refs: Iterable[str]) -> Iterator[Callable[[], None]]:
+    """``refs`` running (the notifier left out) and a way to start the notifier later, as an
+    instance of its own; everything is killed on exit."""
+    running = Pipeline().start(refs)
+    try:
+        yield lambda: running.procs.append(ServiceProcess(NOTIFIER, instance="late").start())
+    finally:
+        running.kill()
 
 
 def submit(requests: list[DeliveryRequested]) -> list[str]:

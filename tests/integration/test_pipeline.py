@@ -14,8 +14,8 @@ from consumers import fleet
 from consumers.workflow import WORKFLOW
 from choreo import topology
 from tests.factories import delivery_request
-from tests.helpers import ServiceProcess, read_topic, wait_for
-from tests.pipeline import Pipeline, of, submit, terminal_counts, wait_terminal
+from tests.helpers import read_topic, wait_for
+from tests.pipeline import Pipeline, notifier_later, of, submit, terminal_counts, wait_terminal
 
 pytestmark = pytest.mark.integration
 
@@ -108,18 +108,12 @@ def test_duplicated_step_events_do_not_ship_twice(pipeline: Pipeline) -> None:
 
 
 def test_notifier_started_later_catches_up_from_the_topic(redis_client: redis.Redis) -> None:
-    core = Pipeline().start(SERVICES_WITHOUT_NOTIFIER)
-    notifier = None
-    try:
+    with notifier_later(SERVICES_WITHOUT_NOTIFIER) as start_notifier:
         ids = set(submit([delivery_request() for _ in range(50)]))
         wait_terminal(ids)
         assert not any(redis_client.hmget("notifications", sorted(ids)))
-        notifier = ServiceProcess("consumers.notifier:service", instance="late").start()
+        start_notifier()
         wait_for(lambda: all(redis_client.hmget("notifications", sorted(ids))), what="catch-up")
-    finally:
-        core.kill()
-        if notifier:
-            notifier.kill()
 
 
 SERVICES_WITHOUT_NOTIFIER = ["consumers.package:service", "consumers.drone_scheduler:service",

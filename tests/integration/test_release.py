@@ -22,12 +22,12 @@ from consumers import fleet
 from consumers.package import package_key
 from consumers.workflow import WORKFLOW
 from tests.factories import delivery_request
-from tests.helpers import ServiceProcess, read_topic, wait_for
-from tests.pipeline import SERVICES, Pipeline, of, submit, wait_terminal
+from tests.helpers import read_topic, wait_for
+from tests.pipeline import NOTIFIER, SERVICES, Pipeline, notifier_later, of, submit, wait_terminal
 
 pytestmark = pytest.mark.integration
 
-WITHOUT_NOTIFIER = [ref for ref in SERVICES if "notifier" not in ref]
+WITHOUT_NOTIFIER = [ref for ref in SERVICES if ref != NOTIFIER]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -92,9 +92,7 @@ def test_a_copy_of_a_released_delivery_starts_nothing_again(pipeline: Pipeline,
 
 
 def test_release_waits_for_every_reader_of_the_terminal(redis_client: redis.Redis) -> None:
-    core = Pipeline().start(WITHOUT_NOTIFIER)
-    notifier = None
-    try:
+    with notifier_later(WITHOUT_NOTIFIER) as start_notifier:
         ids = set(submit([delivery_request() for _ in range(30)]))
         wait_terminal(ids)
         # the supervisor has recorded them; the notifier's group has not read them yet
@@ -103,19 +101,13 @@ def test_release_waits_for_every_reader_of_the_terminal(redis_client: redis.Redi
         with pytest.raises(AssertionError, match="timed out"):  # several release periods
             wait_for(lambda: released(redis_client, ids), timeout_s=4)
         assert all(redis_client.exists(seen_key(d)) for d in ids)
-        notifier = ServiceProcess("consumers.notifier:service", instance="late").start()
+        start_notifier()
         wait_for(lambda: all(redis_client.hmget("notifications", sorted(ids))), what="notified")
         wait_for(lambda: released(redis_client, ids) == ids, timeout_s=60, what="released after it")
-    finally:
-        core.kill()
-        if notifier:
-            notifier.kill()
 
 
 def test_a_delivery_with_a_dead_letter_keeps_its_state(redis_client: redis.Redis) -> None:
-    core = Pipeline().start(WITHOUT_NOTIFIER)
-    notifier = None
-    try:
+    with notifier_later(WITHOUT_NOTIFIER) as start_notifier:
         ids = set(submit([delivery_request() for _ in range(10)]))
         poisoned = sorted(ids)[0]
         # an undecodable event of that delivery, read by the notifier before the delivery ends
@@ -124,15 +116,11 @@ def test_a_delivery_with_a_dead_letter_keeps_its_state(redis_client: redis.Redis
         producer.produce("delivery.shipped", key=poisoned.encode(), value=b"\x00garbage", headers=headers)
         producer.flush(10)
         wait_terminal(ids)
-        notifier = ServiceProcess("consumers.notifier:service", instance="late").start()
+        start_notifier()
         wait_for(lambda: released(redis_client, ids) == ids - {poisoned}, timeout_s=60,
                  what="the others released")
         assert redis_client.hget(delivery_key(poisoned), "dead_letters") is not None
         assert redis_client.exists(seen_key(poisoned))  # what a redrive needs is still there
-    finally:
-        core.kill()
-        if notifier:
-            notifier.kill()
 
 
 def test_the_release_script_keeps_an_open_step_and_is_idempotent(redis_client: redis.Redis) -> None:
