@@ -60,7 +60,9 @@ def configure(level: str = "INFO", stream: Any = None) -> None:
         if not any(isinstance(f, RedactUrlCredentials) for f in handler.filters):
             handler.addFilter(RedactUrlCredentials())
     numeric = logging.getLevelName(level)
-    for chatty in ("httpx", "httpcore"):  # a line per registry request is noise, not news
+    # a line per registry request is noise, not news (the registry client takes httpx2 when it
+    # is installed, httpx otherwise: both, and their cores, log every request at INFO)
+    for chatty in ("httpx", "httpcore", "httpx2", "httpcore2"):
         logging.getLogger(chatty).setLevel(max(logging.WARNING, numeric if isinstance(numeric, int)
                                                else logging.INFO))
     structlog.configure(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import logging
 
-from choreo.logs import RedactUrlCredentials, redact
+from confluent_kafka.schema_registry.common import _httpx_compat
+
+from choreo.logs import RedactUrlCredentials, configure, redact
 
 
 def test_structlog_events_lose_customer_fields() -> None:
@@ -30,3 +32,12 @@ def test_library_lines_lose_url_credentials() -> None:
                         "HTTP/1.1 200 OK")
     assert "s3cret" not in stream.getvalue()
     assert lines[1] == "no credentials in http://127.0.0.1:8081/schemas/ids/1 or a@b"
+
+
+def test_the_registry_clients_request_lines_stay_out_of_info_logs() -> None:
+    """The registry client's HTTP library (httpx2 or httpx, whichever it imported) would log
+    every request at INFO: a line per schema lookup, with the registry's URL."""
+    configure("INFO")
+    library = _httpx_compat.httpx.__name__
+    assert logging.getLogger(library).getEffectiveLevel() >= logging.WARNING, library
+    assert logging.getLogger(library.replace("httpx", "httpcore")).getEffectiveLevel() >= logging.WARNING
