@@ -30,7 +30,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from choreo.lease import Lease  # noqa: E402
-from choreo.state import DEADLINE_INDEX, delivery_key, index_member  # noqa: E402
+from choreo.state import DEADLINE_INDEX, StateTable, flat_fields, index_member  # noqa: E402
 from choreo.supervision import FORWARD, Policies, Scanner, StepPolicy, SupervisorSettings  # noqa: E402
 
 STEPS = ("package", "drone")
@@ -68,6 +68,7 @@ def populate(client: redis.Redis, steps: int, due: int, now: int) -> list[str]:
     """The state table as publishers and the runner leave it; returns the due members."""
     deliveries = steps // len(STEPS)
     due_members: list[str] = []
+    state = StateTable(client)
     pipe = client.pipeline(transaction=False)
     for n in range(deliveries):
         d = f"d{n:07d}"
@@ -85,7 +86,7 @@ def populate(client: redis.Redis, steps: int, due: int, now: int) -> list[str]:
                                    f + "source": f"delivery.requested|delivery.requested|0|{i}"})
                 due_members.append(index_member(d, step))
             fields[f + "complete_by"] = score
-            pipe.hset(delivery_key(d), mapping=fields)
+            state.put(d, fields, pipe)
             pipe.zadd(DEADLINE_INDEX, {index_member(d, step): score})
         if n % 2000 == 1999:
             pipe.execute()
@@ -156,7 +157,7 @@ def naive_scan(client: redis.Redis, now: int, due: list[str]) -> dict[str, Any]:
         for key in keys:
             pipe.hgetall(key)
         for key, raw in zip(keys, pipe.execute()):
-            fields = {k.decode(): v.decode() for k, v in raw.items()}
+            fields = flat_fields({k.decode(): v.decode() for k, v in raw.items()})
             delivery_id = (key.decode() if isinstance(key, bytes) else str(key))[4:-1]
             for step in STEPS:
                 status = fields.get(f"{step}.status")

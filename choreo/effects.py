@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 
+from choreo.dedupe import compact_id
 from choreo.state import delivery_key
 
 # an answer no effect body gives (bodies return text they build, never a NUL byte)
@@ -109,3 +110,8 @@ def _answer(result: Any) -> str | None:
 
 def memo_key(delivery_id: str) -> str:
     return f"fx:{{{delivery_id}}}"
+
+
+def memo_field(service: str, effect: OnceEffect, event_id: str) -> str:
+    """``<service>:<effect>:<event id>`` (the service's prefix: see ``seen_field``)."""
+    return f"{service}:{effect.name}:{compact_id(event_id)}"

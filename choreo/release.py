@@ -42,7 +42,7 @@ from prometheus_client import Counter as MetricCounter, Gauge
 from choreo.dedupe import seen_key
 from choreo.effects import OnceEffect, memo_key
 from choreo.kafka import committed_offsets
-from choreo.state import DEADLINE_INDEX, delivery_key, text
+from choreo.state import DEADLINE_INDEX, delivery_key, text, with_steps
 
 RELEASES = MetricCounter("choreo_releases_total", "Finished deliveries looked at for release, by verdict",
                          ["verdict"])
@@ -59,7 +59,7 @@ return 'awaiting'
 # tombstone ttl s, then the names of the workflow's services (the ones that refuse a released
 # delivery): only their fields of the shared hashes go; another subscriber's stay, under
 # their own TTLs.
-_RELEASE = """
+_RELEASE = with_steps("""
 local fields = redis.call('HGETALL', KEYS[2])
 if #fields == 0 then return 'gone' end
 local outcome, members = nil, {}
@@ -68,10 +68,9 @@ for i = 1, #fields, 2 do
   if name == 'done' then return 'done' end
   if name == 'dead_letters' then return 'kept:dead_letter' end
   if name == 'outcome' then outcome = value end
-  local step = string.match(name, '^(.+)%.status$')
-  if step then
-    if value ~= 'completed' then return 'kept:open_step' end
-    members[#members + 1] = ARGV[1] .. '|' .. step
+  if is_step_record(name, value) then
+    if step_get(KEYS[2], name, 'status') ~= 'completed' then return 'kept:open_step' end
+    members[#members + 1] = ARGV[1] .. '|' .. name
   end
 end
 if not outcome or outcome == '' then return 'kept:no_outcome' end
@@ -90,7 +89,7 @@ redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'done', ARGV[2], 'outcome', outcome)
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 'released'
-"""
+""")
 
 
 def awaiting_key(topic: str, partition: int) -> str:

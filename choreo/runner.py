@@ -39,7 +39,7 @@ from choreo.logs import get_logger
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
 from choreo.effects import RELEASED, EffectCall, run_all
 from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerResult, Periodic, Service
-from choreo.state import Begin, StateTable, StepStatus
+from choreo.state import Begin, Source, StateTable, StepStatus
 from choreo.workflow import Workflow
 
 RECOVERY_TOPIC = "recovery"
@@ -366,7 +366,7 @@ class Runner:
         verdicts = self.state.begin_many([
             (w.envelope.correlation_id, w.handler.step or "", w.envelope.attempt, now,
              int(w.handler.deadline_s * 1000),
-             f"{w.handler.topic}|{w.topic}|{w.message.partition()}|{w.message.offset()}")
+             Source(w.handler.topic, w.topic, w.message.partition() or 0, w.message.offset() or 0).text())
             for w in stepped
         ], self.service.retry_budget, self.joinable)
         for w, (verdict, attempt) in zip(stepped, verdicts):

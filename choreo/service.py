@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from choreo.effects import RELEASED, EffectCall, OnceEffect
+from choreo.effects import RELEASED, EffectCall, OnceEffect, memo_field
 from choreo.envelope import Envelope, derived_id
 from choreo.errors import DeliveryReleased
 from choreo.events import Event
@@ -160,7 +160,7 @@ class Context:
         effects of every event of the batch in one Redis round trip and sends each handler its
         answer (what ``once`` would have returned). A round trip per event was the largest
         cost of every service (bench/README.md)."""
-        return EffectCall(effect, self.delivery_id, f"{self.service}:{effect.name}:{self.event_id}",
+        return EffectCall(effect, self.delivery_id, memo_field(self.service, effect, self.event_id),
                           tuple(keys), tuple(args), self.once_ttl_s, self.refuse_released)
 
 

@@ -6,11 +6,19 @@ the supervisor finds expired steps in O(expired), never by scanning every key.
 Every transition is one Lua script with a condition: an attempt older than the recorded
 token loses (a stale attempt cannot overwrite a newer one), a closed step stays closed.
 The hash is the step's only record in Redis; Kafka remains the record of what happened.
+
+A step's record is one field of the hash, named after the step: a JSON array of its values
+in ``STEP_FIELDS`` order (``null`` for an absent one, trailing ones left out). A field per
+value (``package.status``, ``package.complete_by``, ...) cost about 30 bytes each, eight or
+more per step: the table was the largest thing a delivery kept in Redis (bench/README.md).
+Scripts read and write records through ``STEP_LUA`` and Python through ``unpack_step`` /
+``flat_fields``: the layout lives here only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -41,6 +49,67 @@ class Begin(StrEnum):
     EXHAUSTED = "exhausted"  # the step's retry budget is spent: report it
 
 
+# most often present first: a record leaves out its trailing absent values
+STEP_FIELDS = ("status", "complete_by", "attempt", "tries", "failures", "updated", "source",
+               "completed_at", "origins", "joined", "error", "late", "requeue", "requeued",
+               "tries_seen", "backoffs", "waiting", "report", "compensating_at", "compensated_at")
+
+# Prepended to every script that touches a step: ``step_get(key, step, name)`` (nil when absent),
+# ``step_set(key, step, {name = value, ...})`` (``cjson.null`` deletes a value; creates the
+# record), ``step_incr(key, step, name, by)``, ``is_step_record(field, value)`` (as
+# ``is_step_record`` below). Records are decoded once per script run.
+STEP_LUA = """
+local STEP_FIELDS = {%s}
+local STEP_SLOT = {}
+for i, name in ipairs(STEP_FIELDS) do STEP_SLOT[name] = i end
+local step_records = {}
+local function step_record(key, step)
+  local id = key .. '#' .. step
+  local record = step_records[id]
+  if record == nil then
+    local raw = redis.call('HGET', key, step)
+    if raw then record = cjson.decode(raw) else record = false end
+    step_records[id] = record
+  end
+  return record
+end
+local function step_get(key, step, name)
+  local record = step_record(key, step)
+  if not record then return nil end
+  local value = record[STEP_SLOT[name]]
+  if value == cjson.null then return nil end
+  return value
+end
+local function step_set(key, step, values)
+  local record = step_record(key, step) or {}
+  for name, value in pairs(values) do record[STEP_SLOT[name]] = value end
+  local last = 0
+  for i = 1, #STEP_FIELDS do
+    if record[i] ~= nil and record[i] ~= cjson.null then last = i end
+  end
+  local packed = {}
+  for i = 1, last do
+    if record[i] == nil then packed[i] = cjson.null else packed[i] = record[i] end
+  end
+  redis.call('HSET', key, step, cjson.encode(packed))
+  step_records[key .. '#' .. step] = packed
+end
+local function is_step_record(name, value)
+  return not string.find(name, '.', 1, true) and string.sub(value, 1, 1) == '['
+end
+local function step_incr(key, step, name, by)
+  local value = (tonumber(step_get(key, step, name)) or 0) + by
+  step_set(key, step, {[name] = value})
+  return value
+end
+""" % ", ".join(f"'{name}'" for name in STEP_FIELDS)
+
+
+def with_steps(script: str) -> str:
+    """A script that reads or writes step records (``STEP_LUA``'s functions in scope)."""
+    return STEP_LUA + script
+
+
 def delivery_key(delivery_id: str) -> str:
     return f"dl:{{{delivery_id}}}"
 
@@ -49,39 +118,35 @@ def index_member(delivery_id: str, step: str) -> str:
     return f"{delivery_id}|{step}"
 
 
-_OPEN = """
-local f = ARGV[1] .. '.'
-if redis.call('HEXISTS', KEYS[1], f .. 'status') == 1 then return 0 end
-redis.call('HSET', KEYS[1], f .. 'status', 'pending', f .. 'complete_by', ARGV[2],
-           f .. 'attempt', 1, f .. 'tries', 0, f .. 'failures', 0, f .. 'updated', ARGV[3])
+_OPEN = with_steps("""
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+step_set(KEYS[1], ARGV[1], {status = 'pending', complete_by = tonumber(ARGV[2]), attempt = 1,
+         tries = 0, failures = 0, updated = tonumber(ARGV[3])})
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[4])
 return 1
-"""
+""")
 
-_ABANDON = """
-local f = ARGV[1] .. '.'
-if redis.call('HGET', KEYS[1], f .. 'status') ~= 'pending' then return 0 end
-for _, field in ipairs({'status', 'complete_by', 'attempt', 'tries', 'failures', 'updated'}) do
-  redis.call('HDEL', KEYS[1], f .. field)
-end
+_ABANDON = with_steps("""
+if step_get(KEYS[1], ARGV[1], 'status') ~= 'pending' then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[2])
 return 1
-"""
+""")
 
-_BEGIN = """
+_BEGIN = with_steps("""
 -- a released delivery (choreo.release) is finished: nothing of it starts again
 if redis.call('HEXISTS', KEYS[1], 'done') == 1 then return 'closed' end
-local f = ARGV[1] .. '.'
+local K, step = KEYS[1], ARGV[1]
 local attempt, now = tonumber(ARGV[2]), tonumber(ARGV[3])
-local status = redis.call('HGET', KEYS[1], f .. 'status')
+local status = step_get(K, step, 'status')
 if not status then
   local complete_by = now + tonumber(ARGV[4])
-  redis.call('HSET', KEYS[1], f .. 'status', 'pending', f .. 'complete_by', complete_by,
-             f .. 'attempt', attempt, f .. 'tries', 0, f .. 'failures', 0)
+  step_set(K, step, {status = 'pending', complete_by = complete_by, attempt = attempt, tries = 0,
+           failures = 0})
   redis.call('ZADD', KEYS[2], complete_by, ARGV[6])
   status = 'pending'
 end
-local token = tonumber(redis.call('HGET', KEYS[1], f .. 'attempt') or '1')
+local token = step_get(K, step, 'attempt') or 1
 local origin = string.match(ARGV[7], '^[^|]*')
 local joined = false
 if attempt < token then
@@ -92,11 +157,11 @@ if attempt < token then
   -- joined joins again when it is replayed (its transaction aborted).
   -- (only a step with several trigger topics, ARGV[8] = '1', keeps the origins it began)
   if ARGV[8] ~= '1' then return 'stale' end
-  local origins = ',' .. (redis.call('HGET', KEYS[1], f .. 'origins') or '') .. ','
-  if ARGV[7] ~= redis.call('HGET', KEYS[1], f .. 'joined')
+  local origins = ',' .. (step_get(K, step, 'origins') or '') .. ','
+  if ARGV[7] ~= step_get(K, step, 'joined')
      and string.find(origins, ',' .. origin .. ',', 1, true) then return 'stale' end
   attempt, joined = token, true
-  redis.call('HSET', KEYS[1], f .. 'joined', ARGV[7])
+  step_set(K, step, {joined = ARGV[7]})
 end
 if status == 'completed' then
   if joined then return 'replay:' .. attempt end
@@ -105,56 +170,69 @@ end
 if status ~= 'pending' and status ~= 'processing' then return 'closed' end
 -- the service has now seen this input: remember where it lies even if it will not run it,
 -- so the supervisor can requeue it (an expired trigger is consumed and would be lost)
-redis.call('HSET', KEYS[1], f .. 'source', ARGV[7])
-if now > tonumber(redis.call('HGET', KEYS[1], f .. 'complete_by')) then return 'expired' end
-local tries = redis.call('HINCRBY', KEYS[1], f .. 'tries', 1)
+step_set(K, step, {source = ARGV[7]})
+if now > step_get(K, step, 'complete_by') then return 'expired' end
+local tries = step_incr(K, step, 'tries', 1)
 if tries > tonumber(ARGV[5]) then return 'exhausted' end
-redis.call('HSET', KEYS[1], f .. 'status', 'processing', f .. 'attempt', attempt, f .. 'updated', now)
+local changes = {status = 'processing', attempt = attempt, updated = now}
 if ARGV[8] == '1' then
-  local known = redis.call('HGET', KEYS[1], f .. 'origins')
+  local known = step_get(K, step, 'origins')
   if not known then
-    redis.call('HSET', KEYS[1], f .. 'origins', origin)
+    changes.origins = origin
   elseif not string.find(',' .. known .. ',', ',' .. origin .. ',', 1, true) then
-    redis.call('HSET', KEYS[1], f .. 'origins', known .. ',' .. origin)
+    changes.origins = known .. ',' .. origin
   end
 end
+step_set(K, step, changes)
 if joined then return 'go:' .. attempt end
 return 'go'
-"""
+""")
 
-_TRY_AGAIN = """
-local f = ARGV[1] .. '.'
-local token = tonumber(redis.call('HGET', KEYS[1], f .. 'attempt') or '1')
-if tonumber(ARGV[2]) < token then return -1 end
-return redis.call('HINCRBY', KEYS[1], f .. 'tries', 1)
-"""
+_TRY_AGAIN = with_steps("""
+if tonumber(ARGV[2]) < (step_get(KEYS[1], ARGV[1], 'attempt') or 1) then return -1 end
+return step_incr(KEYS[1], ARGV[1], 'tries', 1)
+""")
 
-_FINISH = """
-local f = ARGV[1] .. '.'
-local attempt, now, outcome = tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local status = redis.call('HGET', KEYS[1], f .. 'status')
-local token = tonumber(redis.call('HGET', KEYS[1], f .. 'attempt') or '1')
+_FINISH = with_steps("""
+local K, step = KEYS[1], ARGV[1]
+local attempt, now, outcome = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local status = step_get(K, step, 'status')
+local token = step_get(K, step, 'attempt') or 1
 if attempt < token then
-  redis.call('HSET', KEYS[1], f .. 'late', now)
+  step_set(K, step, {late = now})
   return 'stale'
 end
 if status ~= 'pending' and status ~= 'processing' then
   if status == outcome then return 'replay' end
-  redis.call('HSET', KEYS[1], f .. 'late', now)
+  step_set(K, step, {late = now})
   return 'ignored'
 end
-redis.call('HSET', KEYS[1], f .. 'status', outcome, f .. 'updated', now)
 if outcome == 'completed' then
-  redis.call('HSET', KEYS[1], f .. 'completed_at', now)
+  step_set(K, step, {status = outcome, updated = now, completed_at = now})
   redis.call('ZREM', KEYS[2], ARGV[5])
 else
-  redis.call('HINCRBY', KEYS[1], f .. 'failures', 1)
-  redis.call('HSET', KEYS[1], f .. 'error', ARGV[6])
+  step_set(K, step, {status = outcome, updated = now, error = ARGV[6],
+           failures = (step_get(K, step, 'failures') or 0) + 1})
   -- a failed step is due at once: the supervisor finds it even if its report was lost
   redis.call('ZADD', KEYS[2], now, ARGV[5])
 end
 return 'ok'
-"""
+""")
+
+
+# Writes a test, a benchmark or the rebuild makes outside a transition: ARGV = (step, value
+# name, JSON value) triples; a step of '' sets a plain field of the hash (outcome, fanin.*).
+_PUT = with_steps("""
+for i = 1, #ARGV, 3 do
+  local value = cjson.decode(ARGV[i + 2])
+  if ARGV[i] == '' then
+    redis.call('HSET', KEYS[1], ARGV[i + 1], value)
+  else
+    step_set(KEYS[1], ARGV[i], {[ARGV[i + 1]] = value})
+  end
+end
+return 0
+""")
 
 
 # a dead-lettered event keeps its delivery's state for the redrive (choreo.release); no
@@ -163,6 +241,36 @@ _NOTE_DEAD_LETTER = """
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HINCRBY', KEYS[1], 'dead_letters', 1) end
 return 0
 """
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a step's last started input lies (its record's ``source``): the handler's topic,
+    then the topic, partition and offset it was read from. Written ``topic|partition|offset``
+    when the two topics are the same (they are but for a retry topic): a record must stay
+    under the Redis listpack value limit (bench/README.md), and the long form pushed a fan-in
+    step's record past it."""
+
+    handler_topic: str
+    topic: str
+    partition: int
+    offset: int
+
+    def text(self) -> str:
+        where = f"{self.topic}|{self.partition}|{self.offset}"
+        return where if self.handler_topic == self.topic else f"{self.handler_topic}|{where}"
+
+    @classmethod
+    def parse(cls, raw: str) -> Source | None:
+        parts = raw.split("|")
+        if len(parts) == 3:
+            parts.insert(0, parts[0])
+        if len(parts) != 4:
+            return None
+        try:
+            return cls(parts[0], parts[1], int(parts[2]), int(parts[3]))
+        except ValueError:
+            return None
 
 
 @dataclass(frozen=True)
@@ -190,6 +298,7 @@ class StateTable:
         self._try_again = client.register_script(_TRY_AGAIN)
         self._finish = client.register_script(_FINISH)
         self._note_dead_letter = client.register_script(_NOTE_DEAD_LETTER)
+        self._put = client.register_script(_PUT)
 
     def open(self, delivery_id: str, step: str, complete_by_ms: int, now_ms: int,
              pipe: Any = None) -> None:
@@ -207,8 +316,8 @@ class StateTable:
 
     def begin(self, delivery_id: str, step: str, attempt: int, now_ms: int,
               default_deadline_ms: int, budget: int, source: str, joinable: bool = False) -> Begin:
-        """Start (or replay) an attempt; ``source`` (handler topic|topic|partition|offset)
-        lets the supervisor fetch the input again to requeue it."""
+        """Start (or replay) an attempt; ``source`` (``Source.text``) lets the supervisor
+        fetch the input again to requeue it."""
         return self.begin_many([(delivery_id, step, attempt, now_ms, default_deadline_ms, source)],
                                budget, {step} if joinable else set())[0][0]
 
@@ -263,8 +372,24 @@ class StateTable:
             pipe.execute()
 
     def steps(self, delivery_id: str) -> dict[str, StepState]:
-        raw = {text(k): text(v) for k, v in self.client.hgetall(delivery_key(delivery_id)).items()}
-        return parse_steps(raw)
+        return parse_steps(self.raw(delivery_id))
+
+    def raw(self, delivery_id: str) -> dict[str, str]:
+        return {text(k): text(v) for k, v in self.client.hgetall(delivery_key(delivery_id)).items()}
+
+    def fields(self, delivery_id: str) -> dict[str, str]:
+        """The delivery's hash as ``<step>.<name>`` = text (and its plain fields as they are):
+        the view an operator's tool or a test reads."""
+        return flat_fields(self.raw(delivery_id))
+
+    def put(self, delivery_id: str, values: Mapping[str, str | int], pipe: Any = None) -> None:
+        """Set values named as ``fields`` names them, outside any transition's conditions: for
+        the rebuild, tests and benchmarks that stage a state."""
+        args: list[str] = []
+        for name, value in values.items():
+            step, _, part = name.rpartition(".") if _is_step_value(name) else ("", "", name)
+            args += [step, part, json.dumps(value)]
+        self._put(keys=[delivery_key(delivery_id)], args=args, client=pipe or self.client)
 
 
 def text(value: object) -> str:
@@ -274,21 +399,47 @@ def text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def parse_steps(raw: dict[str, str]) -> dict[str, StepState]:
-    names = {k.rsplit(".", 1)[0] for k in raw if k.endswith(".status")}
+def is_step_record(name: str, value: str) -> bool:
+    """Whether a field of a delivery's hash is a step's record (the others are plain values:
+    ``outcome``, ``fanin.*``, ``fail.*``, ``done``, ``dead_letters``; none is a JSON array)."""
+    return "." not in name and value.startswith("[")
+
+
+def unpack_step(value: str) -> dict[str, str]:
+    """A step's record as name = text, absent values left out."""
+    return {name: str(v) for name, v in zip(STEP_FIELDS, json.loads(value)) if v is not None}
+
+
+def flat_fields(raw: Mapping[str, str]) -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for name, value in raw.items():
+        if is_step_record(name, value):
+            flat.update({f"{name}.{part}": v for part, v in unpack_step(value).items()})
+        else:
+            flat[name] = value
+    return flat
+
+
+def _is_step_value(name: str) -> bool:
+    """``<step>.<one of STEP_FIELDS>`` (``fanin.drone``, ``fail.step`` are plain fields)."""
+    return name.rpartition(".")[2] in STEP_FIELDS and not name.startswith(("fanin.", "fail."))
+
+
+def parse_steps(raw: Mapping[str, str]) -> dict[str, StepState]:
+    steps = {name: unpack_step(value) for name, value in raw.items() if is_step_record(name, value)}
     return {
         name: StepState(
             step=name,
-            status=raw.get(f"{name}.status", ""),
-            complete_by=int(raw.get(f"{name}.complete_by", "0")),
-            attempt=int(raw.get(f"{name}.attempt", "1")),
-            tries=int(raw.get(f"{name}.tries", "0")),
-            failures=int(raw.get(f"{name}.failures", "0")),
-            error=raw.get(f"{name}.error", ""),
-            updated=int(raw.get(f"{name}.updated", "0")),
-            source=raw.get(f"{name}.source", ""),
+            status=r.get("status", ""),
+            complete_by=int(r.get("complete_by", "0")),
+            attempt=int(r.get("attempt", "1")),
+            tries=int(r.get("tries", "0")),
+            failures=int(r.get("failures", "0")),
+            error=r.get("error", ""),
+            updated=int(r.get("updated", "0")),
+            source=r.get("source", ""),
         )
-        for name in names
+        for name, r in steps.items()
     }
 
 

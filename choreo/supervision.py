@@ -51,7 +51,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from prometheus_client import Counter, Gauge, Histogram
 
 from choreo.effects import OnceEffect
-from choreo.state import DEADLINE_INDEX, delivery_key, index_member
+from choreo.state import DEADLINE_INDEX, delivery_key, index_member, with_steps
 from schemas.models import CompensationRecord
 
 # -- metrics (operators see detection delay, load and every decision) -----------------------
@@ -148,14 +148,15 @@ class Policies:
 
 # -- the transitions (Lua) -------------------------------------------------------------------
 
-_SUPERVISE = """
+_SUPERVISE = with_steps("""
 if redis.call('GET', KEYS[3]) ~= ARGV[1] then return cjson.encode({a = 'fenced'}) end
 local step, member, now = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local score = redis.call('ZSCORE', KEYS[2], member)
 if (not score) or tonumber(score) > now then return cjson.encode({a = 'gone'}) end
-local f = step .. '.'
 local function get(field) return redis.call('HGET', KEYS[1], field) end
-local status = get(f .. 'status')
+local function of(name, value) return step_get(KEYS[1], name, value) end
+local function set(values) step_set(KEYS[1], step, values) end
+local status = of(step, 'status')
 if not status then
   redis.call('ZREM', KEYS[2], member)
   return cjson.encode({a = 'drop', why = 'no state'})
@@ -172,10 +173,10 @@ if role == 'forward' and outcome then
     redis.call('ZADD', KEYS[2], now + tonumber(ARGV[9]), member)
     return cjson.encode({a = 'fail', again = 1, reason = get('fail.reason') or '',
       detail = get('fail.detail') or '', compensate = get('fail.compensate') or '',
-      attempt = tonumber(get(f .. 'attempt') or '1'), tries = tonumber(get(f .. 'tries') or '0')})
+      attempt = of(step, 'attempt') or 1, tries = of(step, 'tries') or 0})
   end
   local decider = ARGV[13]
-  if outcome == 'failed' or decider == '' or get(decider .. '.status') == 'completed' then
+  if outcome == 'failed' or decider == '' or of(decider, 'status') == 'completed' then
     redis.call('ZREM', KEYS[2], member)
     return cjson.encode({a = 'drop', why = 'outcome ' .. outcome})
   end
@@ -184,15 +185,14 @@ if status ~= 'pending' and status ~= 'processing' and status ~= 'failed' then
   redis.call('ZREM', KEYS[2], member)
   return cjson.encode({a = 'drop', why = status})
 end
-local attempt = tonumber(get(f .. 'attempt') or '1')
+local attempt = of(step, 'attempt') or 1
 local deadline_ms = tonumber(ARGV[6])
-if tonumber(get(f .. 'requeue') or '0') == attempt then
+if (of(step, 'requeue') or 0) == attempt then
   -- phase 2: the back-off of a claimed step is over: re-publish with the claimed token
   local complete_by = now + deadline_ms
-  redis.call('HSET', KEYS[1], f .. 'complete_by', complete_by, f .. 'requeued', attempt, f .. 'updated', now)
-  redis.call('HDEL', KEYS[1], f .. 'requeue')
+  set({complete_by = complete_by, requeued = attempt, updated = now, requeue = cjson.null})
   redis.call('ZADD', KEYS[2], complete_by, member)
-  return cjson.encode({a = 'requeue', attempt = attempt, source = get(f .. 'source') or '',
+  return cjson.encode({a = 'requeue', attempt = attempt, source = of(step, 'source') or '',
     complete_by = complete_by})
 end
 if ARGV[15] ~= '' and status ~= 'failed' then
@@ -203,12 +203,12 @@ if ARGV[15] ~= '' and status ~= 'failed' then
   -- decide; so keep the token, count no try, and follow the upstream's deadline
   local until_ms, on = 0, {}
   for name in string.gmatch(ARGV[15], '[^,]+') do
-    local st = get(name .. '.status')
+    local st = of(name, 'status')
     local due = 0
     if st == 'completed' then
-      due = tonumber(get(name .. '.completed_at') or '0') + deadline_ms
+      due = (of(name, 'completed_at') or 0) + deadline_ms
     elseif st then
-      due = math.max(now, tonumber(get(name .. '.complete_by') or '0')) + deadline_ms
+      due = math.max(now, of(name, 'complete_by') or 0) + deadline_ms
     end
     if due > now then
       table.insert(on, name)
@@ -216,32 +216,31 @@ if ARGV[15] ~= '' and status ~= 'failed' then
     end
   end
   if #on > 0 then
-    redis.call('HSET', KEYS[1], f .. 'complete_by', until_ms, f .. 'waiting', table.concat(on, ','))
+    set({complete_by = until_ms, waiting = table.concat(on, ',')})
     redis.call('ZADD', KEYS[2], until_ms, member)
     return cjson.encode({a = 'wait', attempt = attempt, on = table.concat(on, ','),
       complete_by = until_ms, was = status})
   end
 end
-local tries = tonumber(get(f .. 'tries') or '0')
-if tries <= tonumber(get(f .. 'tries_seen') or '0') then
+local tries = of(step, 'tries') or 0
+if tries <= (of(step, 'tries_seen') or 0) then
   -- a whole deadline period without any try counts as one: the budget also bounds dead services
-  tries = redis.call('HINCRBY', KEYS[1], f .. 'tries', 1)
+  tries = tries + 1
 end
-redis.call('HSET', KEYS[1], f .. 'tries_seen', tries)
-local failures = redis.call('HINCRBY', KEYS[1], f .. 'failures', 1)
+local failures = (of(step, 'failures') or 0) + 1
+set({tries = tries, tries_seen = tries, failures = failures})
 if tries >= tonumber(ARGV[5]) then
   local detail = step .. ' ' .. status .. ' after ' .. tries .. ' tries'
-  local err = get(f .. 'error')
+  local err = of(step, 'error')
   if err then detail = detail .. ': ' .. err end
   if role == 'compensation' then
-    redis.call('HSET', KEYS[1], f .. 'status', 'failed', f .. 'attempt', attempt + 1, f .. 'updated', now)
+    set({status = 'failed', attempt = attempt + 1, updated = now})
     redis.call('ZREM', KEYS[2], member)
     local target = ARGV[11]
-    local before = get(target .. '.status') or ''
+    local before = of(target, 'status') or ''
     -- the undo failed for good, whether or not its request was recorded yet (topics race)
     if before ~= '' and before ~= 'compensated' and before ~= 'compensation_failed' then
-      redis.call('HSET', KEYS[1], target .. '.status', 'compensation_failed', target .. '.updated', now,
-                 target .. '.error', detail)
+      step_set(KEYS[1], target, {status = 'compensation_failed', updated = now, error = detail})
     end
     return cjson.encode({a = 'comp_failed', target = target, before = before, attempt = attempt,
       tries = tries, detail = detail})
@@ -250,9 +249,9 @@ if tries >= tonumber(ARGV[5]) then
   -- the completed ones newest first (reverse order of completion)
   local done, abandoned = {}, {}
   for name in string.gmatch(ARGV[12], '[^,]+') do
-    local st = get(name .. '.status')
+    local st = of(name, 'status')
     if st == 'completed' then
-      table.insert(done, {name, tonumber(get(name .. '.completed_at') or '0')})
+      table.insert(done, {name, of(name, 'completed_at') or 0})
     elseif st == 'processing' then
       table.insert(abandoned, name)
     end
@@ -263,81 +262,81 @@ if tries >= tonumber(ARGV[5]) then
   local reason = 'RETRY_BUDGET_SPENT'
   if status ~= 'failed' then reason = 'DEADLINE_MISSED' end
   redis.call('HSET', KEYS[1], 'outcome', 'failed', 'fail.by', 'supervisor', 'fail.step', step,
-             'fail.reason', reason, 'fail.detail', detail, 'fail.compensate', compensate, 'fail.at', now,
-             f .. 'status', 'failed', f .. 'attempt', attempt + 1, f .. 'updated', now)
+             'fail.reason', reason, 'fail.detail', detail, 'fail.compensate', compensate, 'fail.at', now)
+  set({status = 'failed', attempt = attempt + 1, updated = now})
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[9]), member)
   return cjson.encode({a = 'fail', again = 0, reason = reason, detail = detail, compensate = compensate,
     attempt = attempt + 1, tries = tries})
 end
 -- the exponent counts the supervisor's own interventions (failures also counts the runner's)
-local round = redis.call('HINCRBY', KEYS[1], f .. 'backoffs', 1)
+local round = (of(step, 'backoffs') or 0) + 1
+set({backoffs = round})
 local backoff = math.floor(math.min(tonumber(ARGV[8]), tonumber(ARGV[7]) * 2 ^ (round - 1)))
 if backoff < 1 then backoff = 1 end
-local source = get(f .. 'source') or ''
+local source = of(step, 'source') or ''
 if source == '' then
   -- its service never saw it: the trigger is still queued in Kafka; wait longer, keep the
   -- token valid (a new one would make that queued trigger stale)
   local complete_by = now + backoff + deadline_ms
-  redis.call('HSET', KEYS[1], f .. 'complete_by', complete_by, f .. 'updated', now)
+  set({complete_by = complete_by, updated = now})
   redis.call('ZADD', KEYS[2], complete_by, member)
   return cjson.encode({a = 'extend', attempt = attempt, backoff = backoff, tries = tries,
     failures = failures, complete_by = complete_by})
 end
 -- phase 1: claim with a new token (older attempts are stale from now on), publish after back-off
 local claimed = attempt + 1
-redis.call('HSET', KEYS[1], f .. 'attempt', claimed, f .. 'status', 'pending', f .. 'requeue', claimed,
-           f .. 'complete_by', now + backoff + deadline_ms, f .. 'updated', now)
+set({attempt = claimed, status = 'pending', requeue = claimed, complete_by = now + backoff + deadline_ms,
+     updated = now})
 redis.call('ZADD', KEYS[2], now + backoff, member)
 return cjson.encode({a = 'claim', attempt = claimed, backoff = backoff, tries = tries,
   failures = failures, was = status})
-"""
+""")
 
-_RECORD_REPORT = """
-local f = ARGV[1] .. '.'
-local status = redis.call('HGET', KEYS[1], f .. 'status')
+_RECORD_REPORT = with_steps("""
+local K, step = KEYS[1], ARGV[1]
+local status = step_get(K, step, 'status')
 if not status then return 'unknown' end
-redis.call('HSET', KEYS[1], f .. 'report', ARGV[3] .. ' attempt ' .. ARGV[2] .. ' at ' .. ARGV[4])
-if tonumber(ARGV[2]) < tonumber(redis.call('HGET', KEYS[1], f .. 'attempt') or '1') then return 'stale' end
+step_set(K, step, {report = ARGV[3] .. ' attempt ' .. ARGV[2] .. ' at ' .. ARGV[4]})
+if tonumber(ARGV[2]) < (step_get(K, step, 'attempt') or 1) then return 'stale' end
 if status ~= 'pending' and status ~= 'processing' and status ~= 'failed' then return 'closed' end
-if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], f .. 'error', ARGV[6]) end
+if ARGV[6] ~= '' then step_set(K, step, {error = ARGV[6]}) end
 redis.call('ZADD', KEYS[2], 'LT', ARGV[4], ARGV[5])
 return 'due'
-"""
+""")
 
 # Recording facts seen on topics: safe on any instance (not fenced), remembered per event id
 # so an aborted-and-replayed batch is told the same answer and writes the same log records.
-MARK_COMPENSATING = OnceEffect("mark_compensating", """
+MARK_COMPENSATING = OnceEffect("mark_compensating", with_steps("""
 if redis.call('EXISTS', KEYS[1]) == 0 then return '[]' end
-local now, delivery = ARGV[1], ARGV[2]
+local now, delivery = tonumber(ARGV[1]), ARGV[2]
 redis.call('HSET', KEYS[1], 'fail.seen', now)
 if not redis.call('HGET', KEYS[1], 'outcome') then redis.call('HSET', KEYS[1], 'outcome', 'failed') end
 if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], delivery .. '|' .. ARGV[3]) end
 local marked = {}
 for i = 4, #ARGV do
   local s = ARGV[i]
-  local st = redis.call('HGET', KEYS[1], s .. '.status')
+  local st = step_get(KEYS[1], s, 'status')
   if st and st ~= 'compensating' and st ~= 'compensated' and st ~= 'compensation_failed' then
-    redis.call('HSET', KEYS[1], s .. '.status', 'compensating', s .. '.compensating_at', now, s .. '.updated', now)
+    step_set(KEYS[1], s, {status = 'compensating', compensating_at = now, updated = now})
     redis.call('ZREM', KEYS[2], delivery .. '|' .. s)
-    table.insert(marked, {step = s, before = st,
-      attempt = tonumber(redis.call('HGET', KEYS[1], s .. '.attempt') or '1')})
+    table.insert(marked, {step = s, before = st, attempt = step_get(KEYS[1], s, 'attempt') or 1})
   end
 end
 if #marked == 0 then return '[]' end
 return cjson.encode(marked)
-""")
+"""))
 
 # The undo is a fact whatever order the topics are read in: a cancellation read before the
 # delivery.failed that asked for it still marks the step compensated (and that one then
 # skips it), so the two events never race each other into a wrong final state.
-MARK_COMPENSATED = OnceEffect("mark_compensated", """
-local f = ARGV[1] .. '.'
-local st = redis.call('HGET', KEYS[1], f .. 'status')
+MARK_COMPENSATED = OnceEffect("mark_compensated", with_steps("""
+local st = step_get(KEYS[1], ARGV[1], 'status')
 if not st then return 'ignored:none' end
 if st == 'compensated' then return 'ignored:compensated' end
-redis.call('HSET', KEYS[1], f .. 'status', 'compensated', f .. 'compensated_at', ARGV[2], f .. 'updated', ARGV[2])
-return 'compensated:' .. st .. ':' .. (redis.call('HGET', KEYS[1], f .. 'attempt') or '1')
-""")
+local now = tonumber(ARGV[2])
+step_set(KEYS[1], ARGV[1], {status = 'compensated', compensated_at = now, updated = now})
+return 'compensated:' .. st .. ':' .. (step_get(KEYS[1], ARGV[1], 'attempt') or 1)
+"""))
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -479,26 +478,6 @@ class Scanner:
 
 
 # -- re-reading a step's input from Kafka -------------------------------------------------------
-
-@dataclass(frozen=True)
-class Source:
-    """Where a step's last started input lies: ``<step>.source`` as the runner records it."""
-
-    handler_topic: str
-    topic: str
-    partition: int
-    offset: int
-
-    @classmethod
-    def parse(cls, raw: str) -> Source | None:
-        parts = raw.split("|")
-        if len(parts) != 4:
-            return None
-        try:
-            return cls(parts[0], parts[1], int(parts[2]), int(parts[3]))
-        except ValueError:
-            return None
-
 
 @dataclass(frozen=True)
 class Fetched:

@@ -34,11 +34,11 @@ from choreo.release import AWAIT_RELEASE, Releaser, awaiting_key
 from choreo.runner import RECOVERY_TOPIC
 from choreo.serde import DecodeFailure, Decoder, RegistryUnavailable, registry_client
 from choreo.service import Context, Effects, Service, retry_topic
-from choreo.state import DEADLINE_INDEX, delivery_key
+from choreo.state import DEADLINE_INDEX, Source, delivery_key
 from choreo.supervision import (
     COMPENSATION, COMPENSATION_FAILURES, COMPENSATIONS, FORWARD, LEADER, MARK_COMPENSATED,
     MARK_COMPENSATING, REPORTS, REQUEUES, Action, KeyedCompensationRecord, Policies, Scanner,
-    Source, SourceReader, StepPolicy, SupervisorSettings, Transitions, labels, parse_marked,
+    SourceReader, StepPolicy, SupervisorSettings, Transitions, labels, parse_marked,
     split_list,
 )
 from choreo.workflow import Workflow

@@ -40,7 +40,7 @@ import redis
 from confluent_kafka import Producer
 
 from choreo.config import settings
-from choreo.dedupe import seen_key
+from choreo.dedupe import seen_field, seen_key
 from choreo.envelope import HeaderList, now_ms
 from choreo.kafka import base_config, ensure_topics
 from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
@@ -186,8 +186,8 @@ class RedriveResult:
 
 def _forget_seen(pipe: Any, letter: DeadLetter) -> None:
     """Make the dead-lettering service forget the DLQ'd position of this event, so the
-    redriven copy is its first sighting (field layout of ``choreo.dedupe.Deduper``)."""
-    pipe.hdel(seen_key(letter.delivery_id), f"{letter.service}:{letter.event_id}:{letter.attempt}")
+    redriven copy is its first sighting."""
+    pipe.hdel(seen_key(letter.delivery_id), seen_field(letter.service, letter.event_id, letter.attempt))
 
 
 def redrive(selection: Selection, *, dry_run: bool = False, progress: Progress | None = None,

@@ -60,12 +60,12 @@ from confluent_kafka import TopicPartition
 
 from choreo.kafka import wait_transactions_settled
 from choreo.config import settings
-from choreo.dedupe import seen_key
+from choreo.dedupe import seen_field, seen_key
 from choreo.envelope import now_ms
 from choreo.kafka import admin
 from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
-from choreo.state import StateTable, StepStatus, delivery_key
+from choreo.state import Source, StateTable, StepStatus, delivery_key
 from choreo.workflow import Workflow
 from consumers import fleet
 from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
@@ -258,7 +258,7 @@ class Rebuilder:
             facts.compensation[str(body["step"])] = str(body["status"]).lower()
         for service, step, origin, deadline_ms in self.handlers.get(r.topic, ()):
             if env is not None and consumed_by(service):
-                self.seen.append((delivery, f"{service}:{env.event_id}:{env.attempt}", r.position))
+                self.seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))
             if step is None or env is None:
                 continue
             latest = facts.triggers.get(step)
@@ -319,7 +319,7 @@ class Rebuilder:
         items = [(d, t) for d, f in self._unreleased() for t in f.triggers.values()]
         pipe = self.client.pipeline(transaction=False)
         for delivery, trigger in items:
-            pipe.hexists(delivery_key(delivery), f"{trigger.step}.status")
+            pipe.hexists(delivery_key(delivery), trigger.step)
         exists = pipe.execute()
         now = now_ms()
         for (delivery, trigger), known in zip(items, exists):
@@ -333,7 +333,7 @@ class Rebuilder:
                 report.open_steps += 1
                 continue
             state.begin(delivery, trigger.step, trigger.attempt, now, trigger.deadline_ms, 1 << 30,
-                        source=f"{trigger.handler_topic}|{r.position}")
+                        source=Source(trigger.handler_topic, r.topic, r.partition, r.offset).text())
             error = self.facts[delivery].reports.get((trigger.step, trigger.attempt), "")
             if not error and (trigger.service, r.position) in self.dead_lettered:
                 error = "dead-lettered"
@@ -343,7 +343,7 @@ class Rebuilder:
         for delivery, facts in self._unreleased():
             for step, status in facts.compensation.items():
                 # the supervisor's log is the record of compensation states
-                pipe.hset(delivery_key(delivery), f"{step}.status", StepStatus(status).value)
+                state.put(delivery, {f"{step}.status": StepStatus(status).value}, pipe)
         pipe.execute()
 
     def _write_fleet(self, report: RebuildReport) -> None:

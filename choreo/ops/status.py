@@ -20,7 +20,7 @@ from confluent_kafka import Message, TopicPartition
 
 from choreo.config import settings
 from choreo.ops.records import existing_topics, read, reader, resolve
-from choreo.state import DEADLINE_INDEX, StepStatus, delivery_key, text
+from choreo.state import DEADLINE_INDEX, StepStatus, delivery_key, text, unpack_step
 from choreo.workflow import Workflow
 from schemas.models import DeliveryFailed, DeliveryShipped
 
@@ -81,12 +81,13 @@ def deliveries(client: redis.Redis, limit: int = 1000, now_ms: int | None = None
         member, score = item[0], item[1]
         delivery_id, _, step = _text(member).rpartition("|")
         parsed.append((delivery_id, step, int(score)))
-        pipe.hmget(delivery_key(delivery_id), [f"{step}.status", f"{step}.attempt", f"{step}.failures",
-                                                f"{step}.error", "outcome"])
+        pipe.hmget(delivery_key(delivery_id), [step, "outcome"])
     status = Status(now, total, len(parsed), 0)
     open_deliveries: set[str] = set()
-    for (delivery_id, step, deadline), values in zip(parsed, pipe.execute()):
-        st, attempt, failures, error, outcome = (_text(v) for v in values)
+    for (delivery_id, step, deadline), (record, raw_outcome) in zip(parsed, pipe.execute()):
+        values = unpack_step(_text(record)) if record else {}
+        st, attempt, failures = values.get("status", ""), values.get("attempt"), values.get("failures")
+        error, outcome = values.get("error", ""), _text(raw_outcome)
         view = StepView(delivery_id, step, st, deadline, max(0, now - deadline), int(attempt or 1),
                         int(failures or 0), error, outcome)
         if st in COMPENSATING:

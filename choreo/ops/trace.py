@@ -40,7 +40,7 @@ from choreo.ops.records import (
     BodyDecoder, Progress, Rec, existing_topics, partition_for, read, reader, resolve,
 )
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
-from choreo.state import delivery_key, text
+from choreo.state import delivery_key, flat_fields, text
 from choreo.topology import derive
 from choreo.workflow import Workflow
 
@@ -147,11 +147,7 @@ def request_time(client: redis.Redis | None, delivery_id: str) -> int | None:
     the request is produced); None when Redis no longer knows it."""
     if client is None:
         return None
-    try:
-        raw = client.hgetall(delivery_key(delivery_id))
-    except redis.RedisError:
-        return None
-    times = [int(text(v)) for k, v in raw.items() if text(k).endswith(".updated") and text(v).isdigit()]
+    times = [int(v) for k, v in _state(client, delivery_id).items() if k.endswith(".updated") and v.isdigit()]
     return min(times) if times else None
 
 
@@ -314,8 +310,9 @@ def trace(delivery_id: str, workflow: Workflow, *, since_ms: int | None = None,
 
 
 def _state(client: redis.Redis, delivery_id: str) -> dict[str, str]:
+    """The delivery's state table as ``<step>.<name>`` fields ({} when Redis cannot say)."""
     try:
         raw = client.hgetall(delivery_key(delivery_id))
     except redis.RedisError:
         return {}
-    return dict(sorted((text(k), text(v)) for k, v in raw.items()))
+    return dict(sorted(flat_fields({text(k): text(v) for k, v in raw.items()}).items()))

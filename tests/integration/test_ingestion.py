@@ -361,7 +361,7 @@ def test_terminal_deliveries_free_their_places(unique: str, redis_client: redis.
     now_ms = time.time() * 1000
     redis_client.zadd(key, {d: now_ms for d in ids})
     for d in ids:
-        redis_client.hset(delivery_key(d), "package.status", "pending")
+        StateTable(redis_client).put(d, {"package.status": "pending"})
     for d in ids[:5]:
         redis_client.hset(delivery_key(d), "outcome", "shipped")
     cfg = ingestion_settings(unique, INGESTION_MAX_IN_FLIGHT=cap, INGESTION_LAG_INTERVAL_S=0.1)

@@ -101,6 +101,9 @@ def test_release_waits_for_every_reader_of_the_terminal(redis_client: redis.Redi
         with pytest.raises(AssertionError, match="timed out"):  # several release periods
             wait_for(lambda: released(redis_client, ids), timeout_s=4)
         assert all(redis_client.exists(seen_key(d)) for d in ids)
+        # a finished delivery's step table, at its largest, fits Redis's compact encoding (a
+        # step record past the stack's hash-max-listpack-value turns it into a hash table)
+        assert {redis_client.object("encoding", delivery_key(d)) for d in ids} == {b"listpack"}
         start_notifier()
         wait_for(lambda: all(redis_client.hmget("notifications", sorted(ids))), what="notified")
         wait_for(lambda: released(redis_client, ids) == ids, timeout_s=60, what="released after it")
@@ -132,11 +135,11 @@ def test_the_release_script_keeps_an_open_step_and_is_idempotent(redis_client: r
         redis_client.hset(memo_key(d), "package:x", "1")
         redis_client.hset(seen_key(d), "package:y", "1")
         redis_client.hset(package_key(d), "status", "ready")
-    redis_client.hset(delivery_key(done), mapping={"package.status": "completed", "outcome": "shipped"})
+    StateTable(redis_client).put(done, {"package.status": "completed", "outcome": "shipped"})
     assert releaser.release([done, open_, gone], 5) == ["released", "kept:open_step", "gone"]
-    redis_client.hset(delivery_key(open_), "package.status", "completed")  # still no outcome
+    StateTable(redis_client).put(open_, {"package.status": "completed"})  # still no outcome
     assert releaser.release([open_], 5) == ["kept:no_outcome"]
-    redis_client.hset(delivery_key(open_), "package.status", "processing")
+    StateTable(redis_client).put(open_, {"package.status": "processing"})
     assert releaser.release([done], 6) == ["done"]
     assert state_keys(redis_client, done) == [delivery_key(done)]
     assert redis_client.hgetall(delivery_key(done)) == {b"done": b"5", b"outcome": b"shipped"}
@@ -160,7 +163,7 @@ def test_an_effect_that_finds_its_delivery_released_is_not_run(redis_client: red
     must not book anything for a finished delivery; its answer says so instead."""
     d = f"rel-{uuid.uuid4()}"
     target = f"probe:{{{d}}}"
-    redis_client.hset(delivery_key(d), mapping={"done": "1", "outcome": "shipped"})
+    StateTable(redis_client).put(d, {"done": "1", "outcome": "shipped"})
     try:
         call = EffectCall(BOOK, d, "package:probe_book:e1", (target,), ("x",), 60, refuse_released=True)
         assert call.run(redis_client) == RELEASED
@@ -181,7 +184,7 @@ def test_the_release_leaves_other_subscribers_entries(redis_client: redis.Redis)
     releaser = Releaser(redis_client, admin(), "delivery.shipped", [], ["notifier", "package"],
                         WORKFLOW.released_keys, 60)
     d = f"rel-{uuid.uuid4()}"
-    redis_client.hset(delivery_key(d), mapping={"package.status": "completed", "outcome": "shipped"})
+    StateTable(redis_client).put(d, {"package.status": "completed", "outcome": "shipped"})
     redis_client.hset(seen_key(d), mapping={"package:e1:1": "p|0|1", "audit:e9:1": "p|0|2"})
     redis_client.hset(memo_key(d), mapping={"notifier:notify:e2": "sent", "audit:count:e9": "1"})
     try:

@@ -27,7 +27,7 @@ from choreo.publisher import Publisher
 from choreo.runner import RECOVERY_TOPIC
 from choreo.serde import Decoder, registry_client
 from choreo.service import retry_topic
-from choreo.state import DEADLINE_INDEX, delivery_key
+from choreo.state import DEADLINE_INDEX, StateTable
 from consumers import fleet
 from schemas.models import CompensationRecord, DeliveryFailed
 from tests.factories import delivery_request
@@ -85,8 +85,7 @@ class World:
         return ids
 
     def state(self, delivery_id: str) -> dict[str, str]:
-        raw = self.redis.hgetall(delivery_key(delivery_id))
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return StateTable(self.redis).fields(delivery_id)
 
     def records(self, name: str) -> list[Any]:
         return read_topic(self.topic(name))

@@ -58,7 +58,7 @@ def _scan(client: redis.Redis, lease: Lease, now: int) -> dict[tuple[str, str], 
 
 
 def _fields(client: redis.Redis, delivery_id: str) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in client.hgetall(delivery_key(delivery_id)).items()}
+    return StateTable(client).fields(delivery_id)
 
 
 def _new(client: redis.Redis, *steps: str, now: int = 1_000_000) -> str:
@@ -182,7 +182,7 @@ def test_budget_spent_fails_the_delivery_once_with_compensations_newest_first(
     table.begin(d, "package", 1, 1_000_010, DEADLINE, BUDGET, "a|a|0|1")
     table.finish(d, "package", 1, 1_000_020, StepStatus.COMPLETED)
     table.begin(d, "drone", 1, 1_000_030, DEADLINE, BUDGET, "a|a|0|1")
-    client.hset(delivery_key(d), "drone.tries", BUDGET)
+    StateTable(client).put(d, {"drone.tries": BUDGET})
     table.finish(d, "drone", 1, 1_000_040, StepStatus.FAILED, "dispatch timed out")
     fail = _scan(client, lease, 1_000_050)[(d, "drone")]
     assert fail.kind == "fail" and fail.data["compensate"] == "package" and not fail.data["again"]
@@ -204,8 +204,7 @@ def test_budget_spent_fails_the_delivery_once_with_compensations_newest_first(
 def test_compensate_lists_completed_steps_in_reverse_order_and_abandoned_first(
         client: redis.Redis, lease: Lease) -> None:
     d = _new(client, "package", "drone", "delivery")
-    key = delivery_key(d)
-    client.hset(key, mapping={"package.status": "completed", "package.completed_at": 10,
+    StateTable(client).put(d, {"package.status": "completed", "package.completed_at": 10,
                               "drone.status": "completed", "drone.completed_at": 20,
                               "delivery.status": "failed", "delivery.tries": BUDGET,
                               "delivery.source": "x|x|0|0"})
@@ -213,7 +212,7 @@ def test_compensate_lists_completed_steps_in_reverse_order_and_abandoned_first(
     client.zrem(DEADLINE_INDEX, index_member(d, "package"), index_member(d, "drone"))
     assert _scan(client, lease, 1_000_000)[(d, "delivery")].data["compensate"] == "drone,package"
     d2 = _new(client, "package", "drone")
-    client.hset(delivery_key(d2), mapping={"package.status": "completed", "package.completed_at": 10,
+    StateTable(client).put(d2, {"package.status": "completed", "package.completed_at": 10,
                                            "drone.status": "processing", "drone.tries": BUDGET,
                                            "drone.source": "x|x|0|0"})
     client.zrem(DEADLINE_INDEX, index_member(d2, "package"))
@@ -222,7 +221,7 @@ def test_compensate_lists_completed_steps_in_reverse_order_and_abandoned_first(
 
 def test_an_outcome_decided_elsewhere_wins(client: redis.Redis, lease: Lease) -> None:
     d = _new(client, "drone", "delivery")
-    client.hset(delivery_key(d), mapping={"outcome": "shipped", "delivery.status": "completed",
+    StateTable(client).put(d, {"outcome": "shipped", "delivery.status": "completed",
                                           "drone.status": "failed", "drone.tries": BUDGET})
     assert _scan(client, lease, 1_002_000)[(d, "drone")].kind == "drop"
     assert client.hget(delivery_key(d), "outcome") == b"shipped"
@@ -241,7 +240,7 @@ def test_a_deposed_supervisor_changes_nothing(client: redis.Redis, lease: Lease)
 
 def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Redis, lease: Lease) -> None:
     d = _new(client, "cancel_package")
-    client.hset(delivery_key(d), mapping={"outcome": "failed", "package.status": "compensating",
+    StateTable(client).put(d, {"outcome": "failed", "package.status": "compensating",
                                           "cancel_package.status": "failed",
                                           "cancel_package.tries": BUDGET,
                                           "cancel_package.error": "warehouse refused"})
@@ -255,7 +254,7 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
 
 def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis) -> None:
     d = _new(client, "package")
-    client.hset(delivery_key(d), mapping={"package.status": "completed"})
+    StateTable(client).put(d, {"package.status": "completed"})
     assert MARK_COMPENSATED.run(client, d, "t:1", [delivery_key(d)], ["package", 5], 60) \
         == "compensated:completed:1"
     raw = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), DEADLINE_INDEX],
@@ -270,7 +269,7 @@ def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis
 def test_reports_make_the_current_attempt_due_and_ignore_stale_ones(client: redis.Redis) -> None:
     d = _new(client, "drone")
     t = Transitions(client)
-    client.hset(delivery_key(d), "drone.attempt", 3)
+    StateTable(client).put(d, {"drone.attempt": 3})
     assert t.record_report(d, "drone", 2, "FAILED", 1_000_001, "old") == "stale"
     assert t.record_report(d, "drone", 3, "RETRIES_EXHAUSTED", 1_000_002, "spent") == "due"
     assert client.zscore(DEADLINE_INDEX, index_member(d, "drone")) == 1_000_002
