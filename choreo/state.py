@@ -54,15 +54,16 @@ STEP_FIELDS = ("status", "complete_by", "attempt", "tries", "failures", "updated
                "completed_at", "origins", "joined", "error", "late", "requeue", "requeued",
                "tries_seen", "backoffs", "waiting", "report", "compensating_at", "compensated_at")
 
-# Prepended to every script that touches a step: ``step_get(key, step, name)`` (nil when absent),
+# Around every script that touches a step: ``step_get(key, step, name)`` (nil when absent),
 # ``step_set(key, step, {name = value, ...})`` (``cjson.null`` deletes a value; creates the
 # record), ``step_incr(key, step, name, by)``, ``is_step_record(field, value)`` (as
-# ``is_step_record`` below). Records are decoded once per script run.
+# ``is_step_record`` below). A record is decoded once per script run, and written back once,
+# when the script returns: a transition changes its step in several places.
 STEP_LUA = """
 local STEP_FIELDS = {%s}
 local STEP_SLOT = {}
 for i, name in ipairs(STEP_FIELDS) do STEP_SLOT[name] = i end
-local step_records = {}
+local step_records, step_dirty = {}, {}
 local function step_record(key, step)
   local id = key .. '#' .. step
   local record = step_records[id]
@@ -83,31 +84,42 @@ end
 local function step_set(key, step, values)
   local record = step_record(key, step) or {}
   for name, value in pairs(values) do record[STEP_SLOT[name]] = value end
-  local last = 0
-  for i = 1, #STEP_FIELDS do
-    if record[i] ~= nil and record[i] ~= cjson.null then last = i end
-  end
-  local packed = {}
-  for i = 1, last do
-    if record[i] == nil then packed[i] = cjson.null else packed[i] = record[i] end
-  end
-  redis.call('HSET', key, step, cjson.encode(packed))
-  step_records[key .. '#' .. step] = packed
-end
-local function is_step_record(name, value)
-  return not string.find(name, '.', 1, true) and string.sub(value, 1, 1) == '['
+  step_records[key .. '#' .. step] = record
+  step_dirty[key .. '#' .. step] = {key, step}
 end
 local function step_incr(key, step, name, by)
   local value = (tonumber(step_get(key, step, name)) or 0) + by
   step_set(key, step, {[name] = value})
   return value
 end
+local function is_step_record(name, value)
+  return not string.find(name, '.', 1, true) and string.sub(value, 1, 1) == '['
+end
+local function step_flush()
+  for id, where in pairs(step_dirty) do
+    local record, last = step_records[id], 0
+    for i = 1, #STEP_FIELDS do
+      if record[i] ~= nil and record[i] ~= cjson.null then last = i end
+    end
+    local packed = {}
+    for i = 1, last do
+      if record[i] == nil then packed[i] = cjson.null else packed[i] = record[i] end
+    end
+    redis.call('HSET', where[1], where[2], cjson.encode(packed))
+  end
+  step_dirty = {}
+end
+local step_result = (function()
+%%s
+end)()
+step_flush()
+return step_result
 """ % ", ".join(f"'{name}'" for name in STEP_FIELDS)
 
 
 def with_steps(script: str) -> str:
     """A script that reads or writes step records (``STEP_LUA``'s functions in scope)."""
-    return STEP_LUA + script
+    return STEP_LUA % script
 
 
 def delivery_key(delivery_id: str) -> str:
