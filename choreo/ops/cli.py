@@ -182,7 +182,7 @@ def rebuild_cmd(
     table = Table("restored", "count", title=f"rebuild from {_when(report.since_ms)} ({report.seconds:.1f}s)")
     for name in ("records_read", "deliveries", "outcomes", "fanin_fields", "steps", "open_steps",
                  "bookings_restored", "seen_entries", "packages", "notifications", "fleet_seeded",
-                 "released_skipped"):
+                 "released_skipped", "awaiting_release"):
         table.add_row(name.replace("_", " "), str(getattr(report, name)))
     out.print(table)
     for conflict in report.booking_conflicts:

@@ -29,6 +29,9 @@ What is rebuilt, and why each piece matters for exactly-once after a wipe:
 * **Dedupe** (``seen:{id}``): for every record each service has committed, its position,
   so a copy arriving after the wipe is still recognised.
 * **Business records** derived from events: packages (``pkg:{id}``), notifications.
+* **The release's record of terminals** (``release:<topic>:<partition>``): each shipped
+  delivery's ``delivery.shipped`` position, so the supervisor releases its rebuilt state once
+  every reader is past it, instead of leaving it to its TTLs (``choreo.release``).
 
 Remembered effect answers (``fx:{id}``) are not rebuilt: every effect is also idempotent on its business key
 (a booking by delivery id, a package by its derived id, the fan-in by its fields, the
@@ -65,6 +68,7 @@ from choreo.envelope import now_ms
 from choreo.kafka import admin
 from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
+from choreo.release import awaiting_key
 from choreo.state import Source, StateTable, StepStatus, delivery_key
 from choreo.workflow import Workflow
 from consumers import fleet
@@ -125,6 +129,7 @@ class DeliveryFacts:
     reports: dict[tuple[str, int], str] = field(default_factory=dict)  # (step, attempt) -> error
     compensation: dict[str, str] = field(default_factory=dict)  # forward step -> status
     dead_letters: int = 0  # its events in dead-letter topics: the state stays for a redrive
+    terminal: tuple[str, int, int] | None = None  # its first delivery.shipped: topic, partition, offset
 
 
 @dataclass
@@ -144,6 +149,7 @@ class RebuildReport:
     notifications: int = 0
     fleet_seeded: int = 0
     released_skipped: int = 0  # released deliveries (choreo.release): their tombstone is left alone
+    awaiting_release: int = 0  # shipped deliveries handed back to the release
     seconds: float = 0.0
 
 
@@ -245,6 +251,8 @@ class Rebuilder:
         if topic in OUTCOMES and not facts.outcome:
             facts.outcome = OUTCOMES[topic]
         if topic == DeliveryShipped.topic:
+            if facts.terminal is None:
+                facts.terminal = (r.topic, r.partition, r.offset)
             facts.returned = facts.returned or consumed_by(_drone_service(self.workflow))
             if consumed_by(self.prefix + NOTIFIER) and body:
                 facts.notified_drone = str(body.get("drone_id") or "")
@@ -280,6 +288,7 @@ class Rebuilder:
         self._write_fleet(report)
         self._write_records(report)
         self._write_seen(report)
+        self._write_awaiting_release(report)
         self.client.set(READY_KEY, now_ms())
 
     def _released(self) -> set[str]:
@@ -391,6 +400,20 @@ class Rebuilder:
                 pipe.expire(seen_key(delivery), ttl)
             pipe.execute()
             report.seen_entries += len(chunk)
+
+
+    def _write_awaiting_release(self, report: RebuildReport) -> None:
+        """The supervisor's record of each terminal was lost with Redis: without it, a shipped
+        delivery's rebuilt state would wait for its TTLs (63,623 deliveries' worth in the chaos
+        run, RELIABILITY.md). Recorded again, the supervisor's releaser frees each one as soon as
+        its readers are past its terminal, by the same rule as for any other."""
+        pipe = self.client.pipeline(transaction=False)
+        for delivery, facts in self._unreleased():
+            if facts.terminal is not None and facts.outcome == "shipped":
+                topic, partition, offset = facts.terminal
+                pipe.zadd(awaiting_key(topic, partition), {delivery: offset})
+                report.awaiting_release += 1
+        pipe.execute()
 
 
 def _drone_service(workflow: Workflow) -> str:

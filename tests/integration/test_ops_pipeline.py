@@ -30,6 +30,7 @@ from choreo.kafka import admin, ensure_topics
 from choreo.ops.rebuild import rebuild
 from choreo.ops.trace import trace
 from choreo.publisher import Publisher
+from choreo.release import Releaser
 from choreo.runner import RECOVERY_TOPIC
 from choreo.service import retry_topic
 from choreo.state import delivery_key
@@ -64,6 +65,10 @@ def private_redis() -> Iterator[redis.Redis]:
     proc.terminate()
     proc.wait(10)
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _released(client: redis.Redis, ids: set[str]) -> set[str]:
+    return {d for d in ids if client.hexists(delivery_key(d), "done")}
 
 
 def _pings(client: redis.Redis) -> bool:
@@ -178,6 +183,16 @@ def test_flushall_mid_run_then_rebuild_every_delivery_ends_once(isolated: Isolat
     wait_for(lambda: not (set(_bookings(client)) & ids), timeout_s=20, what="drones returned")
     held = {k.decode(): v.decode() for k, v in client.hgetall(fleet.HELD).items()}
     assert all(_bookings(client).get(d) == drone for drone, d in held.items())
+    # the rebuild handed the deliveries shipped before the wipe back to the release (its
+    # record of their terminals was wiped too): once their readers are past, they are freed
+    shipped = {r.key.decode() for r in read_topic(isolated.prefix + "delivery.shipped")
+               if r.key and r.key.decode() in before}
+    assert shipped and report.awaiting_release == len(shipped)
+    releaser = Releaser(client, admin(), isolated.prefix + "delivery.shipped",
+                        isolated.flow.consumer_groups(isolated.prefix + "delivery.shipped"),
+                        [s.name for s in isolated.flow.services], isolated.flow.released_keys, 600)
+    wait_for(lambda: releaser.release_due(int(time.time() * 1000)) and _released(client, shipped) == shipped,
+             timeout_s=30, interval_s=0.5, what="the deliveries shipped before the wipe released")
 
 
 def test_rebuild_restores_a_drone_only_to_its_latest_booking(isolated: IsolatedPipeline) -> None:
