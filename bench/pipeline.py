@@ -56,6 +56,10 @@ from bench.common import (
     summarise_repeats,
 )
 from choreo.config import REPO_ROOT, settings
+from choreo.dedupe import seen_key
+from choreo.effects import memo_key
+from choreo.state import DEADLINE_INDEX, delivery_key
+from consumers.workflow import WORKFLOW
 from producers.settings import IngestionSettings
 
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -580,12 +584,14 @@ class Bench:
         base = int(client.info("memory")["used_memory"])
         logs_base = self._business_log_bytes(client)
         admission_base = self._bytes_of(client, ADMISSION_SET)
+        shared_base = self._shared_bytes(client)
         observer = Observer(OUTCOME_TOPICS)
         for pid in step_consumers + notifier:
             os.kill(pid, signal.SIGSTOP)
         try:
             driven = run_drivers(pipeline_driver_argvs(n, 0, 1, 99), self.work, "memory")
             accepted_mem = int(client.info("memory")["used_memory"])
+            counted_accepted = self._counted(client, [i for i, _, _ in driven["accepted"]], shared_base)
         finally:
             for pid in step_consumers:
                 os.kill(pid, signal.SIGCONT)
@@ -595,6 +601,7 @@ class Bench:
             observer.close()
             recorded = _wait(lambda: self._awaiting_release(client) >= len(ids), self.args.timeout)
             held_mem = int(client.info("memory")["used_memory"])
+            counted_held = self._counted(client, ids, shared_base)
             held_keys = self._keys_of(client, ids[0]) if ids else {}
         finally:
             for pid in notifier:
@@ -602,6 +609,7 @@ class Bench:
         released = _wait(lambda: self._awaiting_release(client) == 0, self.args.timeout)
         time.sleep(1.0)
         done_mem = int(client.info("memory")["used_memory"])
+        counted_done = self._counted(client, ids, shared_base)
         logs = self._business_log_bytes(client) - logs_base
         admission = self._bytes_of(client, ADMISSION_SET) - admission_base
         count = max(1, len(ids))
@@ -617,6 +625,8 @@ class Bench:
             "business_log_bytes_per_completed_delivery": round(logs / count),
             "admission_set_bytes_per_completed_delivery": round(admission / count),
             "runtime_bytes_per_completed_delivery": round((done_mem - base - logs - admission) / count),
+            "counted_bytes_per_delivery": {"accepted": counted_accepted, "before_release": counted_held,
+                                           "released": counted_done},
             "keys_of_one_delivery_before_release": held_keys,
             "keys_of_one_delivery_released": self._keys_of(client, ids[0]) if ids else {},
             "keys_total_after": int(client.dbsize()),
@@ -625,6 +635,29 @@ class Bench:
     def _pids(self, *services: str) -> list[int]:
         return [pid for key, proc in self.services.items() if self.service_of(key) in services
                 and (pid := proc.pid()) is not None]
+
+    @staticmethod
+    def _shared_keys(client: redis.Redis) -> list[str]:
+        """The sets every delivery has a member in: admission, deadlines, terminals awaiting release."""
+        return [ADMISSION_SET, DEADLINE_INDEX, *(k.decode() for k in client.scan_iter(match="release:*"))]
+
+    def _shared_bytes(self, client: redis.Redis) -> int:
+        return sum(self._bytes_of(client, key) for key in self._shared_keys(client))
+
+    def _counted(self, client: redis.Redis, ids: Sequence[str], shared_base: int) -> dict[str, int]:
+        """Bytes per delivery counted key by key (MEMORY USAGE): its own keys, and its share
+        of the shared sets' growth. ``used_memory`` moves by megabytes with client buffers (a
+        service's pipelined batch, a consumer's fetch), hundreds of bytes per delivery at this
+        count: the key count is the steady figure, ``used_memory`` the one with everything."""
+        pipe = client.pipeline(transaction=False)
+        for d in ids:
+            for key in (delivery_key(d), seen_key(d), memo_key(d), *WORKFLOW.released_keys(d)):
+                pipe.memory_usage(key, samples=0)
+        own = sum(int(b or 0) for b in pipe.execute())
+        shared = self._shared_bytes(client) - shared_base
+        count = max(1, len(ids))
+        return {"own": round(own / count), "shared": round(shared / count),
+                "total": round((own + shared) / count)}
 
     @staticmethod
     def _awaiting_release(client: redis.Redis) -> int:
@@ -809,7 +842,10 @@ def summarise(result: dict[str, Any], bench: Bench) -> dict[str, Any]:
         "p99_ms_at_1000": at_1000,
         "max_service_peak_rss_mb": max(services_rss) if services_rss else None,
         "peak_rss_mb": result["peak_rss_mb"],
-        "redis_bytes_per_inflight": result["memory"]["bytes_per_inflight_delivery_upper_bound"],
+        # the larger of the two measures (used_memory moves with client buffers; see _counted)
+        "redis_bytes_per_inflight": max(result["memory"]["bytes_per_inflight_delivery_upper_bound"],
+                                        result["memory"]["counted_bytes_per_delivery"]["before_release"]["total"]),
+        "redis_counted_bytes_per_delivery": result["memory"]["counted_bytes_per_delivery"],
         "redis_bytes_per_accepted": result["memory"]["bytes_per_accepted_delivery"],
         "redis_bytes_before_release": result["memory"]["bytes_per_delivery_before_release"],
         "redis_bytes_retained_per_completed": result["memory"]["bytes_per_completed_delivery"],
