@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from choreo.lease import Lease
+from choreo.ops import status
 from choreo.state import DEADLINE_INDEX, Begin, StateTable, StepStatus, delivery_key, index_member
 from choreo.supervision import (
     COMPENSATION, FORWARD, MARK_COMPENSATED, MARK_COMPENSATING, Action, Policies, Scanner,
@@ -287,3 +288,20 @@ def test_scan_is_paged_and_capped(client: redis.Redis, lease: Lease) -> None:
     rest = Scanner(client, capped).scan(lease.fence, lease.key, POLICIES, 1_002_000)
     assert rest.stats.due == 10 and rest.stats.page_sizes == [10, 0]
     assert json.dumps(sorted(a.kind for a in rest.actions)) == json.dumps(["extend"] * 10)
+
+
+def test_the_operators_status_view_reads_each_steps_record(client: redis.Redis) -> None:
+    table = StateTable(client)
+    waiting = _new(client, "package")  # due at 1_001_000
+    stuck = _new(client, "drone", now=990_000)  # due at 991_000
+    failed = _new(client, "drone")
+    table.begin(failed, "drone", 1, 1_000_010, DEADLINE, BUDGET, "delivery.requested|0|1")
+    table.finish(failed, "drone", 1, 1_000_020, StepStatus.FAILED, "no drone free")
+    undoing = _new(client, "package")
+    table.put(undoing, {"package.status": "compensating", "package.attempt": 2, "outcome": "failed"})
+    view = status.deliveries(client, now_ms=1_000_500)
+    assert [(v.delivery_id, v.status) for v in view.in_flight] == [(waiting, "pending")]
+    assert [(v.delivery_id, v.overdue_ms) for v in view.stuck] == [(stuck, 9_500)]
+    assert [(v.delivery_id, v.failures, v.error) for v in view.failed] == [(failed, 1, "no drone free")]
+    assert [(v.delivery_id, v.attempt, v.outcome) for v in view.compensating] == [(undoing, 2, "failed")]
+    assert view.in_flight_deliveries == 2
