@@ -26,6 +26,7 @@ from choreo.effects import RELEASED, EffectCall, OnceEffect, memo_field
 from choreo.envelope import Envelope, derived_id
 from choreo.errors import DeliveryReleased
 from choreo.events import Event
+from choreo.state import check_step_name
 
 HandlerResult = Event | Iterable[Event] | None
 R = TypeVar("R", bound=HandlerResult)
@@ -216,7 +217,8 @@ class Service:
             model = hints.get(params[0]) if params else None
             if not (isinstance(model, type) and issubclass(model, Event)):
                 raise TypeError(f"{fn.__name__}: annotate the first parameter with an Event type")
-            handler = Handler(topic, model, fn, step, deadline_s * deadline_scale())
+            handler = Handler(topic, model, fn, step if step is None else check_step_name(step),
+                              deadline_s * deadline_scale())
             self.handlers[topic] = handler
             if step is not None:
                 self.handlers[retry_topic(self.name, topic)] = handler

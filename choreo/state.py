@@ -101,11 +101,15 @@ local function step_flush()
     for i = 1, #STEP_FIELDS do
       if record[i] ~= nil and record[i] ~= cjson.null then last = i end
     end
-    local packed = {}
-    for i = 1, last do
-      if record[i] == nil then packed[i] = cjson.null else packed[i] = record[i] end
+    -- no status, no step: a late answer or a try for a step the table does not know (Redis
+    -- lost mid-attempt) leaves nothing behind, where a record would look like a step
+    if record[1] ~= nil and record[1] ~= cjson.null then
+      local packed = {}
+      for i = 1, last do
+        if record[i] == nil then packed[i] = cjson.null else packed[i] = record[i] end
+      end
+      redis.call('HSET', where[1], where[2], cjson.encode(packed))
     end
-    redis.call('HSET', where[1], where[2], cjson.encode(packed))
   end
   step_dirty = {}
 end
@@ -400,6 +404,8 @@ class StateTable:
         args: list[str] = []
         for name, value in values.items():
             step, _, part = name.rpartition(".") if _is_step_value(name) else ("", "", name)
+            if step and isinstance(value, str) and value.lstrip("-").isdigit():
+                value = int(value)  # as ``fields`` shows it: scripts compare numbers as numbers
             args += [step, part, json.dumps(value)]
         self._put(keys=[delivery_key(delivery_id)], args=args, client=pipe or self.client)
 
@@ -409,6 +415,17 @@ def text(value: object) -> str:
     if value is None:
         return ""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+RESERVED_FIELDS = frozenset({"outcome", "done", "dead_letters"})  # plain fields of the hash
+
+
+def check_step_name(step: str) -> str:
+    """A step's name is a field of its delivery's hash: it must not be a plain field's name or
+    contain a dot (``<step>.<name>`` is how the views name its values)."""
+    if not step or "." in step or step in RESERVED_FIELDS:
+        raise ValueError(f"step name {step!r}: not empty, no '.', not one of {sorted(RESERVED_FIELDS)}")
+    return step
 
 
 def is_step_record(name: str, value: str) -> bool:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import uuid
 
+import pytest
+
 from choreo.dedupe import compact_id, seen_field
-from choreo.state import STEP_FIELDS, Source, flat_fields, is_step_record, parse_steps, unpack_step
+from choreo.state import STEP_FIELDS, Source, check_step_name, flat_fields, is_step_record, parse_steps, unpack_step
 
 
 def test_a_source_read_where_its_handler_subscribes_is_written_short() -> None:
@@ -49,3 +51,10 @@ def test_event_ids_in_field_names_are_compact_and_distinct() -> None:
     assert len(compact) == len(ids) and {len(c) for c in compact} == {22}
     assert seen_field("package", ids[0], 2) == f"package:{compact_id(ids[0])}:2"
     assert compact_id("not-a-uuid:with:colons") == "not-a-uuid:with:colons"  # a foreign producer's id
+
+
+def test_a_step_name_must_not_clash_with_the_hash_layout() -> None:
+    assert check_step_name("release_drone") == "release_drone"
+    for bad in ("", "fan.in", "outcome", "done", "dead_letters"):
+        with pytest.raises(ValueError, match="step name"):
+            check_step_name(bad)

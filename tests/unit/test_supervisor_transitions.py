@@ -305,3 +305,21 @@ def test_the_operators_status_view_reads_each_steps_record(client: redis.Redis) 
     assert [(v.delivery_id, v.failures, v.error) for v in view.failed] == [(failed, 1, "no drone free")]
     assert [(v.delivery_id, v.attempt, v.outcome) for v in view.compensating] == [(undoing, 2, "failed")]
     assert view.in_flight_deliveries == 2
+
+
+def test_an_answer_for_a_step_the_table_does_not_know_leaves_nothing(client: redis.Redis) -> None:
+    """Redis lost mid-attempt: the attempt's late finish or try must not leave a record without
+    a status, which the release and the rebuild would take for an open step."""
+    table = StateTable(client)
+    d = uuid.uuid4().hex
+    assert table.finish(d, "drone", 1, 5, StepStatus.COMPLETED) == "ignored"
+    assert table.try_again(d, "drone", 1) == 1
+    assert not client.exists(delivery_key(d))
+
+
+def test_values_staged_as_text_are_stored_as_numbers(client: redis.Redis) -> None:
+    d = _new(client, "drone")
+    StateTable(client).put(d, {"drone.attempt": "3", "drone.error": "42 drones short"})
+    record = json.loads(client.hget(delivery_key(d), "drone") or b"[]")
+    assert record[2] == 3 and record[10] == "42 drones short"
+    assert Transitions(client).record_report(d, "drone", 2, "FAILED", 1_000_001, "") == "stale"
