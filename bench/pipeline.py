@@ -56,9 +56,8 @@ from bench.common import (
     summarise_repeats,
 )
 from choreo.config import REPO_ROOT, settings
-from choreo.dedupe import seen_key
-from choreo.effects import memo_key
-from choreo.state import DEADLINE_INDEX, delivery_key
+from choreo.release import state_keys
+from choreo.state import DEADLINE_INDEX
 from consumers.workflow import WORKFLOW
 from producers.settings import IngestionSettings
 
@@ -651,7 +650,7 @@ class Bench:
         count: the key count is the steady figure, ``used_memory`` the one with everything."""
         pipe = client.pipeline(transaction=False)
         for d in ids:
-            for key in (delivery_key(d), seen_key(d), memo_key(d), *WORKFLOW.released_keys(d)):
+            for key in state_keys(d, WORKFLOW.released_keys):
                 pipe.memory_usage(key, samples=0)
         own = sum(int(b or 0) for b in pipe.execute())
         shared = self._shared_bytes(client) - shared_base

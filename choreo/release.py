@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,21 @@ return 'released'
 
 def awaiting_key(topic: str, partition: int) -> str:
     return f"release:{topic}:{partition}"
+
+
+def state_keys(delivery_id: str, declared: Callable[[str], list[str]]) -> list[str]:
+    """A delivery's own keys: step table, dedupe entries, effect answers, and the records its
+    services ``declared`` (``Workflow.released_keys``)."""
+    return [delivery_key(delivery_id), seen_key(delivery_id), memo_key(delivery_id), *declared(delivery_id)]
+
+
+def released(client: redis.Redis, delivery_ids: Iterable[str]) -> set[str]:
+    """Which of these deliveries were released (their tombstone says so), in one round trip."""
+    ids = list(delivery_ids)
+    pipe = client.pipeline(transaction=False)
+    for delivery_id in ids:
+        pipe.hexists(delivery_key(delivery_id), "done")
+    return {d for d, done in zip(ids, pipe.execute()) if done}
 
 
 @dataclass
@@ -171,8 +186,7 @@ class Releaser:
         """Release these deliveries now (one round trip); each one's verdict, in order."""
         pipe = self.client.pipeline(transaction=False)
         for delivery_id in delivery_ids:
-            keys = [DEADLINE_INDEX, delivery_key(delivery_id), seen_key(delivery_id),
-                    memo_key(delivery_id), *self.extra_keys(delivery_id)]
+            keys = [DEADLINE_INDEX, *state_keys(delivery_id, self.extra_keys)]
             self._release(keys=keys, args=[delivery_id, now_ms, self.tombstone_ttl_s, *self.services],
                           client=pipe)
         return [text(v) for v in pipe.execute()]

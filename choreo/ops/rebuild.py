@@ -68,7 +68,7 @@ from choreo.envelope import now_ms
 from choreo.kafka import admin
 from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
-from choreo.release import awaiting_key
+from choreo.release import awaiting_key, released
 from choreo.state import Source, StateTable, StepStatus, delivery_key
 from choreo.workflow import Workflow
 from consumers import fleet
@@ -294,11 +294,7 @@ class Rebuilder:
     def _released(self) -> set[str]:
         """Deliveries whose tombstone says they are finished: on a live Redis, writing their
         state again would bring back what the release freed (and shorten the tombstone)."""
-        deliveries = list(self.facts)
-        pipe = self.client.pipeline(transaction=False)
-        for delivery in deliveries:
-            pipe.hexists(delivery_key(delivery), "done")
-        return {d for d, done in zip(deliveries, pipe.execute()) if done}
+        return released(self.client, self.facts)
 
     def _unreleased(self) -> Iterable[tuple[str, DeliveryFacts]]:
         return ((d, f) for d, f in self.facts.items() if d not in self.released)

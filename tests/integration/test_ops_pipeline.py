@@ -30,7 +30,7 @@ from choreo.kafka import admin, ensure_topics
 from choreo.ops.rebuild import rebuild
 from choreo.ops.trace import trace
 from choreo.publisher import Publisher
-from choreo.release import Releaser
+from choreo.release import Releaser, released
 from choreo.runner import RECOVERY_TOPIC
 from choreo.service import retry_topic
 from choreo.state import delivery_key
@@ -65,10 +65,6 @@ def private_redis() -> Iterator[redis.Redis]:
     proc.terminate()
     proc.wait(10)
     shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _released(client: redis.Redis, ids: set[str]) -> set[str]:
-    return {d for d in ids if client.hexists(delivery_key(d), "done")}
 
 
 def _pings(client: redis.Redis) -> bool:
@@ -191,7 +187,7 @@ def test_flushall_mid_run_then_rebuild_every_delivery_ends_once(isolated: Isolat
     releaser = Releaser(client, admin(), isolated.prefix + "delivery.shipped",
                         isolated.flow.consumer_groups(isolated.prefix + "delivery.shipped"),
                         [s.name for s in isolated.flow.services], isolated.flow.released_keys, 600)
-    wait_for(lambda: releaser.release_due(int(time.time() * 1000)) and _released(client, shipped) == shipped,
+    wait_for(lambda: releaser.release_due(int(time.time() * 1000)) and released(client, shipped) == shipped,
              timeout_s=30, interval_s=0.5, what="the deliveries shipped before the wipe released")
 
 

@@ -15,7 +15,7 @@ from choreo.config import settings
 from choreo.dedupe import seen_key
 from choreo.effects import RELEASED, EffectCall, OnceEffect, memo_key
 from choreo.envelope import Envelope
-from choreo.release import Releaser, awaiting_key
+from choreo.release import Releaser, awaiting_key, released
 from choreo.kafka import admin
 from choreo.state import DEADLINE_INDEX, StateTable, delivery_key
 from consumers import fleet
@@ -40,13 +40,6 @@ def pipeline() -> Iterator[Pipeline]:
     running = Pipeline().start()
     yield running
     running.kill()
-
-
-def released(client: redis.Redis, ids: set[str]) -> set[str]:
-    pipe = client.pipeline(transaction=False)
-    for d in sorted(ids):
-        pipe.hexists(delivery_key(d), "done")
-    return {d for d, done in zip(sorted(ids), pipe.execute()) if done}
 
 
 def state_keys(client: redis.Redis, delivery_id: str) -> list[str]:
