@@ -227,8 +227,8 @@ if outcome == 'completed' then
   step_set(K, step, {status = outcome, updated = now, completed_at = now})
   redis.call('ZREM', KEYS[2], ARGV[5])
 else
-  step_set(K, step, {status = outcome, updated = now, error = ARGV[6],
-           failures = (step_get(K, step, 'failures') or 0) + 1})
+  step_incr(K, step, 'failures', 1)
+  step_set(K, step, {status = outcome, updated = now, error = ARGV[6]})
   -- a failed step is due at once: the supervisor finds it even if its report was lost
   redis.call('ZADD', KEYS[2], now, ARGV[5])
 end
@@ -417,7 +417,8 @@ def text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-RESERVED_FIELDS = frozenset({"outcome", "done", "dead_letters"})  # plain fields of the hash
+# the hash's plain fields: these names, and ``fanin.*`` and ``fail.*`` (named as step values are)
+RESERVED_FIELDS = frozenset({"outcome", "done", "dead_letters", "fanin", "fail"})
 
 
 def check_step_name(step: str) -> str:
@@ -451,7 +452,8 @@ def flat_fields(raw: Mapping[str, str]) -> dict[str, str]:
 
 def _is_step_value(name: str) -> bool:
     """``<step>.<one of STEP_FIELDS>`` (``fanin.drone``, ``fail.step`` are plain fields)."""
-    return name.rpartition(".")[2] in STEP_FIELDS and not name.startswith(("fanin.", "fail."))
+    step, _, part = name.rpartition(".")
+    return part in STEP_FIELDS and step not in RESERVED_FIELDS
 
 
 def parse_steps(raw: Mapping[str, str]) -> dict[str, StepState]:

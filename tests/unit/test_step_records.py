@@ -55,6 +55,6 @@ def test_event_ids_in_field_names_are_compact_and_distinct() -> None:
 
 def test_a_step_name_must_not_clash_with_the_hash_layout() -> None:
     assert check_step_name("release_drone") == "release_drone"
-    for bad in ("", "fan.in", "outcome", "done", "dead_letters"):
+    for bad in ("", "fan.in", "outcome", "done", "dead_letters", "fanin", "fail"):
         with pytest.raises(ValueError, match="step name"):
             check_step_name(bad)
