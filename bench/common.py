@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -197,6 +198,34 @@ def sample_process(pid: int) -> ProcSample | None:
         return None
     return ProcSample(parse_stat_cpu(stat), parse_status_kb(status, "VmRSS"),
                       parse_status_kb(status, "VmHWM"))
+
+
+# a JVM names its threads after their pool and index ("data-plane-kafka-request-handler-3",
+# "GC Thread#1"; Linux keeps the first 15 characters): one group per pool
+_THREAD_INDEX = re.compile(r"[-_ #]?\d+$")
+
+
+def thread_group(comm: str) -> str:
+    return _THREAD_INDEX.sub("", comm.strip()) or comm.strip()
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread group of a process, from /proc/<pid>/task: exact, where a
+    sampling profiler sees only threads running Java code (not GC, JIT or native I/O)."""
+    groups: dict[str, float] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return groups
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        name = thread_group(comm)
+        groups[name] = groups.get(name, 0.0) + parse_stat_cpu(stat)
+    return groups
 
 
 def load_average() -> list[float]:

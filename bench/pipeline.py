@@ -53,7 +53,7 @@ from bench.ceiling import Record, save_samples
 from bench.common import (
     HAPPY_PATH, SOURCE_TOPIC, TERMINAL_TOPIC, Hops, ProcSample, Stage, batch_figures,
     free_port, hop_count, latency_summary, load_average, parse_metrics, rate, sample_process,
-    summarise_repeats,
+    summarise_repeats, thread_cpu,
 )
 from choreo.config import REPO_ROOT, settings
 from choreo.release import state_keys
@@ -63,6 +63,9 @@ from producers.settings import IngestionSettings
 
 RESULTS = REPO_ROOT / "bench" / "results"
 SERVICES = ["package", "drone-scheduler", "delivery", "notifier", "supervisor"]
+# what --profile takes besides service names: the submitting driver (py-spy) and the broker
+# (Java Flight Recorder; its profile run also profiles one transactional ceiling run)
+OTHER_PROFILES = ("ingestion", "kafka")
 OUTCOME_TOPICS = ["delivery.shipped", "delivery.failed"]
 # records the services keep of every delivery, by design (business logs, not runtime state)
 BUSINESS_LOGS = ("notifications", "fleet:history")
@@ -136,18 +139,24 @@ def stack_pids() -> dict[str, int]:
 class Watch:
     """CPU seconds and peak RSS of named processes between two moments."""
 
+    # processes whose CPU is also split by thread group (the broker: request handlers,
+    # network threads, transaction markers, GC, JIT...)
+    BY_THREAD = ("kafka",)
+
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = dict(pids)
         self.start: dict[str, ProcSample] = {}
+        self.start_threads: dict[str, dict[str, float]] = {}
         self.t0 = 0.0
 
     def begin(self) -> None:
         self.t0 = time.monotonic()
         self.start = {n: s for n, p in self.pids.items() if (s := sample_process(p)) is not None}
+        self.start_threads = {n: thread_cpu(p) for n, p in self.pids.items() if n in self.BY_THREAD}
 
-    def end(self) -> dict[str, dict[str, float]]:
+    def end(self) -> dict[str, dict[str, Any]]:
         elapsed = time.monotonic() - self.t0
-        out: dict[str, dict[str, float]] = {}
+        out: dict[str, dict[str, Any]] = {}
         for name, pid in self.pids.items():
             now = sample_process(pid)
             first = self.start.get(name)
@@ -157,6 +166,12 @@ class Watch:
             out[name] = {"cpu_s": round(cpu, 2), "cpu_pct": round(100 * cpu / elapsed, 1),
                          "rss_mb": round(now.rss_kb / 1024, 1),
                          "peak_rss_mb": round(now.hwm_kb / 1024, 1)}
+            if name in self.start_threads:
+                first_threads = self.start_threads[name]
+                used = {group: round(cpu_s - first_threads.get(group, 0.0), 2)
+                        for group, cpu_s in thread_cpu(pid).items()}
+                out[name]["cpu_s_by_thread"] = dict(sorted(
+                    ((g, c) for g, c in used.items() if c > 0), key=lambda gc: -gc[1]))
         return out
 
 
@@ -350,7 +365,7 @@ class Bench:
             key = spec.name if self.args.instances == 1 else f"{spec.name}-{spec.instance}"
             self.services[key] = proc
             self.metrics_ports[key] = port
-        unknown = [name for name in self.args.profile if name not in self.services and name != "ingestion"]
+        unknown = [name for name in self.args.profile if name not in self.services and name not in OTHER_PROFILES]
         if unknown:
             raise SystemExit(f"--profile {','.join(unknown)}: no such service instance "
                              f"({', '.join(self.services)})")
@@ -391,7 +406,8 @@ class Bench:
         mem_before = int(client.info("memory")["used_memory"])
         if profile:
             self.profile_dir.mkdir(parents=True, exist_ok=True)
-        spies = self._start_profilers([p for p in profile if p != "ingestion"], tag)
+        spies = self._start_profilers([p for p in profile if p not in OTHER_PROFILES], tag)
+        broker = self._start_broker_profile(tag) if "kafka" in profile else None
         ingestion_profile = self.profile_dir / "ingestion.txt" if "ingestion" in profile else None
         watch.begin()
         t0 = time.monotonic()
@@ -407,6 +423,8 @@ class Bench:
                                      "cpu_pct": round(100 * driven["cpu_s"] / seconds, 1),
                                      "rss_mb": driven["peak_rss_mb"], "peak_rss_mb": driven["peak_rss_mb"]}
         profiles = self._stop_profilers(spies)
+        if broker is not None:
+            profiles["kafka"] = self._stop_broker_profile(broker)
         if ingestion_profile is not None and ingestion_profile.exists():
             from bench.profile import summarise as summarise_profile
 
@@ -448,6 +466,25 @@ class Bench:
         if started:
             time.sleep(1.0)  # py-spy attaches
         return started
+
+    def _start_broker_profile(self, tag: str) -> tuple[int, Path]:
+        from bench import jfr
+
+        pid = stack_pids()["kafka"]
+        self.profile_dir.mkdir(parents=True, exist_ok=True)
+        out = (self.profile_dir / f"kafka-{tag}.jfr").resolve()  # the broker resolves it, not us
+        jfr.start(pid, out)
+        return pid, out
+
+    def _stop_broker_profile(self, broker: tuple[int, Path]) -> dict[str, Any]:
+        from bench import jfr
+        from bench.profile import summarise
+
+        pid, out = broker
+        collapsed = jfr.stop(pid, out)
+        text = out.with_suffix(".txt")
+        text.write_text(collapsed)
+        return {"raw": str(text), **summarise(collapsed, top=self.args.profile_top)}
 
     def _stop_profilers(self, spies: list[tuple[str, subprocess.Popen[bytes], Path]]) -> dict[str, Any]:
         from bench.profile import summarise
@@ -494,7 +531,8 @@ class Bench:
             raise RuntimeError(f"no sample records on {sorted(missing)} after the warm-up")
         return samples
 
-    def ceiling_run(self, n: int, transactional: bool, tag: str, rate_per_s: float = 0.0) -> dict[str, Any]:
+    def ceiling_run(self, n: int, transactional: bool, tag: str, rate_per_s: float = 0.0,
+                    profile_broker: bool = False) -> dict[str, Any]:
         from choreo.kafka import ensure_topics
         from infra.demo import wait_for_groups
 
@@ -520,6 +558,7 @@ class Bench:
             wait_for_groups(groups, 60)
             watch = Watch({**{n_: p.pid for n_, p in procs.items()}, **stack_pids()})
             observer = Observer([prefix + TERMINAL_TOPIC])
+            broker = self._start_broker_profile(tag) if profile_broker else None
             watch.begin()
             driven = run_drivers([["ceiling", "--n", str(n), "--topic", prefix + SOURCE_TOPIC,
                                    "--samples", str(samples_path), "--rate", str(rate_per_s)]],
@@ -527,6 +566,7 @@ class Bench:
             waited = observer.wait_for([i for i, _, _ in driven["accepted"]], self.args.timeout)
             used = watch.end()
             seconds = time.monotonic() - watch.t0
+            profiles = {"kafka": self._stop_broker_profile(broker)} if broker is not None else {}
             used["ceiling-source"] = {"cpu_s": round(driven["cpu_s"], 2), "cpu_pct": 0.0,
                                       "rss_mb": driven["peak_rss_mb"], "peak_rss_mb": driven["peak_rss_mb"]}
             observer.close()
@@ -544,6 +584,8 @@ class Bench:
         figures.update({"mode": "transactional" if transactional else "plain", "processes": used,
                         "cpu": cpu_budget(used, figures["terminal"], seconds, self.idle_pct),
                         "load_average": load_average()})
+        if profiles:
+            figures["profile"] = profiles
         log(f"{tag}: {figures['terminal']}/{n} terminal, {figures['deliveries_per_s']}/s, "
             f"p50 {figures['latency']['p50_ms']} p99 {figures['latency']['p99_ms']} ms")
         return figures
@@ -801,6 +843,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.profile:
             log(f"profiling {', '.join(args.profile)} under closed-loop load")
             result["profile_run"] = bench.pipeline_run(args.deliveries, 0, "profile", args.profile)
+            if "kafka" in args.profile:
+                result["profile_ceiling_run"] = bench.ceiling_run(args.deliveries, True, "profile-txn",
+                                                                  profile_broker=True)
         result["memory"] = bench.memory_probe(min(1000, args.deliveries))
         all_procs = [run_["pipeline"]["processes"] for run_ in runs]
         result["peak_rss_mb"] = {name: max(p.get(name, {}).get("peak_rss_mb", 0.0) for p in all_procs)
@@ -873,7 +918,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for outcomes")
     parser.add_argument("--profile", type=lambda s: [x for x in s.split(",") if x], default=[],
                         help="services to profile with py-spy in an extra closed-loop run "
-                             "('ingestion' profiles the submitting driver)")
+                             "('ingestion' profiles the submitting driver; 'kafka' the broker, "
+                             "with Java Flight Recorder, and then one transactional ceiling run)")
     parser.add_argument("--profile-top", type=int, default=15)
     parser.add_argument("--profile-idle", action="store_true",
                         help="sample idle (blocked) threads too: a wall-clock profile")

@@ -67,8 +67,10 @@ def summarise(text: str, top: int = 15) -> dict[str, Any]:
     computing: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     categories: Counter[str] = Counter()
+    roots: Counter[str] = Counter()
     for frames, count in stacks:
         if frames:
+            roots[frames[0]] += count
             own[frames[-1]] += count
             found = category(frames[-1])
             if found is None and any(f.startswith("_find_and_load") for f in frames):
@@ -90,4 +92,6 @@ def summarise(text: str, top: int = 15) -> dict[str, Any]:
             # the same without idle helper threads: where the working thread's time goes
             "working_thread": {k: round(100 * n / busy, 1) for k, n in categories.most_common()
                                if k != IDLE} if busy else {},
+            # the broker's stacks start with their thread pool: where its time goes, by pool
+            "roots": table(roots),
             "own_computing": table(computing), "own": table(own), "total": table(inclusive)}

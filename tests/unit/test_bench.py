@@ -9,7 +9,9 @@ from bench.ceiling import FanIn, Record, next_offsets
 from bench.common import (
     HAPPY_PATH, SOURCE_TOPIC, TERMINAL_TOPIC, Stage, batch_figures, hop_count, latency_summary,
     parse_metrics, parse_stat_cpu, parse_status_kb, percentile, spread, summarise_repeats,
+    thread_cpu, thread_group,
 )
+from bench.jfr import collapse
 from bench.profile import frame_name, summarise
 
 
@@ -168,3 +170,40 @@ def test_profile_summary_own_and_total() -> None:
     assert summary["own"][0] == {"function": "call (redis/client.py)", "samples": 50, "pct": 50.0}
     assert summary["total"][0]["pct"] == 100.0
     assert frame_name("f (/x/site-packages/redis/client.py:9)") == "f (redis/client.py)"
+
+
+def test_thread_groups_fold_a_pool_into_one_name() -> None:
+    assert thread_group("data-plane-kafk") == "data-plane-kafk"
+    assert thread_group("C2 CompilerThre") == "C2 CompilerThre"
+    assert thread_group("GC Thread#3") == "GC Thread"
+    assert thread_group("kafka-request-handler-12") == "kafka-request-handler"
+    assert thread_group("42") == "42"
+
+
+def test_thread_cpu_reads_this_process() -> None:
+    import os
+
+    groups = thread_cpu(os.getpid())
+    assert groups and sum(groups.values()) > 0
+    assert thread_cpu(2 ** 30) == {}  # no such process: nothing, not an error
+
+
+def test_jfr_samples_become_collapsed_stacks_rooted_at_their_pool() -> None:
+    def frame(cls: str, method: str) -> dict[str, object]:
+        return {"method": {"type": {"name": cls}, "name": method}}
+
+    def sample(thread: str, *frames: dict[str, object]) -> dict[str, object]:
+        return {"type": "jdk.ExecutionSample",
+                "values": {"sampledThread": {"javaName": thread}, "stackTrace": {"frames": list(frames)}}}
+
+    leaf, root = frame("kafka.log.UnifiedLog", "read"), frame("kafka.server.KafkaApis", "handle")
+    printed = {"recording": {"events": [
+        sample("data-plane-kafka-request-handler-0", leaf, root),
+        sample("data-plane-kafka-request-handler-1", leaf, root),
+        sample("TxnMarkerSenderThread", frame("x.Y", "z")),
+    ]}}
+    summary = summarise(collapse(printed))
+    assert summary["samples"] == 3
+    assert summary["roots"][0] == {"function": "thread data-plane-kafka-request-handler (java)",
+                                   "samples": 2, "pct": 66.7}
+    assert summary["own"][0]["function"] == "kafka.log.UnifiedLog.read (java)"
