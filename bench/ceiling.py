@@ -1,8 +1,8 @@
 """The ceiling: the pipeline's happy path as plain consume→produce stages with no logic.
 
 Each stage of ``bench.common.HAPPY_PATH`` runs as its own process (as each service does),
-with the runtime's consumer and producer settings (batches of up to 500, 50 ms poll,
-``fetch.wait.max.ms`` 10, linger 2 ms, lz4), on its own fresh topics with the pipeline's
+with the runtime's consumer and producer settings (batches of up to 500, 50 ms poll, the
+fetch settings of ``choreo.kafka.transactional_consumer_config``, linger 2 ms, lz4), on its own fresh topics with the pipeline's
 partition count, and produces records of the same sizes (the pipeline's own values and
 headers, captured from a warm-up run). In ``transactional`` mode each batch is one Kafka
 transaction with its input offsets, as in ``choreo.runner``; in plain mode offsets are
@@ -11,9 +11,10 @@ decoding, validation, Redis, state table, encoding.
 
     python -m bench.ceiling stage SPEC.json   # run one stage until SIGTERM
 
-Two environment switches try a runtime change on the no-logic chain first (an A/B):
-``BENCH_FETCH_WAIT_MS`` (the runtime's ``fetch.wait.max.ms`` is 10) and ``BENCH_CONSUME=first``
-(wait for the first record, then take what arrives within 5 ms, instead of ``consume(500, 0.05)``).
+The runtime's own switches (``CHOREO_KAFKA_FETCH_WAIT_MS``, ``CHOREO_KAFKA_FETCH_MIN_BYTES``,
+``CHOREO_KAFKA_COMPRESSION``) apply to the stages too; ``BENCH_CONSUME=first`` (wait for the
+first record, then take what arrives within 5 ms, instead of ``consume(500, 0.05)``) tries a
+change of the batching loop on the no-logic chain first (an A/B).
 """
 
 from __future__ import annotations
@@ -70,15 +71,6 @@ def load_samples(path: Path) -> dict[str, Record]:
     return {t: Record.from_json(r) for t, r in json.loads(path.read_text()).items()}
 
 
-def consumer_config(group: str, client_id: str) -> dict[str, Any]:
-    """The runtime's consumer settings; ``BENCH_FETCH_WAIT_MS`` tries another fetch wait
-    (an A/B of the stages)."""
-    config = transactional_consumer_config(group, client_id)
-    if "BENCH_FETCH_WAIT_MS" in os.environ:
-        config["fetch.wait.max.ms"] = int(os.environ["BENCH_FETCH_WAIT_MS"])
-    return config
-
-
 def producer_config(transactional_id: str | None) -> dict[str, Any]:
     """The runtime's producer settings; idempotent (acks=all) in both modes."""
     config: dict[str, Any] = {**pipeline_producer_config(),
@@ -131,7 +123,7 @@ def run_stage(spec: dict[str, Any]) -> None:
     payload = {out: samples[originals[out]] for out in routes.values() if out is not None}
     transactional = bool(spec["transactional"])
     fan_in = FanIn(sum(1 for out in routes.values() if out is not None)) if spec["fan_in"] else None
-    consumer = Consumer(consumer_config(spec["group"], spec["name"]))
+    consumer = Consumer(transactional_consumer_config(spec["group"], spec["name"]))
     producer = Producer(producer_config(spec["group"] if transactional else None))
     if transactional:
         producer.init_transactions(30)

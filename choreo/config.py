@@ -28,6 +28,10 @@ class Settings(BaseSettings):
     dedupe_ttl_s: int = Field(24 * 3600, validation_alias="CHOREO_DEDUPE_TTL_S")
     # the pipeline's producers (services, ingestion); an A/B switch for the benchmark too
     kafka_compression: str = Field("lz4", validation_alias="CHOREO_KAFKA_COMPRESSION")
+    # the services' fetches: how many bytes the broker waits for, and for how long at most
+    # (bench/README.md, "What the broker spends its CPU on")
+    kafka_fetch_min_bytes: int = Field(1, ge=1, validation_alias="CHOREO_KAFKA_FETCH_MIN_BYTES")
+    kafka_fetch_wait_max_ms: int = Field(100, ge=0, validation_alias="CHOREO_KAFKA_FETCH_WAIT_MS")
     # Kafka security (SASL/SCRAM over the local stack's SASL listener); secrets may come
     # from a file (``KAFKA_SASL_PASSWORD_FILE``), never from the repository
     kafka_security_protocol: str = Field("PLAINTEXT", validation_alias="KAFKA_SECURITY_PROTOCOL")

@@ -55,7 +55,8 @@ def transactional_consumer_config(group: str, client_id: str) -> dict[str, Any]:
         # how long the broker may hold a fetch when NO data is there: with fetch.min.bytes=1 a
         # fetch returns as soon as any committed record exists, so this bounds idle polling
         # (each service polls 6-48 partitions), not latency
-        "fetch.wait.max.ms": 100,
+        "fetch.wait.max.ms": settings().kafka_fetch_wait_max_ms,
+        "fetch.min.bytes": settings().kafka_fetch_min_bytes,
     }
 
 
