@@ -8,8 +8,10 @@ publish is confirmed only by the broker's delivery report, never by a per-messag
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -28,6 +30,18 @@ DeliveryCallback = Callable[[KafkaError | None, Message | None], None]
 
 class PublishError(RuntimeError):
     """The event could not be made durable; nothing was accepted."""
+
+
+@dataclass(frozen=True)
+class Publish:
+    """One event to publish: where (``topic``, default the event's own) and who learns the
+    broker's report."""
+
+    event: Event
+    event_id: str
+    topic: str | None = None
+    deadline_ms: int = 0
+    on_delivery: DeliveryCallback | None = None
 
 
 class Publisher:
@@ -59,27 +73,53 @@ class Publisher:
     def publish(self, event: Event, event_id: str, *, topic: str | None = None,
                 deadline_ms: int = 0, on_delivery: DeliveryCallback | None = None) -> Envelope:
         """Register the triggered steps, then produce; ``on_delivery`` learns the outcome."""
-        target = topic or event.topic
-        envelope = Envelope.first(event_id, event.key, type(event).__name__, self.name, deadline_ms)
-        self.open_steps(event.key, target)
-        try:
-            value = self._encoder(event, target)(event)
-            with self._lock:
-                self.producer.produce(target, key=event.key.encode(), value=value,
-                                      headers=envelope.to_headers(), on_delivery=on_delivery)
-                self.producer.poll(0)
-        except BaseException:
-            self.abandon_steps(event.key, target)
-            raise
-        return envelope
+        result = self.publish_many([Publish(event, event_id, topic, deadline_ms, on_delivery)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-    def open_steps(self, delivery_id: str, topic: str) -> None:
+    def publish_many(self, items: Sequence[Publish]) -> list[Envelope | Exception]:
+        """``publish`` for many events with one state-table round trip for all of them.
+
+        Each item's result is its envelope, or the exception that kept it from the producer
+        (its steps withdrawn again). If the steps cannot be registered (Redis), nothing is
+        produced and every item gets that error.
+        """
+        targets = [item.topic or item.event.topic for item in items]
+        try:
+            self.open_steps([(item.event.key, target) for item, target in zip(items, targets)])
+        except Exception as exc:
+            return [exc] * len(items)
+        results: list[Envelope | Exception] = []
+        with self._lock:
+            for item, target in zip(items, targets):
+                envelope = Envelope.first(item.event_id, item.event.key, type(item.event).__name__,
+                                          self.name, item.deadline_ms)
+                try:
+                    value = self._encoder(item.event, target)(item.event)
+                    self.producer.produce(target, key=item.event.key.encode(), value=value,
+                                          headers=envelope.to_headers(), on_delivery=item.on_delivery)
+                except Exception as exc:
+                    # the others of the batch may be produced already: this one's failure
+                    # must stay its own (a step left open is failed by the supervisor)
+                    with contextlib.suppress(redis.RedisError):
+                        self.abandon_steps(item.event.key, target)
+                    results.append(exc)
+                    continue
+                results.append(envelope)
+            self.producer.poll(0)
+        return results
+
+    def open_steps(self, triggers: Sequence[tuple[str, str]]) -> None:
+        """Register the steps each ``(delivery id, topic)`` triggers, pending with their
+        deadlines: one pipelined round trip for all."""
         if self.workflow is None:
             return
         now = now_ms()
         pipe = self.redis.pipeline(transaction=False)
-        for spec in self.workflow.steps_triggered_by(topic):
-            self.state.open(delivery_id, spec.name, now + int(spec.deadline_s * 1000), now, pipe=pipe)
+        for delivery_id, topic in triggers:
+            for spec in self.workflow.steps_triggered_by(topic):
+                self.state.open(delivery_id, spec.name, now + int(spec.deadline_s * 1000), now, pipe=pipe)
         pipe.execute()
 
     def abandon_steps(self, delivery_id: str, topic: str) -> None:
@@ -98,8 +138,10 @@ class Publisher:
             if err is not None:
                 failures.append(str(err))
 
-        for event, event_id in events:
-            self.publish(event, event_id, on_delivery=record)
+        for result in self.publish_many([Publish(event, event_id, on_delivery=record)
+                                         for event, event_id in events]):
+            if isinstance(result, Exception):
+                failures.append(f"{type(result).__name__}: {result}")
         self.flush(timeout_s)
         if failures:
             raise PublishError(f"{len(failures)} events were not accepted: {failures[0]}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +48,21 @@ from producers.settings import IngestionSettings
 MISSING_STATE_GRACE_S = 60.0
 MAX_RETRY_AFTER_S = 30
 
+# ARGV: now ms, cap, delivery ids. Admits the ids in order while the set is under the cap
+# (one already in the set counts as admitted: a retry); returns {how many, set size}.
 _ADMIT = """
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return {1, redis.call('ZCARD', KEYS[1])} end
 local n = redis.call('ZCARD', KEYS[1])
-if n >= tonumber(ARGV[3]) then return {0, n} end
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-return {1, n + 1}
+local cap = tonumber(ARGV[2])
+local admitted = 0
+for i = 3, #ARGV do
+  if not redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+    if n >= cap then break end
+    redis.call('ZADD', KEYS[1], ARGV[1], ARGV[i])
+    n = n + 1
+  end
+  admitted = admitted + 1
+end
+return {admitted, n}
 """
 
 
@@ -79,10 +88,11 @@ class InFlight:
         self._cursor = 0
         self.log = get_logger(component="admission")
 
-    def admit(self, delivery_id: str, now_ms: int) -> tuple[bool, int]:
-        """Reserve a place for ``delivery_id`` (idempotent); False when the cap is reached."""
-        ok, count = self._admit(keys=[self.key], args=[delivery_id, now_ms, self.cap])
-        return bool(ok), int(count)
+    def admit(self, delivery_ids: Sequence[str], now_ms: int) -> tuple[int, int]:
+        """Reserve places for ``delivery_ids`` in order, as far as the cap allows
+        (idempotent): how many of them got one, and the set's size after."""
+        admitted, count = self._admit(keys=[self.key], args=[now_ms, self.cap, *delivery_ids])
+        return int(admitted), int(count)
 
     def release(self, delivery_id: str) -> None:
         """Give the place back: the delivery was never accepted."""
@@ -225,16 +235,18 @@ class Admission:
                                    max(self.cfg.retry_after_s, min(MAX_RETRY_AFTER_S, wait)))
         self._open("backlog")
 
-    def reserve(self, delivery_id: str) -> None:
-        """Take a place in flight for ``delivery_id`` or refuse (atomic across instances)."""
-        ok, count = self.inflight.admit(delivery_id, self._clock_ms())
+    def reserve(self, delivery_ids: Sequence[str]) -> tuple[int, AdmissionRefused | None]:
+        """Take places in flight for ``delivery_ids``, in order, while the cap allows (atomic
+        across instances): how many got one, and the refusal for the rest (None: all did)."""
+        admitted, count = self.inflight.admit(delivery_ids, self._clock_ms())
         metrics.INFLIGHT.set(count)
-        if not ok:
+        if admitted < len(delivery_ids):
             self._refusing("in_flight", f"{count} deliveries in flight, cap {self.cfg.max_in_flight}")
-            raise AdmissionRefused(
+            return admitted, AdmissionRefused(
                 "in_flight", f"{count} deliveries in flight (cap {self.cfg.max_in_flight})",
                 self.cfg.retry_after_s)
         self._open("in_flight")
+        return admitted, None
 
     def release(self, delivery_id: str) -> None:
         try:

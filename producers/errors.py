@@ -12,7 +12,8 @@ class AdmissionRefused(Exception):
     ``reason`` is ``in_flight`` (too many deliveries accepted and not finished),
     ``backlog`` (the step consumers lag too far behind) or ``producer_queue`` (this
     process has too many publishes awaiting the broker's confirmation).
-    ``accepted`` lists the ids a batch submit had confirmed before the refusal.
+    ``accepted`` (here and on the other errors a batch submit raises) lists the ids it had
+    confirmed before the error.
     """
 
     def __init__(self, reason: str, detail: str, retry_after_s: int, status: int = 429) -> None:
@@ -36,6 +37,10 @@ class DeliveryPublishError(PublishError):
 
 class StoreUnavailable(PublishError):
     """Redis (idempotency keys, in-flight places, the state table) cannot be reached."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.accepted: list[str] = []
 
 
 class PublishTimeout(DeliveryPublishError):

@@ -122,6 +122,7 @@ class InvalidRequest(ValueError):
     def __init__(self, errors: list[dict[str, Any]], malformed: bool = False) -> None:
         self.errors = errors
         self.malformed = malformed  # not JSON at all (or nested too deep), as opposed to invalid
+        self.accepted: list[str] = []  # what a batch submit had confirmed before it
         summary = "; ".join(f"{e['field'] or '(body)'}: {e['message']}" for e in errors[:5])
         super().__init__(summary)
 

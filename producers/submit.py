@@ -23,6 +23,7 @@ import hmac
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -34,7 +35,7 @@ from confluent_kafka import KafkaError, Message
 from choreo.config import settings as choreo_settings
 from choreo.envelope import derived_id
 from choreo.logs import get_logger
-from choreo.publisher import Publisher
+from choreo.publisher import Publish, Publisher
 from choreo.state import delivery_key, parse_steps
 from choreo.workflow import Workflow
 from producers import metrics
@@ -43,12 +44,14 @@ from producers.errors import (
     AdmissionRefused, DeliveryPublishError, IdempotencyConflict, IdempotencyInProgress,
     PublishTimeout, StoreUnavailable,
 )
-from producers.model import DeliveryRequestIn, parse_request
+from producers.model import DeliveryRequestIn, InvalidRequest, parse_request
 from producers.settings import IngestionSettings
 from schemas.models import DeliveryRequested
 
 TOPIC = DeliveryRequested.topic
 PRODUCER_NAME = "ingestion"
+# why one request of a batch was not accepted (each carries ``accepted``: see DeliveryClient)
+SubmitError = InvalidRequest | AdmissionRefused | DeliveryPublishError | StoreUnavailable
 
 # KEYS[1] the key's hash. ARGV: fingerprint, new delivery id, requested_at ms, now ms, ttl s.
 # Returns {} when this call claimed the key, else the stored {id, fingerprint, requested_at,
@@ -111,6 +114,16 @@ class Submission:
     @property
     def delivery_id(self) -> str:
         return self.accepted.delivery_id
+
+
+@dataclass(frozen=True)
+class _Item:
+    """A request on its way to the producer, with the id and time it will carry."""
+
+    request: DeliveryRequestIn
+    delivery_id: str
+    requested_at_ms: int
+    claim: _Claim | None
 
 
 @dataclass(frozen=True)
@@ -204,6 +217,35 @@ class Submitter:
         except redis.RedisError as exc:
             raise StoreUnavailable(f"state store unreachable: {type(exc).__name__}") from exc
 
+    def submit_batch(self, data: Sequence[DeliveryRequestIn | dict[str, Any] | bytes | str]
+                     ) -> list[Submission | SubmitError]:
+        """``submit`` for many requests at once: one admission script and one state-table
+        round trip for all of them, where ``submit`` takes two per request (what bounds a
+        single submitting thread; bench/README.md, "The submit path, batched").
+
+        Each request's result, in order, is its Submission or the error that refused it
+        (``InvalidRequest``, ``AdmissionRefused``, ``StoreUnavailable``,
+        ``DeliveryPublishError``), and nothing was accepted for a refused one. Places in
+        flight go to the requests in order: past the cap the rest are refused. No
+        idempotency keys or owner checks here: those go through ``submit``.
+        """
+        results: list[Submission | SubmitError | None] = [None] * len(data)
+        items: list[tuple[int, _Item]] = []
+        now = int(time.time() * 1000)
+        for i, raw in enumerate(data):
+            try:
+                items.append((i, _Item(parse_request(raw), new_delivery_id(), now, None)))
+            except InvalidRequest as exc:
+                results[i] = exc
+        try:
+            done = self._admit_and_publish([item for _, item in items])
+        except redis.RedisError as exc:
+            failure: SubmitError = StoreUnavailable(f"state store unreachable: {type(exc).__name__}")
+            done = [failure] * len(items)
+        for (i, _), result in zip(items, done):
+            results[i] = result
+        return [r for r in results if r is not None]
+
     def _submit(self, request: DeliveryRequestIn, idempotency_key: str | None,
                 record_owner: bool = False) -> Submission:
         claim = self._claim_key(request, idempotency_key) if idempotency_key else None
@@ -217,64 +259,92 @@ class Submitter:
         requested_at_ms = claim.requested_at_ms if claim else int(time.time() * 1000)
         if record_owner:  # before the event exists, so its status is never readable by others
             self.redis.set(owner_redis_key(delivery_id), request.owner_id, ex=self.cfg.owner_ttl_s)
-        try:
-            self._admit(delivery_id)
-        except AdmissionRefused:
-            self._forget(claim)
-            raise
-        try:
-            return self._publish(request, delivery_id, requested_at_ms, claim)
-        except BaseException:
-            self.admission.release(delivery_id)
-            self._forget(claim)
-            raise
+        result = self._admit_and_publish([_Item(request, delivery_id, requested_at_ms, claim)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-    def _admit(self, delivery_id: str) -> None:
-        try:
-            with self._pending_lock:
-                if self._pending >= self.cfg.max_pending:
-                    raise AdmissionRefused(
-                        "producer_queue",
-                        f"{self._pending} publishes await the broker's confirmation",
-                        self.cfg.retry_after_s, status=503)
-            self.admission.check_backlog()
-            self.admission.reserve(delivery_id)
-        except AdmissionRefused as refused:
-            metrics.REFUSED.labels(refused.reason).inc()
-            raise
+    def _admit_and_publish(self, items: list[_Item]) -> list[Submission | SubmitError]:
+        """Admit the items in order, publish the admitted ones; a refused or failed item
+        leaves nothing behind (its place, its idempotency claim)."""
+        admitted, refusal = self._admit([item.delivery_id for item in items])
+        published = self._publish(items[:admitted])
+        for item, result in zip(items[:admitted], published):
+            if isinstance(result, Exception):
+                self.admission.release(item.delivery_id)
+                self._forget(item.claim)
+        for item in items[admitted:]:
+            self._forget(item.claim)
+        return [*published, *([refusal] * (len(items) - admitted) if refusal else [])]
 
-    def _publish(self, request: DeliveryRequestIn, delivery_id: str, requested_at_ms: int,
-                 claim: _Claim | None) -> Submission:
-        event = request.to_event(delivery_id, datetime.fromtimestamp(requested_at_ms / 1000, UTC))
-        event_id = event_id_for(delivery_id)
-        future: Future[None] = Future()
-        started = time.monotonic()
-        trace = [""]  # known once publish returns; the report virtually always comes later
-
-        def on_delivery(err: KafkaError | None, _: Message | None) -> None:
-            self._done(delivery_id, event_id, trace[0], claim, err, future, started)
-
+    def _admit(self, delivery_ids: list[str]) -> tuple[int, AdmissionRefused | None]:
+        """How many of ``delivery_ids`` (in order) got a place, and the refusal of the rest."""
         with self._pending_lock:
-            self._pending += 1
-        metrics.PENDING.set(self._pending)
+            pending = self._pending
+        room = self.cfg.max_pending - pending
+        refusal: AdmissionRefused | None = None
+        if room < len(delivery_ids):
+            refusal = AdmissionRefused("producer_queue", f"{pending} publishes await the broker's "
+                                       "confirmation", self.cfg.retry_after_s, status=503)
+        admitted = 0
         try:
-            envelope = self.publisher.publish(event, event_id, deadline_ms=request.deadline_ms,
-                                              on_delivery=on_delivery)
-        except BufferError as exc:
-            self._unpend()
+            if room > 0 and delivery_ids:
+                self.admission.check_backlog()
+                admitted, in_flight = self.admission.reserve(delivery_ids[:room])
+                refusal = in_flight or refusal
+        except AdmissionRefused as backlog:
+            refusal = backlog
+        if refusal is not None:
+            metrics.REFUSED.labels(refusal.reason).inc(len(delivery_ids) - admitted)
+        return admitted, refusal
+
+    def _publish(self, items: list[_Item]) -> list[Submission | SubmitError]:
+        """Hand the admitted items to the producer; each resolves on its broker report."""
+        if not items:
+            return []
+        started = time.monotonic()
+        sends: list[Publish] = []
+        settled: list[tuple[str, Future[None], list[str]]] = []
+        for item in items:
+            event = item.request.to_event(item.delivery_id,
+                                          datetime.fromtimestamp(item.requested_at_ms / 1000, UTC))
+            event_id = event_id_for(item.delivery_id)
+            future: Future[None] = Future()
+            trace = [""]  # known once publish returns; the report virtually always comes later
+
+            def on_delivery(err: KafkaError | None, _: Message | None, item: _Item = item,
+                            event_id: str = event_id, future: Future[None] = future,
+                            trace: list[str] = trace) -> None:
+                self._done(item.delivery_id, event_id, trace[0], item.claim, err, future, started)
+
+            sends.append(Publish(event, event_id, deadline_ms=item.request.deadline_ms,
+                                 on_delivery=on_delivery))
+            settled.append((event_id, future, trace))
+        with self._pending_lock:
+            self._pending += len(items)
+        metrics.PENDING.set(self._pending)
+        results: list[Submission | SubmitError] = []
+        for item, (event_id, future, trace), sent in zip(items, settled,
+                                                          self.publisher.publish_many(sends)):
+            if isinstance(sent, Exception):
+                self._unpend()
+                results.append(self._publish_failure(item.delivery_id, sent))
+                continue
+            trace[0] = sent.trace_id
+            results.append(Submission(Accepted(item.delivery_id, event_id, sent.trace_id), future))
+        return results
+
+    def _publish_failure(self, delivery_id: str, exc: Exception) -> SubmitError:
+        """What the caller is told when the producer did not take a publish."""
+        if isinstance(exc, BufferError):
             metrics.REFUSED.labels("producer_queue").inc()
-            raise AdmissionRefused("producer_queue", f"local producer queue full: {exc}",
-                                   self.cfg.retry_after_s, status=503) from None
-        except (redis.RedisError, OSError) as exc:
-            self._unpend()
-            metrics.PUBLISH_FAILED.inc()
-            raise DeliveryPublishError(delivery_id, f"state store: {type(exc).__name__}") from exc
-        except Exception as exc:  # registry unreachable, serialization, KafkaException
-            self._unpend()
-            metrics.PUBLISH_FAILED.inc()
-            raise DeliveryPublishError(delivery_id, f"{type(exc).__name__}: {exc}"[:300]) from exc
-        trace[0] = envelope.trace_id
-        return Submission(Accepted(delivery_id, event_id, envelope.trace_id), future)
+            return AdmissionRefused("producer_queue", f"local producer queue full: {exc}",
+                                    self.cfg.retry_after_s, status=503)
+        metrics.PUBLISH_FAILED.inc()
+        if isinstance(exc, (redis.RedisError, OSError)):
+            return DeliveryPublishError(delivery_id, f"state store: {type(exc).__name__}")
+        # registry unreachable, serialization, KafkaException
+        return DeliveryPublishError(delivery_id, f"{type(exc).__name__}: {exc}"[:300])
 
     def _done(self, delivery_id: str, event_id: str, trace_id: str, claim: _Claim | None,
               err: KafkaError | None, future: Future[None], started: float) -> None:

@@ -34,7 +34,8 @@ from producers.client import DeliveryClient
 from producers.errors import AdmissionRefused
 from producers.ingestion import create_app
 from producers.settings import IngestionSettings
-from producers.submit import Submitter
+from producers.model import InvalidRequest
+from producers.submit import Submission, Submitter
 from schemas.models import DeliveryRequested
 from tests.factories import request_body
 from tests.helpers import REPO, wait_for
@@ -432,6 +433,58 @@ def test_python_client_submits_and_is_refused_past_the_cap(unique: str) -> None:
     published = {k for k, e, _ in records_since(start) if e.owner_id == f"py-{unique}"}
     assert published == {one, again, *refused.value.accepted}
     redis.Redis.from_url(settings().redis_url).delete(cfg.inflight_key)
+
+
+def test_a_batch_is_admitted_in_order_and_refused_past_the_cap(unique: str,
+                                                                redis_client: redis.Redis) -> None:
+    """``submit_batch``: one admission script and one state-table round trip for all, and
+    still each request's own answer: an invalid one does not stop the others, places go in
+    order, and what is refused leaves nothing (no event, no place, no pending step)."""
+    start = end_offsets()
+    owner = f"batch-{unique}"
+    cfg = ingestion_settings(unique, INGESTION_MAX_IN_FLIGHT=5, INGESTION_LAG_INTERVAL_S=3600)
+    bodies: list[Any] = [request_body(owner_id=owner) for _ in range(8)]
+    bodies[2] = {**request_body(owner_id=owner), "weight_kg": -1}
+    with DeliveryClient(cfg) as client:
+        results = client.start_many(bodies)
+        kinds = [type(r).__name__ for r in results]
+        assert kinds == ["Submission"] * 2 + ["InvalidRequest"] + ["Submission"] * 3 + ["AdmissionRefused"] * 2
+        refusal = results[6]
+        assert isinstance(refusal, AdmissionRefused) and refusal.reason == "in_flight"
+        accepted = [client.confirm(r) for r in results if isinstance(r, Submission)]
+    assert redis_client.zcard(cfg.inflight_key) == 5
+    assert set(m.decode() for m in redis_client.zrange(cfg.inflight_key, 0, -1)) == set(accepted)
+    published = [k for k, e, _ in records_since(start) if e.owner_id == owner]
+    assert sorted(published) == sorted(accepted)
+    table = StateTable(redis_client)
+    for delivery_id in accepted:  # the steps the event triggers were opened before it was produced
+        assert {s.status for s in table.steps(delivery_id).values()} == {StepStatus.PENDING}
+    redis_client.delete(cfg.inflight_key)
+
+
+def test_submit_many_stops_at_an_invalid_request_and_says_what_it_accepted(unique: str) -> None:
+    start = end_offsets()
+    owner = f"many-{unique}"
+    cfg = ingestion_settings(unique)
+    bodies: list[Any] = [request_body(owner_id=owner) for _ in range(5)]
+    bodies[3] = b'{"owner_id": '  # not even JSON
+    with DeliveryClient(cfg) as client, pytest.raises(InvalidRequest) as invalid:
+        client.submit_many(bodies)
+    assert invalid.value.malformed and len(invalid.value.accepted) == 3
+    published = [k for k, e, _ in records_since(start) if e.owner_id == owner]
+    assert sorted(published) == sorted(invalid.value.accepted)  # the fifth was never sent
+    redis.Redis.from_url(settings().redis_url).delete(cfg.inflight_key)
+
+
+def test_a_batch_against_an_unreachable_store_refuses_every_request(unique: str) -> None:
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, socket_timeout=0.2)
+    submitter = Submitter(ingestion_settings(unique), redis_client=dead)
+    try:
+        results = submitter.submit_batch([request_body(), request_body(), "[1, 2"])
+        assert [type(r).__name__ for r in results] == ["StoreUnavailable"] * 2 + ["InvalidRequest"]
+        assert submitter.pending == 0
+    finally:
+        submitter.close()
 
 
 # -- the CLI ------------------------------------------------------------------------------------
