@@ -1,0 +1,47 @@
+"""The Kafka client settings every process shares come from one place and can be switched
+by environment (an operator's tuning, a benchmark's A/B), within checked bounds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from pydantic import ValidationError
+
+from choreo.config import settings
+from choreo.kafka import pipeline_producer_config, transactional_consumer_config
+
+
+@pytest.fixture(autouse=True)
+def fresh_settings() -> Iterator[None]:
+    settings.cache_clear()
+    yield
+    settings.cache_clear()
+
+
+def test_the_services_fetch_settings_default_to_returning_at_the_first_record(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("CHOREO_KAFKA_FETCH_MIN_BYTES", "CHOREO_KAFKA_FETCH_WAIT_MS"):
+        monkeypatch.delenv(name, raising=False)
+    config = transactional_consumer_config("package", "package-0")
+    assert config["fetch.min.bytes"] == 1 and config["fetch.wait.max.ms"] == 100
+    assert config["isolation.level"] == "read_committed" and config["enable.auto.commit"] is False
+
+
+def test_fetch_and_compression_switch_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHOREO_KAFKA_FETCH_MIN_BYTES", "16384")
+    monkeypatch.setenv("CHOREO_KAFKA_FETCH_WAIT_MS", "20")
+    monkeypatch.setenv("CHOREO_KAFKA_COMPRESSION", "none")
+    config = transactional_consumer_config("package", "package-0")
+    assert config["fetch.min.bytes"] == 16384 and config["fetch.wait.max.ms"] == 20
+    assert pipeline_producer_config()["compression.type"] == "none"
+
+
+@pytest.mark.parametrize("name, value", [("CHOREO_KAFKA_FETCH_MIN_BYTES", "0"),
+                                         ("CHOREO_KAFKA_FETCH_WAIT_MS", "-1"),
+                                         ("CHOREO_KAFKA_FETCH_WAIT_MS", "soon")])
+def test_a_fetch_setting_out_of_bounds_is_refused_at_start(monkeypatch: pytest.MonkeyPatch,
+                                                           name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError, match=name):
+        settings()
