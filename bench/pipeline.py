@@ -738,7 +738,7 @@ def _wait(predicate: Callable[[], bool], timeout_s: float, period_s: float = 0.2
     return True
 
 
-def cpu_budget(processes: dict[str, dict[str, float]], deliveries: int, seconds: float,
+def cpu_budget(processes: dict[str, dict[str, Any]], deliveries: int, seconds: float,
                idle_pct: dict[str, float] | None = None) -> dict[str, Any]:
     """CPU per delivery by process, and the rate that 100% of every core would allow at that
     cost: a figure that the machine's other load disturbs far less than wall-clock rates.
@@ -751,11 +751,16 @@ def cpu_budget(processes: dict[str, dict[str, float]], deliveries: int, seconds:
     net = {name: round(1e6 * max(0.0, p["cpu_s"] - idle_pct.get(name, 0.0) / 100 * seconds)
                        / deliveries) for name, p in processes.items()}
     total_us, net_us = sum(per.values()), sum(net.values())
+    # the JVM's compiler threads: warm-up work a long-running broker has done long ago
+    jit_us = sum(round(1e6 * sum(c for group, c in p.get("cpu_s_by_thread", {}).items()
+                                 if "Compiler" in group) / deliveries)
+                 for p in processes.values())
     cores = os.cpu_count() or 1
     return {"cpu_us_per_delivery": per, "total_cpu_us_per_delivery": total_us,
             "cpu_bound_deliveries_per_s": round(cores * 1e6 / total_us, 1) if total_us else 0.0,
             "net_cpu_us_per_delivery": net, "net_total_cpu_us_per_delivery": net_us,
-            "net_cpu_bound_deliveries_per_s": round(cores * 1e6 / net_us, 1) if net_us else 0.0}
+            "net_cpu_bound_deliveries_per_s": round(cores * 1e6 / net_us, 1) if net_us else 0.0,
+            "jit_cpu_us_per_delivery": jit_us}
 
 
 def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -763,7 +768,7 @@ def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
                                     "latency.p95_ms", "latency.p99_ms", "latency.max_ms",
                                     "cpu.total_cpu_us_per_delivery", "cpu.cpu_bound_deliveries_per_s",
                                     "cpu.net_total_cpu_us_per_delivery",
-                                    "cpu.net_cpu_bound_deliveries_per_s"])
+                                    "cpu.net_cpu_bound_deliveries_per_s", "cpu.jit_cpu_us_per_delivery"])
 
 
 def evaluate(summary: dict[str, Any]) -> dict[str, Any]:
@@ -805,7 +810,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform(), "load_average_before": load_before},
-        "config": {"deliveries": args.deliveries, "repeats": args.repeats, "rates": args.rates,
+        "config": {"deliveries": args.deliveries, "repeats": args.repeats, "warmup": args.warmup,
+                   "rates": args.rates,
                    "open_seconds": args.open_seconds, "partitions": args.partitions,
                    "instances_per_service": args.instances, "drivers": args.drivers, "log_level": args.log_level,
                    "stack": "private (own Kafka, Redis, registry on free ports)"},
@@ -815,12 +821,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         bench.start()
-        log("warm-up: 200 deliveries")
-        result["warmup"] = bench.pipeline_run(200, 0, "warmup")
+        # A fresh broker spends a minute or more compiling (its C1/C2 threads took 40-50 % of
+        # its CPU in the first runs): warm it on the pipeline's and the ceiling's paths alike
+        log(f"warm-up: {args.warmup} deliveries through the pipeline, then the ceiling")
+        result["warmup"] = bench.pipeline_run(args.warmup, 0, "warmup")
+        bench.samples = bench.capture_samples()
+        result["warmup_ceiling"] = bench.ceiling_run(args.warmup, True, "warmup-txn")
         time.sleep(2.0)  # a fresh broker settles (topic creation, group and txn coordinators)
         result["idle"] = bench.idle()
         log(f"idle stack: {result['idle']['total_cpu_pct']}% CPU ({result['idle']['cpu_pct']})")
-        bench.samples = bench.capture_samples()
         result["message_bytes"] = {t: {"value": len(r.value), "with_headers": r.size}
                                    for t, r in bench.samples.items()}
         runs: list[dict[str, Any]] = []
@@ -907,6 +916,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deliveries", "-n", type=int, default=2000, help="deliveries per closed-loop run")
     parser.add_argument("--repeats", "-r", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2000,
+                        help="deliveries of the warm-up (pipeline, then ceiling) before measuring")
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x],
                         default=[500.0, 1000.0], help="open-loop offered rates, deliveries/s")
     parser.add_argument("--open-seconds", type=float, default=2.0, help="length of each open-loop run")

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_the_benchmark_measures_every_figure_on_its_own_stack(tmp_path: Path) -> None:
     out = tmp_path / "pipeline.json"
     run = subprocess.run(
-        [sys.executable, "-m", "bench.pipeline", "--deliveries", "200", "--repeats", "1",
+        [sys.executable, "-m", "bench.pipeline", "--deliveries", "200", "--repeats", "1", "--warmup", "200",
          "--rates", "100", "--open-seconds", "1", "--timeout", "90", "--out", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -31,6 +31,10 @@ def test_the_benchmark_measures_every_figure_on_its_own_stack(tmp_path: Path) ->
     assert closed["accepted"] == closed["terminal"] == 200
     assert closed["lost_or_stuck"] == 0 and closed["more_than_one_outcome"] == 0
     assert result["runs"][0]["ceiling_transactional"]["events_per_s"] > 0
+    # the broker's CPU, split by thread group: request handling apart from its JIT compiler
+    broker_threads = closed["processes"]["kafka"]["cpu_s_by_thread"]
+    assert any(group.startswith("data-plane") for group in broker_threads)
+    assert closed["cpu"]["jit_cpu_us_per_delivery"] >= 0
     assert 0 < summary["ratio"] == result["summary"]["ratio"]
     assert result["open_loop"]["100"][0]["lost_or_stuck"] == 0
     memory = result["memory"]
