@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 EVENTS_IN = Counter("choreo_events_in_total", "Events consumed", ["service", "topic"])
@@ -18,6 +21,13 @@ EFFECTS_PER_ROUND_TRIP = Histogram("choreo_effects_per_round_trip", "Handler eff
                                    ["service"], buckets=(1, 2, 5, 10, 50, 100, 250, 500, 1000))
 TXN_ABORTS = Counter("choreo_transaction_aborts_total", "Aborted transactions (replayed)", ["service"])
 LAG = Gauge("choreo_consumer_lag", "Consumer lag per partition", ["service", "topic", "partition"])
+
+
+@functools.lru_cache(maxsize=4096)
+def child(metric: Counter | Gauge | Histogram, *values: str) -> Any:
+    """``metric.labels(*values)``, remembered: ``labels`` checks and locks on every call,
+    and the runtime counts per event (1-4 % of a service's CPU in a profile)."""
+    return metric.labels(*values)
 
 
 def serve(port: int) -> None:

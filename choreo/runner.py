@@ -238,9 +238,11 @@ class Runner:
         finish for all and only then the outputs of the attempts that still own their step."""
         self._dead_lettered.clear()
         try:
-            seen = self._seen(batch)
+            envelopes = [Envelope.from_headers(m.headers()) for m in batch]  # read once per message
+            seen = self._seen(batch, envelopes)
             self.producer.begin_transaction()
-            work = [w for m, s in zip(batch, seen) if (w := self._prepare(m, s)) is not None]
+            work = [w for m, e, s in zip(batch, envelopes, seen)
+                    if (w := self._prepare(m, e, s)) is not None]
             self._begin_all(work)
             self._finish_all(self._run_all(work))
             self.state.note_dead_letters(self._dead_lettered)  # before the commit: one round trip
@@ -280,12 +282,11 @@ class Runner:
                     raise
                 self.log.warning("transaction.commit_retry", error=str(err), attempt=attempt)
 
-    def _seen(self, batch: list[Message]) -> list[Seen]:
+    def _seen(self, batch: list[Message], envelopes: list[Envelope | None]) -> list[Seen]:
         """Which messages are to run: not copies of an event already handled at another
         position, nor events of a released delivery."""
         keyed: list[tuple[int, tuple[str, str, int, str]]] = []
-        for i, m in enumerate(batch):
-            env = Envelope.from_headers(m.headers())
+        for i, (m, env) in enumerate(zip(batch, envelopes)):
             if env is not None:
                 keyed.append((i, (env.correlation_id, env.event_id, env.attempt,
                                   f"{m.topic()}|{m.partition()}|{m.offset()}")))
@@ -333,14 +334,13 @@ class Runner:
 
     # -- one message -------------------------------------------------------------------
 
-    def _prepare(self, message: Message, seen: Seen) -> Work | None:
+    def _prepare(self, message: Message, envelope: Envelope | None, seen: Seen) -> Work | None:
         """Decode and guard one message; what can never succeed is dead-lettered here."""
         topic = message.topic() or ""
-        metrics.EVENTS_IN.labels(self.service.name, topic).inc()
+        metrics.child(metrics.EVENTS_IN, self.service.name, topic).inc()
         if seen is not Seen.FRESH:
             metrics.IGNORED.labels(self.service.name, topic, seen.value).inc()
             return None
-        envelope = Envelope.from_headers(message.headers())
         if envelope is None:
             self._dead_letter(message, DeadLetterReason.MISSING_HEADERS,
                               "no event_id / correlation_id headers")
@@ -445,7 +445,7 @@ class Runner:
                 run.resume(answer)
             waiting = [run for run in waiting if run.request is not None]
         for run in runs:
-            metrics.HANDLER_SECONDS.labels(self.service.name, run.work.topic).observe(run.seconds)
+            metrics.child(metrics.HANDLER_SECONDS, self.service.name, run.work.topic).observe(run.seconds)
 
     def _retry(self, run: Attempt) -> bool:
         """After a failed try: True to try again in this batch, else the failure is settled."""
@@ -529,7 +529,7 @@ class Runner:
         self.producer.produce(emitted.topic, key=emitted.event.key.encode(), value=value,
                               headers=envelope.to_headers())
         self.producer.poll(0)
-        metrics.EVENTS_OUT.labels(self.service.name, emitted.topic).inc()
+        metrics.child(metrics.EVENTS_OUT, self.service.name, emitted.topic).inc()
 
     def _dead_letter(self, message: Message, reason: DeadLetterReason, error: str) -> None:
         topic = message.topic() or ""

@@ -48,6 +48,7 @@ from confluent_kafka import ConsumerGroupTopicPartitions
 
 from choreo.config import settings
 from choreo.dedupe import Seen
+from choreo.envelope import Envelope
 from choreo.kafka import base_config, admin
 from choreo.ops.records import Span, reader, resolve
 from choreo.runner import Runner, RunnerOptions
@@ -128,8 +129,9 @@ class ReplayRunner(Runner):
         self.released_count = 0
         self.aborts = 0
 
-    def _seen(self, batch: list[Message]) -> list[Seen]:
-        verdicts = super()._seen(cast(list[Message], [_AtReplayPosition(m, self.group) for m in batch]))
+    def _seen(self, batch: list[Message], envelopes: list[Envelope | None]) -> list[Seen]:
+        verdicts = super()._seen(cast(list[Message], [_AtReplayPosition(m, self.group) for m in batch]),
+                                 envelopes)
         self.fresh_count += sum(v is Seen.FRESH for v in verdicts)
         self.duplicate_count += sum(v is Seen.DUPLICATE for v in verdicts)
         self.released_count += sum(v is Seen.RELEASED for v in verdicts)
