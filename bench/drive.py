@@ -69,10 +69,11 @@ def drive_pipeline(n: int, rate: float, seed: int) -> dict[str, Any]:
                 batch = range(i, max(i + 1, min(due, i + SUBMIT_BATCH)))
             else:
                 batch = range(i, min(n, i + SUBMIT_BATCH))
+            handed_at = time.monotonic()
             for k, result in zip(batch, client.start_many([bodies[k] for k in batch])):
                 if isinstance(result, AdmissionRefused):
                     # honour the refusal, briefly: a benchmark measures, it does not give up;
-                    # the places go in order, so the rest of the batch was refused too
+                    # refusals are the tail of a batch, so the next batch starts at this one
                     refused[result.reason] += 1
                     time.sleep(min(float(result.retry_after_s), 0.05))
                     break
@@ -80,7 +81,7 @@ def drive_pipeline(n: int, rate: float, seed: int) -> dict[str, Any]:
                 if isinstance(result, Exception):
                     errors[type(result).__name__] += 1
                     continue
-                due_at = start + k / rate if rate > 0 else time.monotonic()
+                due_at = start + k / rate if rate > 0 else handed_at
 
                 def done(future: Future[None], delivery_id: str = result.delivery_id,
                          due: float = due_at) -> None:

@@ -42,6 +42,7 @@ class Publish:
     topic: str | None = None
     deadline_ms: int = 0
     on_delivery: DeliveryCallback | None = None
+    envelope: Envelope | None = None  # made by ``Publisher.envelope`` when absent
 
 
 class Publisher:
@@ -82,33 +83,44 @@ class Publisher:
         """``publish`` for many events with one state-table round trip for all of them.
 
         Each item's result is its envelope, or the exception that kept it from the producer
-        (its steps withdrawn again). If the steps cannot be registered (Redis), nothing is
-        produced and every item gets that error.
+        (its steps withdrawn again). Items are produced in order, and once the local queue
+        is full (``BufferError``) the rest are not produced and get that error too, so a
+        caller can resume after the last one taken. If the steps cannot be registered
+        (Redis), nothing is produced and every item gets that error. Raised, rather than
+        returned, is only an error before anything of the batch was done.
         """
-        targets = [item.topic or item.event.topic for item in items]
+        self.producer.poll(0)  # earlier reports first: their callbacks' errors surface here
+        triggers = [(item.event.key, item.topic or item.event.topic) for item in items]
         try:
-            self.open_steps([(item.event.key, target) for item, target in zip(items, targets)])
+            self.open_steps(triggers)
         except Exception as exc:
+            self._withdraw(triggers)  # a pipeline is not atomic: some may have been opened
             return [exc] * len(items)
         results: list[Envelope | Exception] = []
-        with self._lock:
-            for item, target in zip(items, targets):
-                envelope = Envelope.first(item.event_id, item.event.key, type(item.event).__name__,
-                                          self.name, item.deadline_ms)
-                try:
-                    value = self._encoder(item.event, target)(item.event)
-                    self.producer.produce(target, key=item.event.key.encode(), value=value,
+        withdraw: list[tuple[str, str]] = []
+        queue_full: BufferError | None = None
+        for item, (key, target) in zip(items, triggers):
+            try:
+                if queue_full is not None:
+                    raise queue_full
+                envelope = self.envelope(item)
+                value = self._encoder(item.event, target)(item.event)
+                with self._lock:
+                    self.producer.produce(target, key=key.encode(), value=value,
                                           headers=envelope.to_headers(), on_delivery=item.on_delivery)
-                except Exception as exc:
-                    # the others of the batch may be produced already: this one's failure
-                    # must stay its own (a step left open is failed by the supervisor)
-                    with contextlib.suppress(redis.RedisError):
-                        self.abandon_steps(item.event.key, target)
-                    results.append(exc)
-                    continue
-                results.append(envelope)
-            self.producer.poll(0)
+            except Exception as exc:
+                queue_full = exc if isinstance(exc, BufferError) else None
+                withdraw.append((key, target))
+                results.append(exc)
+                continue
+            results.append(envelope)
+        self._withdraw(withdraw)
         return results
+
+    def envelope(self, item: Publish) -> Envelope:
+        """The envelope ``item`` goes out with: its own, or the first of a new story."""
+        return item.envelope or Envelope.first(item.event_id, item.event.key, type(item.event).__name__,
+                                               self.name, item.deadline_ms)
 
     def open_steps(self, triggers: Sequence[tuple[str, str]]) -> None:
         """Register the steps each ``(delivery id, topic)`` triggers, pending with their
@@ -122,13 +134,22 @@ class Publisher:
                 self.state.open(delivery_id, spec.name, now + int(spec.deadline_s * 1000), now, pipe=pipe)
         pipe.execute()
 
-    def abandon_steps(self, delivery_id: str, topic: str) -> None:
-        """The trigger was not accepted: withdraw its pending steps, so the supervisor never
-        chases a delivery nobody accepted."""
-        if self.workflow is None:
+    def abandon_steps(self, triggers: Sequence[tuple[str, str]]) -> None:
+        """The triggers were not accepted: withdraw their pending steps (one round trip), so
+        the supervisor never chases a delivery nobody accepted."""
+        if self.workflow is None or not triggers:
             return
-        for spec in self.workflow.steps_triggered_by(topic):
-            self.state.abandon(delivery_id, spec.name)
+        pipe = self.redis.pipeline(transaction=False)
+        for delivery_id, topic in triggers:
+            for spec in self.workflow.steps_triggered_by(topic):
+                self.state.abandon(delivery_id, spec.name, pipe=pipe)
+        pipe.execute()
+
+    def _withdraw(self, triggers: Sequence[tuple[str, str]]) -> None:
+        """``abandon_steps`` at best: a step left pending with no source is failed by the
+        supervisor at its deadline, and the caller is told of the failure either way."""
+        with contextlib.suppress(redis.RedisError):
+            self.abandon_steps(triggers)
 
     def publish_all(self, events: list[tuple[Event, str]], timeout_s: float = 30.0) -> None:
         """Publish many and wait until every one is durable; raise if any is not."""

@@ -325,10 +325,10 @@ class StateTable:
             client=pipe or self.client,
         )
 
-    def abandon(self, delivery_id: str, step: str) -> None:
+    def abandon(self, delivery_id: str, step: str, pipe: Any = None) -> None:
         """Withdraw a step opened for a trigger that was never published (still pending)."""
         self._abandon(keys=[delivery_key(delivery_id), DEADLINE_INDEX],
-                      args=[step, index_member(delivery_id, step)])
+                      args=[step, index_member(delivery_id, step)], client=pipe or self.client)
 
     def begin(self, delivery_id: str, step: str, attempt: int, now_ms: int,
               default_deadline_ms: int, budget: int, source: str, joinable: bool = False) -> Begin:

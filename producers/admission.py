@@ -94,9 +94,10 @@ class InFlight:
         admitted, count = self._admit(keys=[self.key], args=[now_ms, self.cap, *delivery_ids])
         return int(admitted), int(count)
 
-    def release(self, delivery_id: str) -> None:
-        """Give the place back: the delivery was never accepted."""
-        self.client.zrem(self.key, delivery_id)
+    def release(self, delivery_ids: Sequence[str]) -> None:
+        """Give the places back: the deliveries were never accepted."""
+        if delivery_ids:
+            self.client.zrem(self.key, *delivery_ids)
 
     def count(self) -> int:
         return int(self.client.zcard(self.key))
@@ -248,11 +249,11 @@ class Admission:
         self._open("in_flight")
         return admitted, None
 
-    def release(self, delivery_id: str) -> None:
+    def release(self, delivery_ids: Sequence[str]) -> None:
         try:
-            self.inflight.release(delivery_id)
-        except redis.RedisError as exc:  # the trimmer drops it once its state is gone
-            self.log.warning("could not release in-flight place", delivery_id=delivery_id,
+            self.inflight.release(delivery_ids)
+        except redis.RedisError as exc:  # the trimmer drops them once their state is gone
+            self.log.warning("could not release in-flight places", delivery_ids=list(delivery_ids[:20]),
                              error=str(exc))
 
     def fresh(self) -> bool:

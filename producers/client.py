@@ -16,7 +16,7 @@ from itertools import islice
 from types import TracebackType
 from typing import Any
 
-from producers.errors import AdmissionRefused, DeliveryPublishError, PublishError, StoreUnavailable
+from producers.errors import AdmissionRefused, DeliveryPublishError, PublishError
 from producers.model import DeliveryRequestIn, InvalidRequest, parse_request
 from producers.settings import IngestionSettings
 from producers.submit import SubmitError, Submission, Submitter
@@ -63,16 +63,17 @@ class DeliveryClient:
         """Submit many, in batches (``Submitter.submit_batch``: two Redis round trips per
         batch instead of two per request), each confirmed before the next is sent.
 
-        Stops at the first error (in submission order) and raises it with ``accepted`` set
-        to every id the broker confirmed before, in submission order; a failed publish is
-        absent from it. An invalid request stops the batch before it is sent (the requests
-        before it are submitted); a refusal refuses the rest of its batch, so a caller
-        resumes after ``accepted``.
+        Returns every delivery id, in submission order. On an error, the batch it is in is
+        still confirmed and no later batch is sent; the first error (in submission order) is
+        raised with ``accepted`` set to every id the broker confirmed, in submission order.
+        An invalid request is caught before its batch is sent: the requests before it are
+        submitted, it and the rest are not. Refusals (admission, a full local queue) are
+        always the tail of a batch, so after one a caller resumes after the last accepted.
         """
         size = max(1, min(SUBMIT_BATCH, self.submitter.cfg.max_pending // 2))
         accepted: list[str] = []
         for part in _batches(requests, size):
-            valid: list[DeliveryRequestIn] = []
+            valid: list[RequestLike] = []
             failure: SubmitError | None = None
             for request in part:
                 try:
@@ -80,7 +81,7 @@ class DeliveryClient:
                 except InvalidRequest as invalid:
                     failure = invalid
                     break
-            confirmed, first_error = self._confirm_all(self.start_many(list(valid)), timeout_s)
+            confirmed, first_error = self._confirm_all(self.start_many(valid), timeout_s)
             accepted.extend(confirmed)
             failure = first_error or failure
             if failure is not None:
@@ -94,11 +95,12 @@ class DeliveryClient:
         confirmed: list[str] = []
         first: SubmitError | None = None
         for result in results:
+            if not isinstance(result, Submission):
+                first = first or result
+                continue
             try:
-                if not isinstance(result, Submission):
-                    raise result
                 confirmed.append(self.confirm(result, timeout_s))
-            except (InvalidRequest, AdmissionRefused, DeliveryPublishError, StoreUnavailable) as exc:
+            except DeliveryPublishError as exc:
                 first = first or exc
         return confirmed, first
 

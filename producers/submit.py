@@ -23,9 +23,9 @@ import hmac
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -268,12 +268,16 @@ class Submitter:
         """Admit the items in order, publish the admitted ones; a refused or failed item
         leaves nothing behind (its place, its idempotency claim)."""
         admitted, refusal = self._admit([item.delivery_id for item in items])
-        published = self._publish(items[:admitted])
-        for item, result in zip(items[:admitted], published):
-            if isinstance(result, Exception):
-                self.admission.release(item.delivery_id)
+        try:
+            published = self._publish(items[:admitted])
+        except BaseException:  # raised before anything was produced (Publisher.publish_many)
+            self.admission.release([item.delivery_id for item in items[:admitted]])
+            for item in items:
                 self._forget(item.claim)
-        for item in items[admitted:]:
+            raise
+        failed = [item for item, result in zip(items, published) if not isinstance(result, Submission)]
+        self.admission.release([item.delivery_id for item in failed])
+        for item in [*failed, *items[admitted:]]:
             self._forget(item.claim)
         return [*published, *([refusal] * (len(items) - admitted) if refusal else [])]
 
@@ -300,51 +304,62 @@ class Submitter:
 
     def _publish(self, items: list[_Item]) -> list[Submission | SubmitError]:
         """Hand the admitted items to the producer; each resolves on its broker report."""
-        if not items:
-            return []
         started = time.monotonic()
-        sends: list[Publish] = []
-        settled: list[tuple[str, Future[None], list[str]]] = []
-        for item in items:
-            event = item.request.to_event(item.delivery_id,
-                                          datetime.fromtimestamp(item.requested_at_ms / 1000, UTC))
-            event_id = event_id_for(item.delivery_id)
-            future: Future[None] = Future()
-            trace = [""]  # known once publish returns; the report virtually always comes later
-
-            def on_delivery(err: KafkaError | None, _: Message | None, item: _Item = item,
-                            event_id: str = event_id, future: Future[None] = future,
-                            trace: list[str] = trace) -> None:
-                self._done(item.delivery_id, event_id, trace[0], item.claim, err, future, started)
-
-            sends.append(Publish(event, event_id, deadline_ms=item.request.deadline_ms,
-                                 on_delivery=on_delivery))
-            settled.append((event_id, future, trace))
-        with self._pending_lock:
-            self._pending += len(items)
-        metrics.PENDING.set(self._pending)
-        results: list[Submission | SubmitError] = []
-        for item, (event_id, future, trace), sent in zip(items, settled,
-                                                          self.publisher.publish_many(sends)):
-            if isinstance(sent, Exception):
-                self._unpend()
-                results.append(self._publish_failure(item.delivery_id, sent))
+        results: list[Submission | SubmitError | None] = [None] * len(items)
+        sends: list[tuple[int, Publish, Future[None]]] = []
+        for i, item in enumerate(items):
+            try:
+                event = item.request.to_event(item.delivery_id,
+                                              datetime.fromtimestamp(item.requested_at_ms / 1000, UTC))
+            except Exception as exc:
+                results[i] = self._publish_failure(item.delivery_id, exc)
                 continue
-            trace[0] = sent.trace_id
-            results.append(Submission(Accepted(item.delivery_id, event_id, sent.trace_id), future))
-        return results
+            send = Publish(event, event_id_for(item.delivery_id), deadline_ms=item.request.deadline_ms)
+            # the envelope (its trace id) is known before the report, which may come at once
+            send = replace(send, envelope=self.publisher.envelope(send))
+            future: Future[None] = Future()
+            sends.append((i, replace(send, on_delivery=self._reporter(item, send, future, started)), future))
+        with self._pending_lock:
+            self._pending += len(sends)
+        metrics.PENDING.set(self._pending)
+        try:
+            sent = self.publisher.publish_many([send for _, send, _ in sends])
+        except BaseException:
+            for _ in sends:
+                self._unpend()
+            raise
+        for (i, send, future), outcome in zip(sends, sent):
+            if isinstance(outcome, Exception):
+                self._unpend()
+                results[i] = self._publish_failure(items[i].delivery_id, outcome)
+            else:
+                results[i] = Submission(Accepted(items[i].delivery_id, send.event_id, outcome.trace_id), future)
+        return [r for r in results if r is not None]
+
+    def _reporter(self, item: _Item, send: Publish, future: Future[None],
+                  started: float) -> Callable[[KafkaError | None, Message | None], None]:
+        trace_id = send.envelope.trace_id if send.envelope else ""
+
+        def on_delivery(err: KafkaError | None, _: Message | None) -> None:
+            self._done(item.delivery_id, send.event_id, trace_id, item.claim, err, future, started)
+
+        return on_delivery
 
     def _publish_failure(self, delivery_id: str, exc: Exception) -> SubmitError:
         """What the caller is told when the producer did not take a publish."""
+        failure: SubmitError
         if isinstance(exc, BufferError):
             metrics.REFUSED.labels("producer_queue").inc()
-            return AdmissionRefused("producer_queue", f"local producer queue full: {exc}",
-                                    self.cfg.retry_after_s, status=503)
-        metrics.PUBLISH_FAILED.inc()
-        if isinstance(exc, (redis.RedisError, OSError)):
-            return DeliveryPublishError(delivery_id, f"state store: {type(exc).__name__}")
-        # registry unreachable, serialization, KafkaException
-        return DeliveryPublishError(delivery_id, f"{type(exc).__name__}: {exc}"[:300])
+            failure = AdmissionRefused("producer_queue", f"local producer queue full: {exc}",
+                                       self.cfg.retry_after_s, status=503)
+        elif isinstance(exc, (redis.RedisError, OSError)):
+            metrics.PUBLISH_FAILED.inc()
+            failure = DeliveryPublishError(delivery_id, f"state store: {type(exc).__name__}")
+        else:  # registry unreachable, serialization, KafkaException
+            metrics.PUBLISH_FAILED.inc()
+            failure = DeliveryPublishError(delivery_id, f"{type(exc).__name__}: {exc}"[:300])
+        failure.__cause__ = exc
+        return failure
 
     def _done(self, delivery_id: str, event_id: str, trace_id: str, claim: _Claim | None,
               err: KafkaError | None, future: Future[None], started: float) -> None:
@@ -352,9 +367,9 @@ class Submitter:
         self._unpend()
         if err is not None:
             metrics.PUBLISH_FAILED.inc()
-            self.admission.release(delivery_id)
+            self.admission.release([delivery_id])
             try:
-                self.publisher.abandon_steps(delivery_id, DeliveryRequested.topic)
+                self.publisher.abandon_steps([(delivery_id, DeliveryRequested.topic)])
             except redis.RedisError:  # the supervisor then finds steps with no source: it fails them
                 pass
             self._forget(claim)

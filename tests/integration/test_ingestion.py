@@ -29,7 +29,7 @@ from confluent_kafka import Consumer, TopicPartition
 from choreo.config import settings
 from choreo.envelope import derived_id, header_value
 from choreo.serde import Decoder, registry_client
-from choreo.state import StateTable, StepStatus, delivery_key
+from choreo.state import DEADLINE_INDEX, StateTable, StepStatus, delivery_key
 from producers.client import DeliveryClient
 from producers.errors import AdmissionRefused
 from producers.ingestion import create_app
@@ -459,6 +459,41 @@ def test_a_batch_is_admitted_in_order_and_refused_past_the_cap(unique: str,
     table = StateTable(redis_client)
     for delivery_id in accepted:  # the steps the event triggers were opened before it was produced
         assert {s.status for s in table.steps(delivery_id).values()} == {StepStatus.PENDING}
+    redis_client.delete(cfg.inflight_key)
+
+
+def test_a_full_local_queue_refuses_the_rest_of_the_batch_and_leaves_nothing(
+        unique: str, redis_client: redis.Redis) -> None:
+    """Once the producer's local queue is full, no later request of the batch is produced
+    (refusals stay the tail of a batch, so a caller resumes after the last one taken), and
+    the refused ones keep no place and no pending step."""
+    from consumers.workflow import WORKFLOW
+    from choreo.publisher import Publisher
+
+    start = end_offsets()
+    steps_before = set(redis_client.zrange(DEADLINE_INDEX, 0, -1))
+    owner = f"queue-{unique}"
+    cfg = ingestion_settings(unique, INGESTION_LAG_INTERVAL_S=3600)
+    # three records fit; a long linger keeps them queued while the batch is produced
+    publisher = Publisher("ingestion", WORKFLOW, redis_client=redis_client,
+                          producer_config={"queue.buffering.max.messages": 3, "linger.ms": 2000})
+    submitter = Submitter(cfg, publisher=publisher).start()
+    try:
+        results = submitter.submit_batch([request_body(owner_id=owner) for _ in range(6)])
+        assert [type(r).__name__ for r in results] == ["Submission"] * 3 + ["AdmissionRefused"] * 3
+        refusal = results[3]
+        assert isinstance(refusal, AdmissionRefused) and refusal.reason == "producer_queue"
+        assert refusal.status == 503
+        accepted = [submitter.wait(r).delivery_id for r in results if isinstance(r, Submission)]
+        assert submitter.pending == 0
+    finally:
+        submitter.close()
+    assert {m.decode() for m in redis_client.zrange(cfg.inflight_key, 0, -1)} == set(accepted)
+    published = [k for k, e, _ in records_since(start) if e.owner_id == owner]
+    assert sorted(published) == sorted(accepted)
+    # the steps opened for the batch and not withdrawn: package and drone, of the accepted only
+    opened = {m.decode() for m in set(redis_client.zrange(DEADLINE_INDEX, 0, -1)) - steps_before}
+    assert sorted(m.split("|")[0] for m in opened) == sorted(accepted * 2)
     redis_client.delete(cfg.inflight_key)
 
 
