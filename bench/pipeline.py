@@ -404,6 +404,7 @@ class Bench:
         observer = Observer(OUTCOME_TOPICS)
         before = scrape(self.metrics_ports)
         mem_before = int(client.info("memory")["used_memory"])
+        commands_before = client.info("commandstats")
         if profile:
             self.profile_dir.mkdir(parents=True, exist_ok=True)
         spies = self._start_profilers([p for p in profile if p not in OTHER_PROFILES], tag)
@@ -433,6 +434,7 @@ class Bench:
                                                          top=self.args.profile_top)}
         after = scrape(self.metrics_ports)
         mem_after = int(client.info("memory")["used_memory"])
+        commands = redis_commands(commands_before, client.info("commandstats"), len(ids))
         observer.close()
         figures = outcome_figures(driven, observer, self.hops, waited)
         figures.update({
@@ -442,6 +444,7 @@ class Bench:
             "batches": {s: batch_figures(before, after, s, seconds) for s in SERVICES},
             "redis_used_memory_before": mem_before, "redis_used_memory_after": mem_after,
             "redis_bytes_retained_per_delivery": round((mem_after - mem_before) / max(1, len(ids))),
+            "redis_commands_per_delivery": commands,
             "load_average": load_average(),
         })
         if profiles:
@@ -736,6 +739,21 @@ def _wait(predicate: Callable[[], bool], timeout_s: float, period_s: float = 0.2
             return False
         time.sleep(period_s)
     return True
+
+
+def redis_commands(before: dict[str, Any], after: dict[str, Any], deliveries: int) -> dict[str, Any]:
+    """Redis's own count of calls and CPU µs per command (``INFO commandstats``) between two
+    moments, per delivery: which commands (a script runs as ``evalsha``) Redis's CPU goes to."""
+    if deliveries <= 0:
+        return {}
+    found = {}
+    for name, stats in after.items():
+        first = before.get(name, {"calls": 0, "usec": 0})
+        calls, usec = stats["calls"] - first["calls"], stats["usec"] - first["usec"]
+        if calls > 0:
+            found[name.removeprefix("cmdstat_")] = {"calls": round(calls / deliveries, 2),
+                                                    "usec": round(usec / deliveries, 1)}
+    return dict(sorted(found.items(), key=lambda item: -item[1]["usec"]))
 
 
 def cpu_budget(processes: dict[str, dict[str, Any]], deliveries: int, seconds: float,
