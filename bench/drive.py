@@ -4,9 +4,10 @@ does not share a GIL with the observer that times the outcomes).
     python -m bench.drive pipeline --n N [--rate R] --out FILE   # the Python producer API
     python -m bench.drive ceiling --n N --topic T --samples F --out FILE
 
-``--rate 0`` submits at full speed (closed loop: the producer's own admission bounds what
-is in flight); a rate submits on a fixed schedule (open loop: request ``i`` is due at
-``start + i / rate``, whether or not the pipeline kept up, so queueing shows in latency).
+``--rate 0`` submits at full speed, in batches (``DeliveryClient.start_many``; closed loop:
+the producer's own admission bounds what is in flight); a rate submits on a fixed schedule
+(open loop: request ``i`` is due at ``start + i / rate``, whether or not the pipeline kept
+up, so queueing shows in latency; what is due by the time a batch returns goes as the next).
 Times are ``time.monotonic()`` (CLOCK_MONOTONIC: one clock for every process on the host).
 The result file holds every accepted request as ``[id, due, accepted]``.
 """
