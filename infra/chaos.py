@@ -769,6 +769,9 @@ class Findings:
     failed: dict[str, set[str]] = field(default_factory=dict)
     undone: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     ids: dict[str, Counter[Any]] = field(default_factory=lambda: defaultdict(Counter))
+    # where each id was first seen, and every later copy: the evidence of a duplicate
+    first_at: dict[str, dict[Any, str]] = field(default_factory=lambda: defaultdict(dict))
+    duplicate_at: list[str] = field(default_factory=list)
     dead_letters: Counter[str] = field(default_factory=Counter)
     booked: dict[str, str] = field(default_factory=dict)  # delivery -> its committed drone
     booked_at: dict[str, int] = field(default_factory=dict)  # delivery -> that record's time (ms)
@@ -802,6 +805,10 @@ def read_everything() -> Findings:
             else:
                 key: Any = (env.event_id, env.attempt) if r.topic.startswith("retry.") else env.event_id
                 found.ids[r.topic][key] += 1
+                where = f"{r.position}@{r.timestamp_ms} by {env.producer} (delivery {delivery})"
+                first = found.first_at[r.topic].setdefault(key, where)
+                if first is not where:
+                    found.duplicate_at.append(f"{key} first {first}, again {where}")
             if r.topic == "delivery.requested":
                 found.requested.add(delivery)
             if r.topic in TERMINAL:
@@ -850,7 +857,7 @@ def judge(plan: Plan, submitter: Submitter, found: Findings,
     examples = {
         "missing_terminal": missing[:5], "multiple_terminal": multiple[:5],
         "uncompensated": uncompensated[:5], "lost": lost[:5], "double_bookings": doubled_drones[:5],
-        "late": late[:5],
+        "late": late[:5], "duplicate_event_ids": found.duplicate_at[:5],
     }
     return {
         "accepted": len(accepted),
