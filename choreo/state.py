@@ -136,8 +136,8 @@ def index_member(delivery_id: str, step: str) -> str:
 
 _OPEN = with_steps("""
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-step_set(KEYS[1], ARGV[1], {status = 'pending', complete_by = tonumber(ARGV[2]), attempt = 1,
-         tries = 0, failures = 0, updated = tonumber(ARGV[3])})
+step_set(KEYS[1], ARGV[1], {status = 'pending', complete_by = tonumber(ARGV[2]),
+         attempt = tonumber(ARGV[5]) or 1, tries = 0, failures = 0, updated = tonumber(ARGV[3])})
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[4])
 return 1
 """)
@@ -317,11 +317,13 @@ class StateTable:
         self._put = client.register_script(_PUT)
 
     def open(self, delivery_id: str, step: str, complete_by_ms: int, now_ms: int,
-             pipe: Any = None) -> None:
-        """Register a step as pending before its trigger is published (no-op if it exists)."""
+             pipe: Any = None, attempt: int = 1) -> None:
+        """Register a step as pending before its trigger is published (no-op if it exists).
+        ``attempt``: the attempt its trigger carries (a rebuild restoring a requeued step
+        whose retry nobody has read yet: the supervisor's next claim must go past it)."""
         self._open(
             keys=[delivery_key(delivery_id), DEADLINE_INDEX],
-            args=[step, complete_by_ms, now_ms, index_member(delivery_id, step)],
+            args=[step, complete_by_ms, now_ms, index_member(delivery_id, step), attempt],
             client=pipe or self.client,
         )
 

@@ -332,7 +332,9 @@ class Rebuilder:
                 continue
             r = trigger.rec
             complete_by = max(r.timestamp_ms + trigger.deadline_ms, now + self.grace_ms)
-            state.open(delivery, trigger.step, complete_by, now)
+            # at the trigger's attempt: a requeue not yet read must not be claimed (and sent)
+            # again under the same attempt once the supervisor finds the step past its deadline
+            state.open(delivery, trigger.step, complete_by, now, attempt=trigger.attempt)
             report.steps += 1
             if self._consumed.get((trigger.service, r.topic, r.partition), -1) <= r.offset:
                 report.open_steps += 1

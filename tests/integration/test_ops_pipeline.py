@@ -29,11 +29,12 @@ from choreo import topology
 from choreo.kafka import admin, ensure_topics
 from choreo.ops.rebuild import rebuild
 from choreo.ops.trace import trace
-from choreo.publisher import Publisher
+from choreo.envelope import Envelope
+from choreo.publisher import Publish, Publisher
 from choreo.release import Releaser, released
 from choreo.runner import RECOVERY_TOPIC
 from choreo.service import retry_topic
-from choreo.state import delivery_key
+from choreo.state import StateTable, delivery_key
 from choreo.workflow import Workflow
 from consumers import fleet
 from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
@@ -211,6 +212,29 @@ def test_rebuild_restores_a_drone_only_to_its_latest_booking(isolated: IsolatedP
     assert (report.bookings_restored, report.bookings_superseded) == (1, 1)
     assert isolated.client.hget(fleet.HELD, "drone-00007") == second.delivery_id.encode()
     assert _bookings(isolated.client).get(first.delivery_id) is None
+
+
+def test_rebuild_restores_a_requeued_step_at_its_attempt(isolated: IsolatedPipeline) -> None:
+    """Redis is lost while a requeue (attempt 2) waits unread in its retry topic. The rebuild
+    opens the step at attempt 2: the supervisor's next claim is then attempt 3. Opened at
+    attempt 1, as it was, the claim was attempt 2 again, and the same retry went out twice
+    (the short chaos run caught it once: one (event id, attempt) twice on a retry topic)."""
+    started = int(time.time() * 1000)
+    flow = isolated.flow
+    drone = next(s for s in flow.services if any(h.step == "drone" for h in s.handlers.values()))
+    request = delivery_request()
+    requeue = Envelope.first(str(uuid.uuid4()), request.delivery_id, "DeliveryRequested",
+                             "supervisor").with_attempt(2)
+    publisher = Publisher("test", redis_client=isolated.client)
+    retry = retry_topic(drone.name, isolated.prefix + "delivery.requested")
+    [sent] = publisher.publish_many([Publish(request, requeue.event_id, topic=retry, envelope=requeue)])
+    assert not isinstance(sent, Exception)
+    publisher.flush(30)
+    report = rebuild(flow, since_ms=started - 5000, fleet_size=FLEET, client=isolated.client,
+                     prefix=isolated.prefix)
+    assert report.open_steps >= 1
+    step = StateTable(isolated.client).steps(request.delivery_id)["drone"]
+    assert (step.status, step.attempt) == ("pending", 2)
 
 
 def _consuming(group: str) -> bool:

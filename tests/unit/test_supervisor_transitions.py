@@ -101,6 +101,21 @@ def test_failed_step_is_claimed_then_requeued_after_back_off(client: redis.Redis
     assert table.begin(d, "drone", 2, 1_000_500, DEADLINE, BUDGET, "r|r|0|7").value == "go"
 
 
+def test_a_step_opened_at_a_requeued_attempt_is_claimed_past_it(client: redis.Redis, lease: Lease) -> None:
+    """A rebuild restores a requeued step whose retry (attempt 2) nobody has read yet at that
+    attempt: when the retry is read past the deadline, the supervisor claims attempt 3. Opened
+    at attempt 1 (as before), it claimed attempt 2 again and sent the retry a second time."""
+    d = uuid.uuid4().hex
+    table = StateTable(client)
+    table.open(d, "drone", 1_000_000 + DEADLINE, 1_000_000, attempt=2)
+    assert _fields(client, d)["drone.attempt"] == "2"
+    assert table.begin(d, "drone", 1, 1_000_100, DEADLINE, BUDGET, "t|t|2|41") == Begin.STALE
+    # the retry itself, read after the step's deadline
+    assert table.begin(d, "drone", 2, 1_002_000, DEADLINE, BUDGET, "r|r|0|7") == Begin.EXPIRED
+    claim = _scan(client, lease, 1_002_100)[(d, "drone")]
+    assert claim.kind == "claim" and claim.data["attempt"] == 3
+
+
 def test_a_fan_in_waiting_for_an_open_upstream_step_keeps_its_token(
         client: redis.Redis, lease: Lease) -> None:
     """The fan-in kept its step open on the first half; the drone step that owes the second
