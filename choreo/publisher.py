@@ -22,6 +22,7 @@ from choreo.config import settings
 from choreo.envelope import Envelope, now_ms
 from choreo.events import Event
 from choreo.serde import Encoder, registry_client
+from choreo.service import StepSpec
 from choreo.state import StateTable
 from choreo.workflow import Workflow
 
@@ -94,7 +95,9 @@ class Publisher:
         try:
             self.open_steps(triggers)
         except Exception as exc:
-            self._withdraw(triggers)  # a pipeline is not atomic: some may have been opened
+            # nothing withdrawn: a step this batch opened without producing is failed by the
+            # supervisor at its deadline, while one a republished delivery opened before
+            # (its event in Kafka) must stay
             return [exc] * len(items)
         results: list[Envelope | Exception] = []
         withdraw: list[tuple[str, str]] = []
@@ -125,24 +128,25 @@ class Publisher:
     def open_steps(self, triggers: Sequence[tuple[str, str]]) -> None:
         """Register the steps each ``(delivery id, topic)`` triggers, pending with their
         deadlines: one pipelined round trip for all."""
-        if self.workflow is None:
-            return
         now = now_ms()
-        pipe = self.redis.pipeline(transaction=False)
-        for delivery_id, topic in triggers:
-            for spec in self.workflow.steps_triggered_by(topic):
-                self.state.open(delivery_id, spec.name, now + int(spec.deadline_s * 1000), now, pipe=pipe)
-        pipe.execute()
+        self._each_step(triggers, lambda delivery_id, spec, pipe: self.state.open(
+            delivery_id, spec.name, now + int(spec.deadline_s * 1000), now, pipe=pipe))
 
     def abandon_steps(self, triggers: Sequence[tuple[str, str]]) -> None:
         """The triggers were not accepted: withdraw their pending steps (one round trip), so
         the supervisor never chases a delivery nobody accepted."""
+        self._each_step(triggers, lambda delivery_id, spec, pipe: self.state.abandon(
+            delivery_id, spec.name, pipe=pipe))
+
+    def _each_step(self, triggers: Sequence[tuple[str, str]],
+                   action: Callable[[str, StepSpec, Any], None]) -> None:
+        """``action`` for every step each ``(delivery id, topic)`` triggers, in one pipeline."""
         if self.workflow is None or not triggers:
             return
         pipe = self.redis.pipeline(transaction=False)
         for delivery_id, topic in triggers:
             for spec in self.workflow.steps_triggered_by(topic):
-                self.state.abandon(delivery_id, spec.name, pipe=pipe)
+                action(delivery_id, spec, pipe)
         pipe.execute()
 
     def _withdraw(self, triggers: Sequence[tuple[str, str]]) -> None:
