@@ -30,7 +30,9 @@ from typing import Any
 
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
-from choreo.kafka import pipeline_producer_config, transactional_consumer_config
+from choreo.kafka import (
+    pipeline_producer_config, transactional_consumer_config, transactional_producer_config,
+)
 
 BATCH = 500
 POLL_S = 0.05
@@ -73,11 +75,9 @@ def load_samples(path: Path) -> dict[str, Record]:
 
 def producer_config(transactional_id: str | None) -> dict[str, Any]:
     """The runtime's producer settings; idempotent (acks=all) in both modes."""
-    config: dict[str, Any] = {**pipeline_producer_config(),
-                              "enable.idempotence": True, "acks": "all"}
     if transactional_id:
-        config.update({"transactional.id": transactional_id, "transaction.timeout.ms": 30000})
-    return config
+        return transactional_producer_config(transactional_id)
+    return {**pipeline_producer_config(), "enable.idempotence": True, "acks": "all"}
 
 
 def next_offsets(batch: list[Message]) -> list[TopicPartition]:

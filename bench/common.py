@@ -262,8 +262,9 @@ def metric_sum(samples: Mapping[str, float], name: str, **labels: str) -> float:
 
 
 def batch_figures(before: Mapping[str, float], after: Mapping[str, float], service: str,
-                  seconds: float) -> dict[str, float]:
-    """Transactions (batches), their mean size and rate, and aborts, between two scrapes."""
+                  seconds: float) -> dict[str, float | dict[str, float]]:
+    """Transactions (batches), their mean size and rate, aborts, and the mean time of each
+    phase of a batch, between two scrapes."""
     count = (metric_sum(after, "choreo_batch_size_count", service=service)
              - metric_sum(before, "choreo_batch_size_count", service=service))
     total = (metric_sum(after, "choreo_batch_size_sum", service=service)
@@ -276,7 +277,26 @@ def batch_figures(before: Mapping[str, float], after: Mapping[str, float], servi
         "mean_batch": round(total / count, 1) if count else 0.0,
         "transactions_per_s": round(count / seconds, 1) if seconds > 0 else 0.0,
         "aborts": aborts,
+        "mean_ms_by_phase": phase_means(before, after, service),
     }
+
+
+BATCH_PHASES = ("consume", "dedupe", "decode", "begin", "handlers", "finish", "offsets", "commit")
+
+
+def phase_means(before: Mapping[str, float], after: Mapping[str, float],
+                service: str) -> dict[str, float]:
+    """Mean milliseconds per batch in each phase of the runner (``choreo_batch_phase_seconds``)
+    between two scrapes: where a hop's latency goes."""
+    means: dict[str, float] = {}
+    for phase in BATCH_PHASES:
+        seconds, count = (
+            metric_sum(after, f"choreo_batch_phase_seconds_{part}", service=service, phase=phase)
+            - metric_sum(before, f"choreo_batch_phase_seconds_{part}", service=service, phase=phase)
+            for part in ("sum", "count"))
+        if count:
+            means[phase] = round(seconds / count * 1000, 1)
+    return means
 
 
 # -- misc -----------------------------------------------------------------------------------

@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     # (bench/README.md, "What the broker spends its CPU on")
     kafka_fetch_min_bytes: int = Field(1, ge=1, validation_alias="CHOREO_KAFKA_FETCH_MIN_BYTES")
     kafka_fetch_wait_max_ms: int = Field(100, ge=0, validation_alias="CHOREO_KAFKA_FETCH_WAIT_MS")
+    # how long a transactional producer waits before retrying a request the broker refused
+    # for now: a transaction begun right after a commit meets CONCURRENT_TRANSACTIONS until
+    # the last one's markers are written (bench/README.md, "Where a batch's time goes")
+    kafka_txn_retry_backoff_ms: int = Field(5, ge=1, le=1000, validation_alias="CHOREO_KAFKA_TXN_RETRY_BACKOFF_MS")
     # Kafka security (SASL/SCRAM over the local stack's SASL listener); secrets may come
     # from a file (``KAFKA_SASL_PASSWORD_FILE``), never from the repository
     kafka_security_protocol: str = Field("PLAINTEXT", validation_alias="KAFKA_SECURITY_PROTOCOL")

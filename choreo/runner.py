@@ -29,7 +29,7 @@ import redis
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from choreo import metrics
-from choreo.kafka import pipeline_producer_config, transactional_consumer_config
+from choreo.kafka import transactional_consumer_config, transactional_producer_config
 from choreo.config import settings
 from choreo.dedupe import Deduper, Seen
 from choreo.envelope import Envelope, HeaderList, pairs, derived_id, now_ms
@@ -125,7 +125,6 @@ class RunnerOptions:
     instance: str = "0"
     poll_timeout_s: float = 0.05
     metrics_port: int = 0
-    max_batch_wait_s: float = 0.02
 
 
 def dlq_topic(topic: str) -> str:
@@ -159,12 +158,8 @@ class Runner:
         self.producer = self._new_producer()
 
     def _new_producer(self) -> Producer:
-        producer = Producer({
-            **pipeline_producer_config(),
-            # stable per instance: a restarted instance fences its zombie predecessor
-            "transactional.id": f"{self.service.name}-{self.options.instance}",
-            "transaction.timeout.ms": 30000,
-        })
+        # stable per instance: a restarted instance fences its zombie predecessor
+        producer = Producer(transactional_producer_config(f"{self.service.name}-{self.options.instance}"))
         producer.init_transactions(30)
         return producer
 
@@ -220,7 +215,15 @@ class Runner:
         self.running = False
 
     def _next_batch(self) -> list[Message]:
+        """Up to a full batch, or what came within the poll timeout. Waiting for the batch
+        to fill costs a hop up to the timeout below capacity, but taking whatever has
+        arrived made smaller transactions whose broker CPU cost more latency than it saved
+        on 2 cores (bench/README.md, "Where a batch's time goes")."""
+        started = time.perf_counter()
         messages = self.consumer.consume(self.service.batch_size, self.options.poll_timeout_s)
+        if messages:  # an idle poll is not a batch's wait
+            metrics.child(metrics.BATCH_PHASE_SECONDS, self.service.name, "consume").observe(
+                time.perf_counter() - started)
         good = []
         for m in messages:
             err = m.error()
@@ -237,19 +240,28 @@ class Runner:
         (one round trip each for the whole batch), handlers (their own effects), then
         finish for all and only then the outputs of the attempts that still own their step."""
         self._dead_lettered.clear()
+        clock = PhaseClock(self.service.name)
         try:
             envelopes = [Envelope.from_headers(m.headers()) for m in batch]  # read once per message
             seen = self._seen(batch, envelopes)
+            clock.lap("dedupe")
             self.producer.begin_transaction()
             work = [w for m, e, s in zip(batch, envelopes, seen)
                     if (w := self._prepare(m, e, s)) is not None]
+            clock.lap("decode")
             self._begin_all(work)
-            self._finish_all(self._run_all(work))
+            clock.lap("begin")
+            done = self._run_all(work)
+            clock.lap("handlers")
+            self._finish_all(done)
             self.state.note_dead_letters(self._dead_lettered)  # before the commit: one round trip
+            clock.lap("finish")
             self.producer.send_offsets_to_transaction(
                 _next_offsets(batch), self.consumer.consumer_group_metadata(), 30
             )
+            clock.lap("offsets")
             self._commit()
+            clock.lap("commit")
             metrics.BATCH_SIZE.labels(self.service.name).observe(len(batch))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             self.log.warning("batch.transient", error=f"redis: {exc}")
@@ -569,6 +581,20 @@ class Runner:
         self._produce(Emitted(report, RECOVERY_TOPIC, event_id, attempt=envelope.attempt), envelope)
         metrics.REPORTS.labels(self.service.name, kind).inc()
         log.warning("step.reported", step=step, kind=kind, error=error[:300])
+
+
+class PhaseClock:
+    """Times the phases of one batch into ``choreo_batch_phase_seconds``: each ``lap`` is
+    the time since the previous one."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        metrics.child(metrics.BATCH_PHASE_SECONDS, self.service, phase).observe(now - self.last)
+        self.last = now
 
 
 def _as_events(result: Event | Iterable[Event] | None) -> list[Event]:

@@ -124,6 +124,8 @@ METRICS_BEFORE = """
 choreo_batch_size_count{service="package"} 10.0
 choreo_batch_size_sum{service="package"} 1000.0
 choreo_transaction_aborts_total{service="package"} 1.0
+choreo_batch_phase_seconds_sum{phase="commit",service="package"} 1.0
+choreo_batch_phase_seconds_count{phase="commit",service="package"} 10.0
 """
 METRICS_AFTER = """
 # TYPE choreo_batch_size histogram
@@ -131,6 +133,10 @@ choreo_batch_size_count{service="package"} 30.0
 choreo_batch_size_sum{service="package"} 5000.0
 choreo_batch_size_count{service="delivery"} 7.0
 choreo_transaction_aborts_total{service="package"} 1.0
+choreo_batch_phase_seconds_sum{phase="commit",service="package"} 1.5
+choreo_batch_phase_seconds_count{phase="commit",service="package"} 30.0
+choreo_batch_phase_seconds_sum{phase="commit",service="delivery"} 9.0
+choreo_batch_phase_seconds_count{phase="commit",service="delivery"} 7.0
 """
 
 
@@ -138,7 +144,8 @@ def test_batch_figures_from_two_scrapes() -> None:
     before, after = parse_metrics(METRICS_BEFORE), parse_metrics(METRICS_AFTER)
     figures = batch_figures(before, after, "package", seconds=10.0)
     assert figures == {"transactions": 20.0, "events_in_batches": 4000.0, "mean_batch": 200.0,
-                       "transactions_per_s": 2.0, "aborts": 0.0}
+                       "transactions_per_s": 2.0, "aborts": 0.0,
+                       "mean_ms_by_phase": {"commit": 25.0}}  # 0.5 s over 20 commits
 
 
 def test_next_offsets_commit_after_the_last_of_each_partition() -> None:

@@ -9,7 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from choreo.config import settings
-from choreo.kafka import pipeline_producer_config, transactional_consumer_config
+from choreo.kafka import (
+    pipeline_producer_config, transactional_consumer_config, transactional_producer_config,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -37,9 +39,23 @@ def test_fetch_and_compression_switch_by_environment(monkeypatch: pytest.MonkeyP
     assert pipeline_producer_config()["compression.type"] == "none"
 
 
+def test_a_transactional_producer_retries_a_refused_transaction_step_soon(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """librdkafka's default (100 ms) held every back-to-back transaction 100 ms."""
+    monkeypatch.delenv("CHOREO_KAFKA_TXN_RETRY_BACKOFF_MS", raising=False)
+    config = transactional_producer_config("package-0")
+    assert config["transactional.id"] == "package-0" and config["retry.backoff.ms"] == 5
+    assert config["compression.type"] == pipeline_producer_config()["compression.type"]
+    monkeypatch.setenv("CHOREO_KAFKA_TXN_RETRY_BACKOFF_MS", "20")
+    settings.cache_clear()
+    assert transactional_producer_config("package-0")["retry.backoff.ms"] == 20
+
+
 @pytest.mark.parametrize("name, value", [("CHOREO_KAFKA_FETCH_MIN_BYTES", "0"),
                                          ("CHOREO_KAFKA_FETCH_WAIT_MS", "-1"),
-                                         ("CHOREO_KAFKA_FETCH_WAIT_MS", "soon")])
+                                         ("CHOREO_KAFKA_FETCH_WAIT_MS", "soon"),
+                                         ("CHOREO_KAFKA_TXN_RETRY_BACKOFF_MS", "0"),
+                                         ("CHOREO_KAFKA_TXN_RETRY_BACKOFF_MS", "1001")])
 def test_a_fetch_setting_out_of_bounds_is_refused_at_start(monkeypatch: pytest.MonkeyPatch,
                                                            name: str, value: str) -> None:
     monkeypatch.setenv(name, value)
