@@ -1,4 +1,4 @@
-"""Consumer-side deduplication on stable event ids, one Redis round trip per batch.
+"""Consumer-side deduplication on stable event ids, one Redis call per batch.
 
 An event id (with its attempt: a supervisor requeue is a new attempt) is remembered per
 service with the input position (topic|partition|offset) that first carried it. The same
@@ -20,6 +20,7 @@ from enum import StrEnum
 
 import redis
 
+from choreo.batch import BatchScript
 from choreo.state import delivery_key
 
 # KEYS: the dedupe hash, the step table. ARGV: field, position, ttl s, '1' to refuse released.
@@ -72,16 +73,13 @@ class Deduper:
         self.ttl_s = ttl_s
         # only a workflow's own services: the releaser waits for their groups, not for others
         self.refuse_released = refuse_released
-        self._script = client.register_script(_SEEN)
+        self._script = BatchScript(client, _SEEN)
 
     def verdicts(self, items: Sequence[tuple[str, str, int, str]]) -> list[Seen]:
         """For (delivery id, event id, attempt, position) items: whether each is to run."""
-        if not items:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for delivery_id, event_id, attempt, position in items:
-            self._script(keys=[seen_key(delivery_id), delivery_key(delivery_id)],
-                         args=[seen_field(self.service, event_id, attempt), position, self.ttl_s,
-                               "1" if self.refuse_released else "0"],
-                         client=pipe)
-        return [_VERDICTS[int(r)] for r in pipe.execute()]
+        refuse = "1" if self.refuse_released else "0"
+        answers = self._script.run([
+            ([seen_key(delivery_id), delivery_key(delivery_id)],
+             [seen_field(self.service, event_id, attempt), position, self.ttl_s, refuse])
+            for delivery_id, event_id, attempt, position in items])
+        return [_VERDICTS[int(r)] for r in answers]

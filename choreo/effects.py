@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 
+from choreo.batch import BatchScript, Item, run_together
 from choreo.dedupe import compact_id
 from choreo.state import delivery_key
 
@@ -57,16 +58,16 @@ class OnceEffect:
     def __init__(self, name: str, body: str) -> None:
         self.name = name
         self.source = ONCE_TEMPLATE % body
-        self._scripts: dict[int, Any] = {}
+        self._scripts: dict[int, BatchScript] = {}
 
     def run(self, client: redis.Redis, delivery_id: str, memo_field: str, keys: Sequence[str],
             args: Sequence[str | int | float], ttl_s: int) -> str | None:
         return EffectCall(self, delivery_id, memo_field, tuple(keys), tuple(args), ttl_s).run(client)
 
-    def script(self, client: redis.Redis) -> Any:
+    def script(self, client: redis.Redis) -> BatchScript:
         script = self._scripts.get(id(client))
         if script is None:
-            script = self._scripts[id(client)] = client.register_script(self.source)
+            script = self._scripts[id(client)] = BatchScript(client, self.source)
         return script
 
 
@@ -83,23 +84,28 @@ class EffectCall:
     ttl_s: int
     refuse_released: bool = False  # a workflow service's effect (see the module doc)
 
-    def queue(self, client: redis.Redis, pipe: Any = None) -> Any:
-        return self.effect.script(client)(
-            keys=[memo_key(self.delivery_id), delivery_key(self.delivery_id), *self.keys],
-            args=[self.memo_field, self.ttl_s, "1" if self.refuse_released else "0", *self.args],
-            client=pipe)
+    def item(self) -> Item:
+        return ([memo_key(self.delivery_id), delivery_key(self.delivery_id), *self.keys],
+                [self.memo_field, self.ttl_s, "1" if self.refuse_released else "0", *self.args])
 
     def run(self, client: redis.Redis) -> str | None:
-        return _answer(self.queue(client))
+        return run_all(client, [self])[0]
 
 
 def run_all(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:
-    """Every call in one pipeline, run in order (not a transaction: each script is atomic on its
-    own, and the runner sends at most one effect per delivery per round)."""
-    pipe = client.pipeline(transaction=False)
-    for call in calls:
-        call.queue(client, pipe)
-    return [_answer(result) for result in pipe.execute()]
+    """Every call in one round trip, one script call per effect (``choreo.batch``), in order
+    per effect (each script is atomic on its own, and the runner sends at most one effect per
+    delivery per round, so the order between effects does not matter)."""
+    by_effect: dict[OnceEffect, list[int]] = {}
+    for i, call in enumerate(calls):
+        by_effect.setdefault(call.effect, []).append(i)
+    replies = run_together(client, [(effect.script(client), [calls[i].item() for i in at])
+                                    for effect, at in by_effect.items()])
+    answers: list[str | None] = [None] * len(calls)
+    for at, effect_replies in zip(by_effect.values(), replies):
+        for i, reply in zip(at, effect_replies):
+            answers[i] = _answer(reply)
+    return answers
 
 
 def _answer(result: Any) -> str | None:

@@ -22,7 +22,6 @@ from choreo.config import settings
 from choreo.envelope import Envelope, now_ms
 from choreo.events import Event
 from choreo.serde import Encoder, registry_client
-from choreo.service import StepSpec
 from choreo.state import StateTable
 from choreo.workflow import Workflow
 
@@ -127,27 +126,17 @@ class Publisher:
 
     def open_steps(self, triggers: Sequence[tuple[str, str]]) -> None:
         """Register the steps each ``(delivery id, topic)`` triggers, pending with their
-        deadlines: one pipelined round trip for all."""
-        now = now_ms()
-        self._each_step(triggers, lambda delivery_id, spec, pipe: self.state.open(
-            delivery_id, spec.name, now + int(spec.deadline_s * 1000), now, pipe=pipe))
+        deadlines: one round trip for all."""
+        if self.workflow is not None:
+            now = now_ms()
+            self.state.open_many(self.workflow.pending_steps(triggers, now), now)
 
     def abandon_steps(self, triggers: Sequence[tuple[str, str]]) -> None:
         """The triggers were not accepted: withdraw their pending steps (one round trip), so
         the supervisor never chases a delivery nobody accepted."""
-        self._each_step(triggers, lambda delivery_id, spec, pipe: self.state.abandon(
-            delivery_id, spec.name, pipe=pipe))
-
-    def _each_step(self, triggers: Sequence[tuple[str, str]],
-                   action: Callable[[str, StepSpec, Any], None]) -> None:
-        """``action`` for every step each ``(delivery id, topic)`` triggers, in one pipeline."""
-        if self.workflow is None or not triggers:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for delivery_id, topic in triggers:
-            for spec in self.workflow.steps_triggered_by(topic):
-                action(delivery_id, spec, pipe)
-        pipe.execute()
+        if self.workflow is not None:
+            self.state.abandon_many([(delivery_id, step) for delivery_id, step, _, _
+                                     in self.workflow.pending_steps(triggers, 0)])
 
     def _withdraw(self, triggers: Sequence[tuple[str, str]]) -> None:
         """``abandon_steps`` at best: a step left pending with no source is failed by the

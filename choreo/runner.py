@@ -519,16 +519,10 @@ class Runner:
 
     def _open_steps(self, outputs: list[Emitted]) -> None:
         """Register the steps the outputs trigger, before they are produced (one round trip)."""
-        if self.workflow is None:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        now = now_ms()
-        for emitted in outputs:
-            for spec in self.workflow.steps_triggered_by(emitted.topic):
-                self.state.open(emitted.event.key, spec.name, now + int(spec.deadline_s * 1000),
-                                now, pipe=pipe)
-        if len(pipe):
-            pipe.execute()
+        if self.workflow is not None:
+            now = now_ms()
+            self.state.open_many(self.workflow.pending_steps(
+                [(emitted.event.key, emitted.topic) for emitted in outputs], now), now)
 
     def _produce(self, emitted: Emitted, cause: Envelope) -> None:
         """Produce in the open transaction (steps it triggers were opened by ``_open_steps``)."""

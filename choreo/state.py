@@ -18,12 +18,14 @@ Scripts read and write records through ``STEP_LUA`` and Python through ``unpack_
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import redis
+
+from choreo.batch import BatchScript
 
 DEADLINE_INDEX = "deadlines"
 
@@ -58,7 +60,7 @@ STEP_FIELDS = ("status", "complete_by", "attempt", "tries", "failures", "updated
 # ``step_set(key, step, {name = value, ...})`` (``cjson.null`` deletes a value; creates the
 # record), ``step_incr(key, step, name, by)``, ``is_step_record(field, value)`` (as
 # ``is_step_record`` below). A record is decoded once per script run, and written back once,
-# when the script returns: a transition changes its step in several places.
+# by ``step_flush`` when the script returns: a transition changes its step in several places.
 STEP_LUA = """
 local STEP_FIELDS = {%s}
 local STEP_SLOT = {}
@@ -111,19 +113,28 @@ local function step_flush()
       redis.call('HSET', where[1], where[2], cjson.encode(packed))
     end
   end
-  step_dirty = {}
+  step_records, step_dirty = {}, {}
 end
-local step_result = (function()
-%%s
-end)()
-step_flush()
-return step_result
 """ % ", ".join(f"'{name}'" for name in STEP_FIELDS)
 
 
 def with_steps(script: str) -> str:
     """A script that reads or writes step records (``STEP_LUA``'s functions in scope)."""
-    return STEP_LUA % script
+    return STEP_LUA + """
+local step_result = (function()
+%s
+end)()
+step_flush()
+return step_result
+""" % script
+
+
+class StepScript(BatchScript):
+    """A step transition run for a batch of items in one call (``choreo.batch``): each item
+    writes back its records before the next one reads."""
+
+    def __init__(self, client: redis.Redis, body: str) -> None:
+        super().__init__(client, body, prelude=STEP_LUA, after_each="step_flush()")
 
 
 def delivery_key(delivery_id: str) -> str:
@@ -134,22 +145,22 @@ def index_member(delivery_id: str, step: str) -> str:
     return f"{delivery_id}|{step}"
 
 
-_OPEN = with_steps("""
+_OPEN = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 step_set(KEYS[1], ARGV[1], {status = 'pending', complete_by = tonumber(ARGV[2]),
          attempt = tonumber(ARGV[5]) or 1, tries = 0, failures = 0, updated = tonumber(ARGV[3])})
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[4])
 return 1
-""")
+"""
 
-_ABANDON = with_steps("""
+_ABANDON = """
 if step_get(KEYS[1], ARGV[1], 'status') ~= 'pending' then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[2])
 return 1
-""")
+"""
 
-_BEGIN = with_steps("""
+_BEGIN = """
 -- a released delivery (choreo.release) is finished: nothing of it starts again
 if redis.call('HEXISTS', KEYS[1], 'done') == 1 then return 'closed' end
 local K, step = KEYS[1], ARGV[1]
@@ -202,14 +213,14 @@ end
 step_set(K, step, changes)
 if joined then return 'go:' .. attempt end
 return 'go'
-""")
+"""
 
 _TRY_AGAIN = with_steps("""
 if tonumber(ARGV[2]) < (step_get(KEYS[1], ARGV[1], 'attempt') or 1) then return -1 end
 return step_incr(KEYS[1], ARGV[1], 'tries', 1)
 """)
 
-_FINISH = with_steps("""
+_FINISH = """
 local K, step = KEYS[1], ARGV[1]
 local attempt, now, outcome = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local status = step_get(K, step, 'status')
@@ -233,7 +244,7 @@ else
   redis.call('ZADD', KEYS[2], now, ARGV[5])
 end
 return 'ok'
-""")
+"""
 
 
 # Writes a test, a benchmark or the rebuild makes outside a transition: ARGV = (step, value
@@ -308,29 +319,33 @@ class StateTable:
     def __init__(self, client: redis.Redis, retention_s: int = 24 * 3600) -> None:
         self.client = client
         self.retention_s = retention_s
-        self._open = client.register_script(_OPEN)
-        self._abandon = client.register_script(_ABANDON)
-        self._begin = client.register_script(_BEGIN)
+        self._open = StepScript(client, _OPEN)
+        self._abandon = StepScript(client, _ABANDON)
+        self._begin = StepScript(client, _BEGIN)
         self._try_again = client.register_script(_TRY_AGAIN)
-        self._finish = client.register_script(_FINISH)
+        self._finish = StepScript(client, _FINISH)
         self._note_dead_letter = client.register_script(_NOTE_DEAD_LETTER)
         self._put = client.register_script(_PUT)
 
     def open(self, delivery_id: str, step: str, complete_by_ms: int, now_ms: int,
-             pipe: Any = None, attempt: int = 1) -> None:
+             attempt: int = 1) -> None:
         """Register a step as pending before its trigger is published (no-op if it exists).
         ``attempt``: the attempt its trigger carries (a rebuild restoring a requeued step
         whose retry nobody has read yet: the supervisor's next claim must go past it)."""
-        self._open(
-            keys=[delivery_key(delivery_id), DEADLINE_INDEX],
-            args=[step, complete_by_ms, now_ms, index_member(delivery_id, step), attempt],
-            client=pipe or self.client,
-        )
+        self.open_many([(delivery_id, step, complete_by_ms, attempt)], now_ms)
 
-    def abandon(self, delivery_id: str, step: str, pipe: Any = None) -> None:
-        """Withdraw a step opened for a trigger that was never published (still pending)."""
-        self._abandon(keys=[delivery_key(delivery_id), DEADLINE_INDEX],
-                      args=[step, index_member(delivery_id, step)], client=pipe or self.client)
+    def open_many(self, items: Sequence[tuple[str, str, int, int]], now_ms: int) -> None:
+        """``open`` for many (delivery, step, complete-by ms, attempt) in one round trip."""
+        self._open.run([
+            ([delivery_key(delivery_id), DEADLINE_INDEX],
+             [step, complete_by_ms, now_ms, index_member(delivery_id, step), attempt])
+            for delivery_id, step, complete_by_ms, attempt in items])
+
+    def abandon_many(self, items: Sequence[tuple[str, str]]) -> None:
+        """Withdraw steps opened for triggers that were never published (still pending):
+        (delivery, step) items, one round trip."""
+        self._abandon.run([([delivery_key(delivery_id), DEADLINE_INDEX],
+                            [step, index_member(delivery_id, step)]) for delivery_id, step in items])
 
     def begin(self, delivery_id: str, step: str, attempt: int, now_ms: int,
               default_deadline_ms: int, budget: int, source: str, joinable: bool = False) -> Begin:
@@ -345,26 +360,17 @@ class StateTable:
         default deadline ms, source) per item; each verdict comes with the attempt the input
         runs as (the current one when it joins a step requeued meanwhile). ``joinable``: the
         steps with several trigger topics (a fan-in), whose other triggers may join."""
-        if not items:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for delivery_id, step, attempt, now, default_deadline_ms, source in items:
-            self._begin(keys=[delivery_key(delivery_id), DEADLINE_INDEX],
-                        args=[step, attempt, now, default_deadline_ms, budget,
-                              index_member(delivery_id, step), source, "1" if step in joinable else "0"],
-                        client=pipe)
-        return [_started(text(r), item[2]) for r, item in zip(pipe.execute(), items)]
+        answers = self._begin.run([
+            ([delivery_key(delivery_id), DEADLINE_INDEX],
+             [step, attempt, now, default_deadline_ms, budget, index_member(delivery_id, step),
+              source, "1" if step in joinable else "0"])
+            for delivery_id, step, attempt, now, default_deadline_ms, source in items])
+        return [_started(text(r), item[2]) for r, item in zip(answers, items)]
 
     def complete_many(self, items: list[tuple[str, str, int]], now_ms: int) -> list[str]:
         """``finish(COMPLETED)`` for a whole batch in one round trip: (delivery, step, attempt)."""
-        if not items:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for delivery_id, step, attempt in items:
-            self._finish(keys=[delivery_key(delivery_id), DEADLINE_INDEX],
-                         args=[step, attempt, now_ms, StepStatus.COMPLETED.value,
-                               index_member(delivery_id, step), ""], client=pipe)
-        return [text(r) for r in pipe.execute()]
+        return self._finish_many([(delivery_id, step, attempt, StepStatus.COMPLETED, "")
+                                  for delivery_id, step, attempt in items], now_ms)
 
     def try_again(self, delivery_id: str, step: str, attempt: int) -> int:
         """Count one more try against the step's budget; -1 when this attempt is stale."""
@@ -374,11 +380,15 @@ class StateTable:
                status: StepStatus, error: str = "") -> str:
         """``ok``; ``replay`` (already so: a replayed batch); ``stale`` (a newer attempt owns
         the step) or ``ignored`` (closed meanwhile): a late answer, whose outputs must go."""
-        result = self._finish(
-            keys=[delivery_key(delivery_id), DEADLINE_INDEX],
-            args=[step, attempt, now_ms, status.value, index_member(delivery_id, step), error[:500]],
-        )
-        return str(result.decode())
+        return self._finish_many([(delivery_id, step, attempt, status, error)], now_ms)[0]
+
+    def _finish_many(self, items: Sequence[tuple[str, str, int, StepStatus, str]],
+                     now_ms: int) -> list[str]:
+        answers = self._finish.run([
+            ([delivery_key(delivery_id), DEADLINE_INDEX],
+             [step, attempt, now_ms, status.value, index_member(delivery_id, step), error[:500]])
+            for delivery_id, step, attempt, status, error in items])
+        return [text(r) for r in answers]
 
     def note_dead_letters(self, delivery_ids: Iterable[str]) -> None:
         """Keep these deliveries' state when they finish: a redrive of their letters needs it

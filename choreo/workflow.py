@@ -6,6 +6,7 @@ its services); topics, steps, deadlines and fan-in pairs come from their decorat
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -29,6 +30,14 @@ class Workflow:
 
     def steps_triggered_by(self, topic: str) -> list[StepSpec]:
         return [spec for spec in self.steps if topic in spec.triggers]
+
+    def pending_steps(self, triggers: Iterable[tuple[str, str]],
+                      now_ms: int) -> list[tuple[str, str, int, int]]:
+        """(delivery, step, complete-by ms, attempt 1) for every step each ``(delivery id,
+        topic)`` triggers: what is opened before the triggers are published
+        (``StateTable.open_many``)."""
+        return [(delivery_id, spec.name, now_ms + int(spec.deadline_s * 1000), 1)
+                for delivery_id, topic in triggers for spec in self.steps_triggered_by(topic)]
 
     def consumer_groups(self, topic: str) -> list[str]:
         """The consumer groups that read ``topic`` (a service's group id is its name)."""

@@ -1,0 +1,58 @@
+"""One script call for many items (``choreo.batch``) on the real Redis: each item runs as if
+alone, with its own KEYS and ARGV, and sees what the items before it wrote."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from choreo import batch
+from choreo.batch import BatchScript, run_together
+from choreo.state import StateTable, StepStatus
+
+pytestmark = pytest.mark.integration
+
+# answers with its own keys and args; false for an item without args
+ECHO = """
+if #ARGV == 0 then return false end
+return table.concat(KEYS, ',') .. '|' .. table.concat(ARGV, ',')
+"""
+# counts its key up by ARGV[1], answering the new value
+INCR = "return redis.call('INCRBY', KEYS[1], ARGV[1])"
+
+
+def test_each_item_gets_its_own_keys_and_args_in_order(redis_client: redis.Redis, unique: str) -> None:
+    echo = BatchScript(redis_client, ECHO)
+    answers = echo.run([([f"{unique}:a"], ["1", "2"]), ([], ["x"]), ([f"{unique}:b", f"{unique}:c"], [])])
+    assert answers == [f"{unique}:a|1,2".encode(), b"|x", None]
+
+
+def test_items_past_a_chunk_go_in_several_calls_of_one_round_trip(
+        redis_client: redis.Redis, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch, "CHUNK", 3)
+    incr, echo = BatchScript(redis_client, INCR), BatchScript(redis_client, ECHO)
+    counted, echoed = run_together(redis_client, [
+        (incr, [([f"{unique}:n"], [1])] * 7),
+        (echo, [([], [str(i)]) for i in range(4)]),
+    ])
+    assert counted == [1, 2, 3, 4, 5, 6, 7]  # in order, across three calls
+    assert echoed == [b"|0", b"|1", b"|2", b"|3"]
+    assert run_together(redis_client, [(incr, [])]) == [[]]
+
+
+def test_a_step_transition_sees_the_records_an_earlier_item_wrote(
+        redis_client: redis.Redis, unique: str) -> None:
+    """Each item writes back its step records before the next reads them: a step completed
+    twice in one batch is ``ok`` then ``replay``, as it would be in two calls."""
+    state = StateTable(redis_client)
+    delivery = f"batch-{unique}"
+    state.open_many([(delivery, "package", 10**13, 1), (delivery, "drone", 10**13, 2)], 1)
+    assert {name: (s.status, s.attempt) for name, s in state.steps(delivery).items()} == {
+        "package": ("pending", 1), "drone": ("pending", 2)}
+    verdicts = state.begin_many([(delivery, "package", 1, 2, 1000, "t|0|1"),
+                                 (delivery, "package", 1, 3, 1000, "t|0|1")], budget=5)
+    assert [v.value for v, _ in verdicts] == ["go", "go"]
+    assert state.steps(delivery)["package"].tries == 2  # the second counted on the first
+    assert state.complete_many([(delivery, "package", 1), (delivery, "package", 1)], 4) == ["ok", "replay"]
+    assert state.steps(delivery)["package"].status == "completed"
+    assert state.finish(delivery, "drone", 1, 5, StepStatus.FAILED, "late") == "stale"
