@@ -43,7 +43,8 @@ end
 return answers
 """
 
-# items per call: a call holds Redis for its whole run (about 20 µs per item)
+# items per call: a call holds Redis for its whole run (a step transition takes Redis
+# about 20 µs per item)
 CHUNK = 200
 
 Item = tuple[Sequence[str], Sequence[str | int | float]]
@@ -95,5 +96,8 @@ def run_together(client: redis.Redis, batches: Sequence[tuple[BatchScript, Seque
         replies = pipe.execute()
     answers: list[list[Any]] = [[] for _ in batches]
     for (b, _, _), reply in zip(calls, replies):
+        for answer in reply:  # an item's error reply comes nested, where redis-py leaves it
+            if isinstance(answer, Exception):
+                raise answer
         answers[b] += reply
     return answers

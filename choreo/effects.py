@@ -93,19 +93,18 @@ class EffectCall:
 
 
 def run_all(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:
-    """Every call in one round trip, one script call per effect (``choreo.batch``), in order
-    per effect (each script is atomic on its own, and the runner sends at most one effect per
-    delivery per round, so the order between effects does not matter)."""
-    by_effect: dict[OnceEffect, list[int]] = {}
-    for i, call in enumerate(calls):
-        by_effect.setdefault(call.effect, []).append(i)
-    replies = run_together(client, [(effect.script(client), [calls[i].item() for i in at])
-                                    for effect, at in by_effect.items()])
-    answers: list[str | None] = [None] * len(calls)
-    for at, effect_replies in zip(by_effect.values(), replies):
-        for i, reply in zip(at, effect_replies):
-            answers[i] = _answer(reply)
-    return answers
+    """Every call in one round trip, in order: consecutive calls of one effect go in one
+    script call (``choreo.batch``). Order matters between deliveries: a release followed
+    by a reserve of the same fleet must not be turned around."""
+    runs: list[tuple[OnceEffect, list[EffectCall]]] = []
+    for call in calls:
+        if runs and runs[-1][0] is call.effect:
+            runs[-1][1].append(call)
+        else:
+            runs.append((call.effect, [call]))
+    replies = run_together(client, [(effect.script(client), [call.item() for call in run])
+                                    for effect, run in runs])
+    return [_answer(reply) for run_replies in replies for reply in run_replies]
 
 
 def _answer(result: Any) -> str | None:

@@ -59,8 +59,9 @@ STEP_FIELDS = ("status", "complete_by", "attempt", "tries", "failures", "updated
 # Around every script that touches a step: ``step_get(key, step, name)`` (nil when absent),
 # ``step_set(key, step, {name = value, ...})`` (``cjson.null`` deletes a value; creates the
 # record), ``step_incr(key, step, name, by)``, ``is_step_record(field, value)`` (as
-# ``is_step_record`` below). A record is decoded once per script run, and written back once,
-# by ``step_flush`` when the script returns: a transition changes its step in several places.
+# ``is_step_record`` below). A record is decoded once per script run (per item of a batched
+# call), and written back once, by ``step_flush`` when it returns: a transition changes its
+# step in several places.
 STEP_LUA = """
 local STEP_FIELDS = {%s}
 local STEP_SLOT = {}

@@ -8,6 +8,7 @@ import redis
 
 from choreo import batch
 from choreo.batch import BatchScript, run_together
+from choreo.effects import EffectCall, OnceEffect, run_all
 from choreo.state import StateTable, StepStatus
 
 pytestmark = pytest.mark.integration
@@ -56,3 +57,21 @@ def test_a_step_transition_sees_the_records_an_earlier_item_wrote(
     assert state.complete_many([(delivery, "package", 1), (delivery, "package", 1)], 4) == ["ok", "replay"]
     assert state.steps(delivery)["package"].status == "completed"
     assert state.finish(delivery, "drone", 1, 5, StepStatus.FAILED, "late") == "stale"
+
+
+def test_an_item_answering_an_error_fails_the_call(redis_client: redis.Redis) -> None:
+    failing = BatchScript(redis_client, "if ARGV[1] == 'bad' then return redis.error_reply('no') end return 1")
+    with pytest.raises(redis.ResponseError, match="no"):
+        failing.run([([], ["good"]), ([], ["bad"])])
+
+
+def test_effects_of_a_round_run_in_input_order_across_effects(redis_client: redis.Redis, unique: str) -> None:
+    """Consecutive calls of one effect share a script call, but a later effect never runs
+    before an earlier one of another kind (a release, then a reserve of the same fleet)."""
+    count = OnceEffect("count", "return tostring(redis.call('INCRBY', KEYS[1], 1))")
+    read = OnceEffect("read", "return tostring(redis.call('GET', KEYS[1]))")
+    counter = f"{unique}:counter"
+    calls = [EffectCall(effect, f"{unique}-{i}", f"{effect.name}:{i}", (counter,), (), 60)
+             for i, effect in enumerate([count, count, read, count, read])]
+    assert run_all(redis_client, calls) == ["1", "2", "2", "3", "3"]
+    assert run_all(redis_client, calls) == ["1", "2", "2", "3", "3"]  # remembered, not run again
