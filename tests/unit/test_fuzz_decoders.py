@@ -4,8 +4,8 @@ and the ingestion HTTP body.
 * ``choreo.serde.Decoder``: whatever the bytes, it returns a valid event or raises
   ``DecodeFailure`` (dead-letter, with a reason) or ``RegistryUnavailable`` (retry), never
   anything else, which would crash a consumer or abort its batch forever. The registry is
-  an in-memory stand-in for ``SchemaRegistryClient`` (the real confluent-kafka
-  ``AvroDeserializer`` and fastavro run unchanged), so this needs no stack.
+  an in-memory stand-in for ``SchemaRegistryClient`` (the decoder and fastavro run
+  unchanged), so this needs no stack; the integration tests decode through the real registry.
 * ``Envelope.from_headers``: any header list or mapping gives an envelope or None.
 * ``POST /deliveries``: any JSON (and any bytes) gives a clear 4xx or a 202, never a 500.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import fastavro
 import pytest
-from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+from confluent_kafka.schema_registry import Schema, SchemaReference, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -36,6 +36,7 @@ from producers.submit import Accepted
 from schemas.models import DeliveryRequested, PackageReady
 
 OURS, OTHER, FLAKY = 1, 2, 3  # schema ids the stand-in registry knows (FLAKY: it is "down")
+PROTOBUF, WITH_REFERENCES, NOT_AVRO = 5, 6, 7  # schemas a decoder cannot read
 
 
 class StandInRegistry(SchemaRegistryClient):
@@ -44,14 +45,23 @@ class StandInRegistry(SchemaRegistryClient):
     def __init__(self) -> None:
         super().__init__({"url": "http://127.0.0.1:9"})  # never contacted
         self.schemas = {OURS: PackageReady.avro_schema(), OTHER: DeliveryRequested.avro_schema()}
+        self.asked: list[int] = []
 
     def get_associations_by_resource_name(self, *args: Any, **kwargs: Any) -> Any:
         raise SchemaRegistryError(404, 40401, "no association")
 
     def get_schema(self, schema_id: int, subject_name: str | None = None,  # type: ignore[override]
                    fmt: str | None = None) -> Schema:
+        self.asked.append(schema_id)
         if schema_id == FLAKY:
             raise SchemaRegistryError(503, 50003, "registry unavailable")
+        if schema_id == PROTOBUF:
+            return Schema('syntax = "proto3"; message M {}', "PROTOBUF")
+        if schema_id == WITH_REFERENCES:
+            return Schema(PackageReady.avro_schema(), "AVRO",
+                          [SchemaReference("com.example.Size", "size-value", 1)])
+        if schema_id == NOT_AVRO:
+            return Schema('{"type": "record"}', "AVRO")
         if schema_id in self.schemas:
             return Schema(self.schemas[schema_id], "AVRO")
         raise SchemaRegistryError(404, 40403, "Schema not found")
@@ -257,3 +267,17 @@ def test_any_bytes_and_headers_are_a_clear_answer(http: Any, raw: bytes, content
     if key is not None:  # any bytes a client could put on the wire (no line breaks)
         headers["Idempotency-Key"] = key.replace(b"\r", b"").replace(b"\n", b"").strip() or b"k"
     assert_clear(http.post("/deliveries", content=raw, headers=headers))
+
+
+def test_a_writer_schema_it_cannot_read_is_incompatible_and_asked_for_once_when_good() -> None:
+    """Other schema types, references to other subjects and broken schemas are dead-lettered
+    (the writer's schema must be self-contained Avro); a good writer schema is fetched once
+    per decoder, however many messages carry its id."""
+    registry = StandInRegistry()
+    decoder = Decoder(PackageReady, "package.ready", registry)
+    for schema_id in (PROTOBUF, WITH_REFERENCES, NOT_AVRO):
+        outcome = decode_or_classify(decoder, framed(schema_id, avro(GOOD)))
+        assert isinstance(outcome, DecodeFailure) and outcome.reason is DeadLetterReason.INCOMPATIBLE_SCHEMA
+    registry.asked.clear()
+    assert [decoder(framed(OURS, avro(GOOD))) for _ in range(3)] == [GOOD] * 3
+    assert registry.asked == [OURS]
