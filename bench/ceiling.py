@@ -33,6 +33,7 @@ from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from choreo.kafka import (
     pipeline_producer_config, transactional_consumer_config, transactional_producer_config,
 )
+from choreo.memory import settle_garbage_collector
 
 BATCH = 500
 POLL_S = 0.05
@@ -137,6 +138,7 @@ def run_stage(spec: dict[str, Any]) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    settle_garbage_collector()  # as the runtime does: like for like
     consumer.subscribe(list(routes))
     try:
         while running[0]:

@@ -36,6 +36,7 @@ from choreo.envelope import Envelope, HeaderList, pairs, derived_id, now_ms
 from choreo.errors import DeadLetterReason, DeliveryReleased, Rejected, Retryable
 from choreo.events import Event
 from choreo.logs import get_logger
+from choreo.memory import settle_garbage_collector
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
 from choreo.effects import RELEASED, EffectCall, run_all
 from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerResult, Periodic, Service
@@ -174,6 +175,7 @@ class Runner:
         signal.signal(signal.SIGINT, self._on_signal)
         for hook in self.service.startup:
             hook(self.redis)
+        settle_garbage_collector()
         self.consumer.subscribe(self.service.topics)
         self.running = True
         self.log.info("service.started", topics=self.service.topics, host=socket.gethostname(),

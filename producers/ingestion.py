@@ -44,6 +44,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from choreo.logs import get_logger
+from choreo.memory import settle_garbage_collector
 from choreo.publisher import PublishError
 from producers import metrics
 from producers.errors import (
@@ -256,6 +257,8 @@ def create_app(settings: IngestionSettings | None = None,
         sub = submitter or Submitter(cfg, entry="http")
         await run_in_threadpool(sub.start)
         app.state.submitter = sub
+        if submitter is None:  # the process is ours (``choreo serve``), its start-up done
+            settle_garbage_collector()
         try:
             yield
         finally:
