@@ -36,7 +36,7 @@ from choreo.envelope import Envelope, HeaderList, pairs, derived_id, now_ms
 from choreo.errors import DeadLetterReason, DeliveryReleased, Rejected, Retryable
 from choreo.events import Event
 from choreo.logs import get_logger
-from choreo.memory import settle_garbage_collector
+from choreo.memory import collect_batch_cycles, settle_garbage_collector
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
 from choreo.effects import RELEASED, EffectCall, run_all
 from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerResult, Periodic, Service
@@ -187,6 +187,7 @@ class Runner:
                 batch = self._next_batch()
                 if batch:
                     self._process(batch)
+                    collect_batch_cycles()
                 if time.monotonic() >= next_lag:
                     self._measure_lag()
                     next_lag = time.monotonic() + LAG_PERIOD_S

@@ -265,7 +265,7 @@ def serve(
     from producers.ingestion import create_app
 
     cfg = IngestionSettings()
-    uvicorn.run(create_app(cfg), host=host or cfg.host, port=port or cfg.port,
+    uvicorn.run(create_app(cfg, settle_gc=True), host=host or cfg.host, port=port or cfg.port,
                 access_log=False, log_level=log_level, limit_concurrency=limit_concurrency,
                 timeout_graceful_shutdown=30)
 

@@ -246,9 +246,11 @@ def _document_body(app: FastAPI) -> None:
 
 
 def create_app(settings: IngestionSettings | None = None,
-               submitter: Submitter | None = None) -> FastAPI:
+               submitter: Submitter | None = None, settle_gc: bool = False) -> FastAPI:
     """The app; it starts its own ``Submitter`` (producer, poll thread, admission monitor)
-    on startup unless one is given, and flushes it on shutdown."""
+    on startup unless one is given, and flushes it on shutdown. ``settle_gc``: the process
+    is the app's alone (``choreo serve``): settle its garbage collector once started
+    (``choreo.memory``), never in a process that hosts other work, such as a test run."""
     cfg = settings or IngestionSettings()
     tokens = OwnerTokens.from_settings(cfg)
 
@@ -257,7 +259,7 @@ def create_app(settings: IngestionSettings | None = None,
         sub = submitter or Submitter(cfg, entry="http")
         await run_in_threadpool(sub.start)
         app.state.submitter = sub
-        if submitter is None:  # the process is ours (``choreo serve``), its start-up done
+        if settle_gc:  # the process is ours (``choreo serve``), its start-up done
             settle_garbage_collector()
         try:
             yield

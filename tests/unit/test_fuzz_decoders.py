@@ -20,7 +20,9 @@ from typing import Any
 
 import fastavro
 import pytest
-from confluent_kafka.schema_registry import Schema, SchemaReference, SchemaRegistryClient
+from confluent_kafka.schema_registry import (
+    Rule, RuleKind, RuleMode, RuleSet, Schema, SchemaReference, SchemaRegistryClient,
+)
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -36,7 +38,7 @@ from producers.submit import Accepted
 from schemas.models import DeliveryRequested, PackageReady
 
 OURS, OTHER, FLAKY = 1, 2, 3  # schema ids the stand-in registry knows (FLAKY: it is "down")
-PROTOBUF, WITH_REFERENCES, NOT_AVRO = 5, 6, 7  # schemas a decoder cannot read
+PROTOBUF, WITH_REFERENCES, NOT_AVRO, WITH_RULES = 5, 6, 7, 8  # schemas a decoder cannot read
 
 
 class StandInRegistry(SchemaRegistryClient):
@@ -62,6 +64,10 @@ class StandInRegistry(SchemaRegistryClient):
                           [SchemaReference("com.example.Size", "size-value", 1)])
         if schema_id == NOT_AVRO:
             return Schema('{"type": "record"}', "AVRO")
+        if schema_id == WITH_RULES:
+            rule = Rule("encrypt-address", None, RuleKind.TRANSFORM, RuleMode.WRITEREAD, "ENCRYPT",
+                        ["PII"], None, None, None, None, False)
+            return Schema(PackageReady.avro_schema(), "AVRO", rule_set=RuleSet(None, [rule]))
         if schema_id in self.schemas:
             return Schema(self.schemas[schema_id], "AVRO")
         raise SchemaRegistryError(404, 40403, "Schema not found")
@@ -270,12 +276,12 @@ def test_any_bytes_and_headers_are_a_clear_answer(http: Any, raw: bytes, content
 
 
 def test_a_writer_schema_it_cannot_read_is_incompatible_and_asked_for_once_when_good() -> None:
-    """Other schema types, references to other subjects and broken schemas are dead-lettered
-    (the writer's schema must be self-contained Avro); a good writer schema is fetched once
-    per decoder, however many messages carry its id."""
+    """Other schema types, references to other subjects, data-contract rules (an encrypted
+    field would decode as ciphertext) and broken schemas are dead-lettered; a good writer
+    schema is fetched once per decoder, however many messages carry its id."""
     registry = StandInRegistry()
     decoder = Decoder(PackageReady, "package.ready", registry)
-    for schema_id in (PROTOBUF, WITH_REFERENCES, NOT_AVRO):
+    for schema_id in (PROTOBUF, WITH_REFERENCES, NOT_AVRO, WITH_RULES):
         outcome = decode_or_classify(decoder, framed(schema_id, avro(GOOD)))
         assert isinstance(outcome, DecodeFailure) and outcome.reason is DeadLetterReason.INCOMPATIBLE_SCHEMA
     registry.asked.clear()

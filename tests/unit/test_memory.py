@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
 
-from choreo.memory import GC_YOUNG_THRESHOLD, settle_garbage_collector
+from choreo.memory import GC_YOUNG_THRESHOLD, collect_batch_cycles, settle_garbage_collector
 
 
 @pytest.fixture()
@@ -31,3 +32,28 @@ def test_start_up_objects_leave_the_collectors_sight_and_it_runs_less_often(rest
         assert collected == []  # the default would have run the collector seven times
     finally:
         gc.callbacks.pop()
+
+
+def test_a_cycle_a_batch_left_is_freed_when_the_batch_is_done(restored_gc: None) -> None:
+    """A handler's error keeps its traceback, whose frame keeps what holds the error: with
+    the threshold raised, only the collection after the batch frees it in time."""
+    settle_garbage_collector()
+
+    class Attempt:
+        error: Exception | None = None
+        payload = b""
+
+    def fail(attempt: Attempt) -> None:
+        try:
+            raise ValueError("handler failed")
+        except ValueError as exc:
+            attempt.error = exc  # the traceback's frame refers to ``attempt``: a cycle
+
+    attempt = Attempt()
+    attempt.payload = b"x" * 512 * 1024
+    fail(attempt)
+    freed = weakref.ref(attempt)
+    del attempt
+    assert freed() is not None  # reference counting alone cannot free a cycle
+    collect_batch_cycles()
+    assert freed() is None
