@@ -12,7 +12,7 @@ the step records an item changed) runs after each item. The answers come back in
 ``None`` for an item whose body returned nothing or ``false``.
 
 One call names the keys of many deliveries: on Redis Cluster it would have to be split by
-hash slot (the delivery id's hash tag), here in ``BatchScript.run`` only.
+hash slot (the delivery id's hash tag), in ``run_together`` only.
 """
 
 from __future__ import annotations

@@ -78,14 +78,14 @@ class Decoder(Generic[E]):
     it); fastavro resolves it against the handler's. This is what ``AvroDeserializer`` does,
     less what it does again for every message: expanding the reader schema and collecting
     its tags for data-contract rules, which this pipeline does not use. That was 31 µs of
-    a 33 µs decode, and a delivery is decoded seven times (bench/README.md, "Decoding").
+    a 33 µs decode, and a delivery is decoded seven times (bench/README.md, "Decoding
+    without the rule machinery").
     A writer schema with references to other subjects, or with data-contract rules, is
     dead-lettered as incompatible.
     """
 
     def __init__(self, model: type[E], topic: str, client: SchemaRegistryClient) -> None:
         self.model = model
-        self.topic = topic
         self._client = client
         self._reader = parse_schema(json.loads(model.avro_schema()))
         self._writers: dict[int, Any] = {}  # schema id → parsed writer schema
