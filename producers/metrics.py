@@ -19,3 +19,7 @@ CONFIRM_SECONDS = Histogram(
     "ingestion_confirm_seconds", "Submit to broker confirmation",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30),
 )
+GROUP_COMMIT_SIZE = Histogram(
+    "ingestion_group_commit_requests", "HTTP requests admitted and published together (producers.group)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 500),
+)

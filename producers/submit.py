@@ -44,6 +44,7 @@ from producers.errors import (
     AdmissionRefused, DeliveryPublishError, IdempotencyConflict, IdempotencyInProgress,
     PublishTimeout, StoreUnavailable,
 )
+from producers.group import GroupCommit
 from producers.model import DeliveryRequestIn, InvalidRequest, parse_request
 from producers.settings import IngestionSettings
 from schemas.models import DeliveryRequested
@@ -157,6 +158,7 @@ class Submitter:
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._group: GroupCommit[_Item, Submission | SubmitError] | None = None
         self.log = get_logger(component="ingestion", entry=entry)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -175,7 +177,10 @@ class Submitter:
             self.publisher.poll(0.05)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Wait for outstanding confirmations, then stop the threads."""
+        """Publish what is queued, wait for outstanding confirmations, then stop the threads."""
+        if self._group is not None:
+            self._group.close(timeout_s)
+            self._group = None
         try:
             self.publisher.flush(timeout_s)
         finally:
@@ -209,13 +214,10 @@ class Submitter:
         AdmissionRefused, StoreUnavailable or DeliveryPublishError; on any of them nothing
         was accepted.
         """
-        request = parse_request(data)
-        if owner is not None and not hmac.compare_digest(request.owner_id.encode(), owner.encode()):
-            raise OwnerMismatch("the request's owner_id is not the authenticated owner")
-        try:
-            return self._submit(request, idempotency_key, record_owner=owner is not None)
-        except redis.RedisError as exc:
-            raise StoreUnavailable(f"state store unreachable: {type(exc).__name__}") from exc
+        prepared = self._prepare(data, idempotency_key, owner)
+        if isinstance(prepared, Submission):
+            return prepared
+        return _raised(self._admit_and_publish_all([prepared])[0])
 
     def submit_batch(self, data: Sequence[DeliveryRequestIn | dict[str, Any] | bytes | str]
                      ) -> list[Submission | SubmitError]:
@@ -237,32 +239,47 @@ class Submitter:
                 items.append((i, _Item(parse_request(raw), new_delivery_id(), now, None)))
             except InvalidRequest as exc:
                 results[i] = exc
-        try:
-            done = self._admit_and_publish([item for _, item in items])
-        except redis.RedisError as exc:
-            failure: SubmitError = StoreUnavailable(f"state store unreachable: {type(exc).__name__}")
-            done = [failure] * len(items)
+        done = self._admit_and_publish_all([item for _, item in items])
         for (i, _), result in zip(items, done):
             results[i] = result
         return [r for r in results if r is not None]
 
-    def _submit(self, request: DeliveryRequestIn, idempotency_key: str | None,
-                record_owner: bool = False) -> Submission:
-        claim = self._claim_key(request, idempotency_key) if idempotency_key else None
-        if claim is not None and not claim.owned and claim.requested_at_ms < 0:
-            done: Future[None] = Future()
-            done.set_result(None)
-            metrics.REPLAYED.inc()
-            return Submission(Accepted(claim.delivery_id, event_id_for(claim.delivery_id), "",
-                                       replayed=True), done)
-        delivery_id = claim.delivery_id if claim else new_delivery_id()
+    def _prepare(self, data: DeliveryRequestIn | dict[str, Any] | bytes | str,
+                 idempotency_key: str | None, owner: str | None) -> _Item | Submission:
+        """A request made ready for admission: validated, its key claimed, its owner recorded
+        (Redis round trips only with a key or an owner). A Submission when its key's first
+        request was already confirmed: nothing is published again."""
+        request = parse_request(data)
+        if owner is not None and not hmac.compare_digest(request.owner_id.encode(), owner.encode()):
+            raise OwnerMismatch("the request's owner_id is not the authenticated owner")
+        try:
+            claim = self._claim_key(request, idempotency_key) if idempotency_key else None
+            if claim is not None and not claim.owned and claim.requested_at_ms < 0:
+                done: Future[None] = Future()
+                done.set_result(None)
+                metrics.REPLAYED.inc()
+                return Submission(Accepted(claim.delivery_id, event_id_for(claim.delivery_id), "",
+                                           replayed=True), done)
+            delivery_id = claim.delivery_id if claim else new_delivery_id()
+            if owner is not None:  # before the event exists, so its status is never readable by others
+                self.redis.set(owner_redis_key(delivery_id), request.owner_id, ex=self.cfg.owner_ttl_s)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"state store unreachable: {type(exc).__name__}") from exc
         requested_at_ms = claim.requested_at_ms if claim else int(time.time() * 1000)
-        if record_owner:  # before the event exists, so its status is never readable by others
-            self.redis.set(owner_redis_key(delivery_id), request.owner_id, ex=self.cfg.owner_ttl_s)
-        result = self._admit_and_publish([_Item(request, delivery_id, requested_at_ms, claim)])[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return _Item(request, delivery_id, requested_at_ms, claim)
+
+    def _commit_group(self, items: list[_Item]) -> list[Submission | SubmitError]:
+        metrics.GROUP_COMMIT_SIZE.observe(len(items))
+        return self._admit_and_publish_all(items)
+
+    def _admit_and_publish_all(self, items: list[_Item]) -> list[Submission | SubmitError]:
+        """``_admit_and_publish``, every item refused as ``StoreUnavailable`` if Redis fails."""
+        try:
+            return self._admit_and_publish(items)
+        except redis.RedisError as exc:
+            failure = StoreUnavailable(f"state store unreachable: {type(exc).__name__}")
+            failure.__cause__ = exc
+            return [failure] * len(items)
 
     def _admit_and_publish(self, items: list[_Item]) -> list[Submission | SubmitError]:
         """Admit the items in order, publish the admitted ones; a refused or failed item
@@ -447,12 +464,24 @@ class Submitter:
     async def submit_async(self, data: bytes | str | dict[str, Any] | DeliveryRequestIn,
                            idempotency_key: str | None = None, *,
                            owner: str | None = None) -> Accepted:
-        """``submit`` off the event loop (it does blocking Redis calls), then await the report."""
-        loop = asyncio.get_running_loop()
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="submit")
-        submission = await loop.run_in_executor(
-            self._executor, functools.partial(self.submit, data, idempotency_key, owner=owner))
+        """``submit`` for an event loop's callers: admitted and published together with the
+        other callers' requests (``producers.group``), then the broker's report awaited.
+
+        A request without key or owner is validated on the loop (no I/O); one with either
+        claims its key and records its owner on a worker thread first (Redis round trips)."""
+        if idempotency_key is None and owner is None:
+            prepared = self._prepare(data, None, None)
+        else:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="submit")
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self._executor, functools.partial(self._prepare, data, idempotency_key, owner))
+        if isinstance(prepared, Submission):
+            submission = prepared
+        else:
+            if self._group is None:
+                self._group = GroupCommit(self._commit_group, name="submit-group")
+            submission = _raised(await self._group.submit(prepared))
         waiter = asyncio.wrap_future(submission.confirmed)
         done, _ = await asyncio.wait({waiter}, timeout=self.cfg.publish_timeout_s)
         if not done:
@@ -493,6 +522,12 @@ class Submitter:
                 for name, s in sorted(steps.items())
             },
         }
+
+
+def _raised(result: Submission | SubmitError) -> Submission:
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def _settle(future: Future[None], exc: BaseException | None = None) -> None:

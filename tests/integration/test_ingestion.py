@@ -320,6 +320,48 @@ def test_concurrent_retries_with_one_key_accept_one_delivery(base_url: str, uniq
     assert len([k for k, _, _ in records_since(start) if k in ids]) == 1
 
 
+def test_concurrent_requests_share_group_commits_and_each_is_published_once(
+        base_url: str, unique: str, http: httpx.Client, redis_client: redis.Redis) -> None:
+    """Requests that arrive together are admitted and published together (one admission
+    script and one state-table call per group: ``producers.group``), yet each caller gets
+    its own delivery, published exactly once with its own fields, and its steps opened."""
+    owner = f"group-{unique}"
+    bodies = [request_body(owner_id=owner, weight_kg=round(0.5 + i / 100, 2)) for i in range(120)]
+
+    def groups() -> tuple[float, float]:
+        text = http.get("/metrics").text
+        return (metric_value(text, "ingestion_group_commit_requests_count"),
+                metric_value(text, "ingestion_group_commit_requests_sum"))
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=40,
+                                     limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*(client.post("/deliveries", json=b) for b in bodies))
+
+    start, (count_before, sum_before) = end_offsets(), groups()
+    responses = asyncio.run(burst())
+    count_after, sum_after = groups()
+    assert [r.status_code for r in responses] == [202] * len(bodies)
+    ids = [r.json()["delivery_id"] for r in responses]
+    assert len(set(ids)) == len(ids)
+    assert sum_after - sum_before == len(bodies)  # every request went through a group
+    assert count_after - count_before < len(bodies)  # and some groups carried several
+    published = [(k, e) for k, e, _ in records_since(start) if e.owner_id == owner]
+    assert sorted(k for k, _ in published) == sorted(ids)  # each once
+    by_id, table = dict(published), StateTable(redis_client)
+    for delivery_id, body in zip(ids, bodies):  # each answer names its own request's delivery
+        assert by_id[delivery_id].weight_kg == body["weight_kg"]
+        assert {"package", "drone"} <= set(table.steps(delivery_id))
+
+
+def metric_value(text: str, name: str) -> float:
+    """A Prometheus sample without labels from an exposition text (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
 # -- admission control --------------------------------------------------------------------------
 
 
