@@ -120,6 +120,28 @@ class Private:
         os.environ.update(self.env)
         settings.cache_clear()
 
+    def start(self, partitions: int) -> None:
+        """Start the stack (this process activated), with the workflow's topics and contracts."""
+        from choreo import contracts, topology
+        from consumers.workflow import WORKFLOW
+        from infra import stack
+        from schemas.models import CompensationRecord, StepReport
+
+        log(f"private stack in {self.data_dir} (Kafka :{self.kafka}, Redis :{self.redis}, "
+            f"registry :{self.registry})")
+        stack.start()
+        topology.create(WORKFLOW, partitions)
+        contracts.register(contracts.topic_models(WORKFLOW, (StepReport, CompensationRecord)))
+
+    def stop(self, keep: bool) -> None:
+        """Stop the stack unless ``keep``; a temporary data directory goes with it."""
+        from infra import stack
+
+        if not keep:
+            stack.stop()
+            if self.owned_dir:
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+
 
 def stack_pids() -> dict[str, int]:
     from infra import stack
@@ -344,18 +366,10 @@ class Bench:
     # -- setup -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        from choreo import contracts, topology
-        from consumers.workflow import WORKFLOW
-        from infra import stack
         from infra.demo import wait_for_groups
         from infra.services import pipeline_specs, service_process
-        from schemas.models import CompensationRecord, StepReport
 
-        log(f"private stack in {self.private.data_dir} (Kafka :{self.private.kafka}, "
-            f"Redis :{self.private.redis}, registry :{self.private.registry})")
-        stack.start()
-        topology.create(WORKFLOW, self.args.partitions)
-        contracts.register(contracts.topic_models(WORKFLOW, (StepReport, CompensationRecord)))
+        self.private.start(self.args.partitions)
         env = {**self.private.env, "CHOREO_LOG_LEVEL": self.args.log_level}
         for spec in pipeline_specs(self.args.instances):
             port = free_port()
@@ -835,8 +849,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "stack": "private (own Kafka, Redis, registry on free ports)"},
         "hops": dataclasses.asdict(bench.hops),
     }
-    from infra import stack
-
     try:
         bench.start()
         # A fresh broker spends a minute or more compiling (its C1/C2 threads took 40-50 % of
@@ -879,10 +891,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  for name in list(bench.services) + ["kafka", "redis", "registry"]}
     finally:
         bench.stop()
-        if not args.keep_stack:
-            stack.stop()
-            if private.owned_dir:
-                shutil.rmtree(private.data_dir, ignore_errors=True)
+        private.stop(keep=args.keep_stack)
     result["machine"]["load_average_after"] = load_average()
     result["summary"] = summarise(result, bench)
     result["targets"] = evaluate(result["summary"])

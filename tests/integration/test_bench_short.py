@@ -46,3 +46,24 @@ def test_the_benchmark_measures_every_figure_on_its_own_stack(tmp_path: Path) ->
     assert set(summary["targets_met"]) == {
         "deliveries_per_s", "ratio", "p99_ms_at_1000_offered", "max_service_peak_rss_mb",
         "redis_bytes_per_inflight_delivery", "redis_flat_after_completion"}
+
+
+def test_the_ingestion_benchmark_measures_both_servers_and_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "ingestion.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.ingestion", "--requests", "300", "--concurrency", "4,32",
+         "--repeats", "1", "--warmup", "100", "--out", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines()[-2] == str(out)
+    summary = json.loads(run.stdout.splitlines()[-1])  # the last line is the summary JSON
+    result = json.loads(out.read_text())
+    assert summary == result["summary"]
+    assert summary["not_202"] == 0 and summary["accepted_not_recorded"] == 0
+    assert set(summary["by_concurrency"]) == {"4", "32"}
+    for run_ in result["runs"]:
+        real, bare = run_["ingestion"], run_["bare"]
+        assert real["statuses"] == {"202": 300} and real["records_added"] == 300
+        assert bare["statuses"] == {"202": 300} and bare["errors"] == 0
+        assert real["server_cpu_us_per_request"] > 0 and bare["server_cpu_us_per_request"] > 0
+        assert run_["ratio"] == round(real["requests_per_s"] / bare["requests_per_s"], 3) > 0

@@ -11,6 +11,8 @@ from bench.common import (
     parse_metrics, parse_stat_cpu, parse_status_kb, percentile, spread, summarise_repeats,
     thread_cpu, thread_group,
 )
+from bench.http_load import BadResponse, parse_head, request_bytes
+from bench.ingestion import summarise as summarise_ingestion
 from bench.jfr import collapse
 from bench.profile import frame_name, summarise
 
@@ -214,3 +216,56 @@ def test_jfr_samples_become_collapsed_stacks_rooted_at_their_pool() -> None:
     assert summary["roots"][0] == {"function": "thread data-plane-kafka-request-handler (java)",
                                    "samples": 2, "pct": 66.7}
     assert summary["own"][0]["function"] == "kafka.log.UnifiedLog.read (java)"
+
+
+# -- the HTTP ingestion benchmark ------------------------------------------------------------
+
+
+def test_the_load_client_reads_a_response_head() -> None:
+    head = (b"HTTP/1.1 202 Accepted\r\ncontent-type: application/json\r\n"
+            b"Content-Length: 71\r\nlocation: /deliveries/x\r\n\r\n")
+    assert parse_head(head) == (202, 71, False)
+    closing = b"HTTP/1.1 413 Payload Too Large\r\nconnection: close\r\ncontent-length: 9\r\n\r\n"
+    assert parse_head(closing) == (413, 9, True)
+    assert parse_head(b"HTTP/1.1 204 No Content\r\n\r\n") == (204, 0, False)
+
+
+@pytest.mark.parametrize("head", [
+    b"SSH-2.0-OpenSSH\r\n\r\n",  # not HTTP at all
+    b"HTTP/1.1 abc Odd\r\n\r\n",  # no status code
+    b"HTTP/1.1 200 OK\r\ncontent-length: -5\r\n\r\n",  # a length that is no length
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",  # a body it does not read
+])
+def test_the_load_client_refuses_what_it_cannot_read(head: bytes) -> None:
+    with pytest.raises(BadResponse):
+        parse_head(head)
+
+
+def test_the_load_clients_request_is_one_well_formed_post() -> None:
+    raw = request_bytes("127.0.0.1:8000", b'{"a": 1}')
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"POST /deliveries HTTP/1.1\r\n")
+    assert b"Content-Length: 8" in head and body == b'{"a": 1}'
+
+
+def _ingestion_run(c: int, real_per_s: float, bare_per_s: float, accepted: int,
+                   recorded: int, answered: int) -> dict[str, object]:
+    def side(per_s: float, cpu: int) -> dict[str, object]:
+        return {"requests_per_s": per_s, "answered": answered, "errors": 0,
+                "statuses": {"202": accepted}, "latency": {"p99_ms": 10.0},
+                "server_cpu_us_per_request": cpu, "server_peak_rss_mb": 90.0,
+                "accepted_not_recorded": accepted - recorded}
+    return {"concurrency": c, "ingestion": side(real_per_s, 1000), "bare": side(bare_per_s, 300),
+            "ratio": round(real_per_s / bare_per_s, 3)}
+
+
+def test_ingestion_summary_takes_medians_per_concurrency_and_counts_losses() -> None:
+    runs = [_ingestion_run(8, 400, 2000, 100, 100, 100), _ingestion_run(8, 500, 2500, 100, 100, 100),
+            _ingestion_run(8, 450, 1500, 100, 100, 100), _ingestion_run(32, 800, 2000, 98, 97, 100)]
+    summary = summarise_ingestion(runs)
+    at8 = summary["by_concurrency"]["8"]
+    assert at8["ingestion_requests_per_s"]["median"] == 450
+    assert at8["ratio"] == {"median": 0.2, "min": 0.2, "max": 0.3, "n": 3, "spread_pct": 50.0}
+    assert summary["by_concurrency"]["32"]["ratio"]["median"] == 0.4
+    assert summary["not_202"] == 2  # two requests of the last run were answered otherwise
+    assert summary["accepted_not_recorded"] == 1  # a 202 with no record would be a loss

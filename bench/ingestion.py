@@ -1,0 +1,211 @@
+"""HTTP ingestion throughput beside the same server with nothing to do, in one run.
+
+    .venv/bin/python -m bench.ingestion --requests 5000 --concurrency 8,32,128 --repeats 3 \\
+        --out bench/results/ingestion.json
+
+Starts a private stack (as ``bench.pipeline``: its own Kafka, Redis and schema registry on
+free ports) with the workflow's topics and contracts, and two servers:
+
+- **ingestion**: ``choreo serve``, the real endpoint: validation, admission, the state
+  table, the Avro event, and a 202 only once the broker confirmed the write;
+- **bare**: ``bench.bare_ingestion``, the same uvicorn and FastAPI set-up and the same
+  validation, answering 202 at once: the baseline.
+
+No pipeline service runs: this is the ingestion tier alone (``bench.pipeline`` measures the
+rest). Admission's limits are set out of the way (``INGESTION_MAX_IN_FLIGHT`` 10⁹; the
+backlog check off, since with no consumer the backlog only grows) and its in-flight set is
+emptied before each run, so each run starts alike; the admission script still runs for
+every request.
+
+Per repeat and concurrency, the real endpoint and then the baseline are driven by
+``bench.http_load`` (closed loop, keep-alive connections) from a process of its own.
+Reported: requests/s, latency p50/p99, the server's CPU µs per request (``/proc``) and peak
+RSS, the client's CPU, and ``ratio`` = real ÷ baseline requests/s. Nothing accepted may be
+lost: the records added to ``delivery.requested`` are counted against the 202s.
+
+Figures go to the JSON file (its path is printed); the last line printed is the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import redis
+
+from bench.common import free_port, load_average, sample_process, spread
+from bench.pipeline import RESULTS, Private, log
+from choreo.config import REPO_ROOT, settings
+from infra.process import ManagedProcess
+
+TOPIC = "delivery.requested"
+INFLIGHT_KEY = "ingestion:inflight"
+
+
+def bare_process(url: str) -> ManagedProcess:
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+
+    def ready() -> bool:
+        return httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200
+
+    return ManagedProcess(
+        name="bare-ingestion",
+        argv=[sys.executable, "-m", "bench.bare_ingestion", "--host", host, "--port", str(port)],
+        workdir=settings().data_dir / "services", ports=[(host, port)], ready=ready,
+        marker=f"bench.bare_ingestion --host {host} --port {port}", env={"PYTHONPATH": str(REPO_ROOT)})
+
+
+def records_in(topic: str) -> int:
+    """Records in ``topic`` (high watermarks summed over its partitions)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers,
+                         "group.id": "bench-ingestion-count", "enable.auto.commit": False})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                   for p in partitions)
+    finally:
+        consumer.close()
+
+
+def drive(url: str, requests: int, concurrency: int, server_pid: int) -> dict[str, Any]:
+    """One closed-loop run of ``bench.http_load`` against ``url``, with the server's CPU."""
+    before = sample_process(server_pid)
+    run = subprocess.run([sys.executable, "-m", "bench.http_load", "--url", url,
+                          "--requests", str(requests), "--concurrency", str(concurrency)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    after = sample_process(server_pid)
+    if run.returncode != 0 or before is None or after is None:
+        raise RuntimeError(f"load run against {url} (server pid {server_pid}) failed, exit "
+                           f"{run.returncode}: {run.stderr[-2000:]}")
+    figures: dict[str, Any] = json.loads(run.stdout.splitlines()[-1])
+    answered = max(1, figures["answered"])
+    figures["server_cpu_us_per_request"] = round((after.cpu_s - before.cpu_s) / answered * 1e6)
+    figures["server_peak_rss_mb"] = round(after.hwm_kb / 1024, 1)
+    return figures
+
+
+def one_run(servers: dict[str, tuple[str, int]], requests: int, concurrency: int,
+            store: redis.Redis, tag: str) -> dict[str, Any]:
+    """The real endpoint, then the baseline, at one concurrency."""
+    store.delete(INFLIGHT_KEY)
+    records_before = records_in(TOPIC)
+    url, pid = servers["ingestion"]
+    real = drive(url, requests, concurrency, pid)
+    real["records_added"] = records_in(TOPIC) - records_before
+    real["accepted_not_recorded"] = real["statuses"].get("202", 0) - real["records_added"]
+    url, pid = servers["bare"]
+    bare = drive(url, requests, concurrency, pid)
+    ratio = round(real["requests_per_s"] / bare["requests_per_s"], 3) if bare["requests_per_s"] else 0.0
+    log(f"{tag}: ingestion {real['requests_per_s']}/s (p99 {real['latency']['p99_ms']} ms, "
+        f"{real['server_cpu_us_per_request']} µs CPU/request), bare {bare['requests_per_s']}/s "
+        f"({bare['server_cpu_us_per_request']} µs), ratio {ratio}")
+    return {"concurrency": concurrency, "ingestion": real, "bare": bare, "ratio": ratio}
+
+
+def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per concurrency: medians with their range over the repeats."""
+    by_concurrency: dict[str, Any] = {}
+    for c in sorted({r["concurrency"] for r in runs}):
+        at = [r for r in runs if r["concurrency"] == c]
+        by_concurrency[str(c)] = {
+            "ingestion_requests_per_s": spread(r["ingestion"]["requests_per_s"] for r in at).as_dict(),
+            "bare_requests_per_s": spread(r["bare"]["requests_per_s"] for r in at).as_dict(),
+            "ratio": spread(r["ratio"] for r in at).as_dict(3),
+            "ingestion_p99_ms": spread(r["ingestion"]["latency"]["p99_ms"] for r in at).as_dict(),
+            "ingestion_server_cpu_us_per_request":
+                spread(r["ingestion"]["server_cpu_us_per_request"] for r in at).as_dict(0),
+            "bare_server_cpu_us_per_request":
+                spread(r["bare"]["server_cpu_us_per_request"] for r in at).as_dict(0),
+        }
+    return {
+        "by_concurrency": by_concurrency,
+        "not_202": sum(r["ingestion"]["answered"] - r["ingestion"]["statuses"].get("202", 0)
+                       + r["ingestion"]["errors"] for r in runs),
+        "accepted_not_recorded": sum(r["ingestion"]["accepted_not_recorded"] for r in runs),
+        "ingestion_peak_rss_mb": max((r["ingestion"]["server_peak_rss_mb"] for r in runs), default=0.0),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from infra.services import ingestion_process
+
+    private = Private.at(args.stack_dir)
+    private.activate()
+    result: dict[str, Any] = {
+        "command": " ".join([".venv/bin/python", "-m", "bench.ingestion", *sys.argv[1:]]),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform(), "load_average_before": load_average()},
+        "config": {"requests": args.requests, "concurrency": args.concurrency,
+                   "repeats": args.repeats, "warmup": args.warmup, "partitions": args.partitions},
+    }
+    urls = {name: f"http://127.0.0.1:{free_port()}" for name in ("ingestion", "bare")}
+    processes = {
+        "ingestion": ingestion_process(urls["ingestion"], {
+            **private.env, "INGESTION_MAX_IN_FLIGHT": str(10**9), "INGESTION_MAX_BACKLOG": "0",
+            "INGESTION_MAX_PENDING": str(10**6)}),
+        "bare": bare_process(urls["bare"]),
+    }
+    try:
+        private.start(args.partitions)
+        for process in processes.values():
+            process.start(timeout_s=60)
+        servers = {name: (urls[name], process.pid() or 0) for name, process in processes.items()}
+        store = redis.Redis.from_url(settings().redis_url)
+        log(f"warm-up: {args.warmup} requests to each server")
+        one_run(servers, args.warmup, max(args.concurrency), store, "warm-up")
+        result["runs"] = [one_run(servers, args.requests, c, store, f"repeat {r}, concurrency {c}")
+                          for r in range(args.repeats) for c in args.concurrency]
+    finally:
+        for process in processes.values():
+            process.stop(timeout_s=30)
+        private.stop(keep=args.keep_stack)
+    result["machine"]["load_average_after"] = load_average()
+    result["summary"] = summarise(result["runs"])
+    return result
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.ingestion", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", "-n", type=int, default=5000, help="requests per run")
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x],
+                        default=[8, 32, 128], help="connections, comma-separated")
+    parser.add_argument("--repeats", "-r", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2000, help="requests to each server first")
+    parser.add_argument("--partitions", type=int, default=6)
+    parser.add_argument("--stack-dir", default=None,
+                        help="keep the private stack's data here (default: a temporary directory)")
+    parser.add_argument("--keep-stack", action="store_true", help="leave the private stack running")
+    parser.add_argument("--out", default=str(RESULTS / "ingestion.json"))
+    args = parser.parse_args(argv)
+    if args.requests < 1 or args.repeats < 1 or not args.concurrency or min(args.concurrency) < 1:
+        parser.error("--requests, --repeats and every --concurrency must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(out)
+    print(json.dumps(result["summary"], separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
