@@ -2,7 +2,7 @@
 
     python -m bench.bare_ingestion --host 127.0.0.1 --port 8001
 
-uvicorn as ``choreo serve`` runs it (``producers.cli.run_http``), FastAPI with the same body
+uvicorn as ``choreo serve`` runs it (``producers.http_server``), FastAPI with the same body
 limit, and a ``POST /deliveries`` that validates the body as the real endpoint does
 (``producers.model.parse_request``) and answers 202 with a fresh delivery id. What the real
 endpoint costs beyond this is the work of accepting: admission, the state table, the Avro
@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from choreo.memory import settle_garbage_collector
-from producers.cli import run_http
+from producers.http_server import run_http
 from producers.ingestion import BodyLimit, error
 from producers.model import InvalidRequest, parse_request
 from producers.settings import IngestionSettings

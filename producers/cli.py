@@ -260,24 +260,12 @@ def serve(
     log_level: str = typer.Option("warning", help="uvicorn's own log level"),
 ) -> None:
     """Serve the ingestion HTTP endpoint with uvicorn (SIGTERM drains and flushes)."""
+    from producers.http_server import run_http
     from producers.ingestion import create_app
 
     cfg = IngestionSettings()
     run_http(create_app(cfg, settle_gc=True), host or cfg.host, port or cfg.port,
              limit_concurrency, log_level)
-
-
-def run_http(asgi_app: Any, host: str, port: int, limit_concurrency: int = 2000,
-             log_level: str = "warning") -> None:
-    """uvicorn as ``choreo serve`` runs it (the benchmark's bare baseline runs the same).
-    httptools and uvloop (C) in place of h11 and asyncio's pure-Python loop: a request's
-    parsing and the loop's own work took about a third of the server's CPU (bench/README.md,
-    "HTTP ingestion: group commit")."""
-    import uvicorn
-
-    uvicorn.run(asgi_app, host=host, port=port, access_log=False, log_level=log_level,
-                limit_concurrency=limit_concurrency, timeout_graceful_shutdown=30,
-                http="httptools", loop="uvloop")
 
 
 def main() -> None:

@@ -35,6 +35,10 @@ class _Waiting(Generic[Item, Result]):
 
 
 
+class GroupClosed(RuntimeError):
+    """Submitted after ``close``: nothing will run it."""
+
+
 class GroupCommit(Generic[Item, Result]):
     """Runs ``work`` (a list of items in, one result per item out, in order) on its own
     thread, for batches of items submitted from an event loop."""
@@ -47,23 +51,26 @@ class GroupCommit(Generic[Item, Result]):
         self.max_batch = max_batch
         self._queue: queue.SimpleQueue[_Waiting[Item, Result] | None] = queue.SimpleQueue()
         self._closed = False
+        self._closing = threading.Lock()  # nothing is queued behind the stop
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     async def submit(self, item: Item) -> Result:
         """``item``'s result, once the batch it went in has run; ``work``'s exception, if it
         raised, for every item of that batch."""
-        if self._closed:
-            raise RuntimeError("the group commit is closed")
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Result] = loop.create_future()
-        self._queue.put(_Waiting(item, loop, answer))
+        with self._closing:
+            if self._closed:
+                raise GroupClosed("the group commit is closed")
+            self._queue.put(_Waiting(item, loop, answer))
         return await answer
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Run what is queued, then stop the thread."""
-        self._closed = True
-        self._queue.put(None)  # what was queued before it still runs
+        with self._closing:
+            self._closed = True
+            self._queue.put(None)  # what was queued before it still runs
         self._thread.join(timeout=timeout_s)
 
     def _serve(self) -> None:
@@ -92,7 +99,13 @@ class GroupCommit(Generic[Item, Result]):
                 raise RuntimeError(f"{len(results)} results for {len(batch)} items")
             outcomes, raised = list(results), False
         except BaseException as exc:  # every caller of the batch is told; the thread lives on
-            outcomes, raised = [exc] * len(batch), True
+            failure: BaseException = exc
+            if not isinstance(exc, Exception) or isinstance(exc, StopIteration):
+                # what a future cannot carry (StopIteration) or an event loop must not get
+                # (SystemExit, KeyboardInterrupt) reaches the callers as an error of their own
+                failure = RuntimeError(f"the group's work failed: {exc!r}")
+                failure.__cause__ = exc
+            outcomes, raised = [failure] * len(batch), True
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
         for waiting, outcome in zip(batch, outcomes):
             by_loop.setdefault(waiting.loop, []).append((waiting.answer, outcome))

@@ -125,6 +125,7 @@ class _Item:
     delivery_id: str
     requested_at_ms: int
     claim: _Claim | None
+    owner_recorded: bool = False  # its owner was recorded for status reads (owner tokens on)
 
 
 @dataclass(frozen=True)
@@ -159,12 +160,14 @@ class Submitter:
         self._poller: threading.Thread | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._group: GroupCommit[_Item, Submission | SubmitError] | None = None
+        self._closing = False
         self.log = get_logger(component="ingestion", entry=entry)
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> Submitter:
         if self._poller is None:
+            self._closing = False
             self.admission.start()
             self._stop.clear()
             self._poller = threading.Thread(target=self._poll, name="producer-poll", daemon=True)
@@ -178,9 +181,10 @@ class Submitter:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Publish what is queued, wait for outstanding confirmations, then stop the threads."""
-        if self._group is not None:
-            self._group.close(timeout_s)
-            self._group = None
+        with self._pending_lock:
+            self._closing, group = True, self._group
+        if group is not None:
+            group.close(timeout_s)
         try:
             self.publisher.flush(timeout_s)
         finally:
@@ -266,17 +270,21 @@ class Submitter:
         except redis.RedisError as exc:
             raise StoreUnavailable(f"state store unreachable: {type(exc).__name__}") from exc
         requested_at_ms = claim.requested_at_ms if claim else int(time.time() * 1000)
-        return _Item(request, delivery_id, requested_at_ms, claim)
+        return _Item(request, delivery_id, requested_at_ms, claim, owner_recorded=owner is not None)
 
     def _commit_group(self, items: list[_Item]) -> list[Submission | SubmitError]:
         metrics.GROUP_COMMIT_SIZE.observe(len(items))
         return self._admit_and_publish_all(items)
 
     def _admit_and_publish_all(self, items: list[_Item]) -> list[Submission | SubmitError]:
-        """``_admit_and_publish``, every item refused as ``StoreUnavailable`` if Redis fails."""
+        """``_admit_and_publish``, every item refused as ``StoreUnavailable`` if Redis fails
+        while admitting (places given back and claims freed, as far as Redis lets us: the
+        admission script may have run with only its reply lost)."""
         try:
             return self._admit_and_publish(items)
         except redis.RedisError as exc:
+            self.admission.release([item.delivery_id for item in items])
+            self._leave_nothing(items)
             failure = StoreUnavailable(f"state store unreachable: {type(exc).__name__}")
             failure.__cause__ = exc
             return [failure] * len(items)
@@ -289,13 +297,11 @@ class Submitter:
             published = self._publish(items[:admitted])
         except BaseException:  # raised before anything was produced (Publisher.publish_many)
             self.admission.release([item.delivery_id for item in items[:admitted]])
-            for item in items:
-                self._forget(item.claim)
+            self._leave_nothing(items)
             raise
         failed = [item for item, result in zip(items, published) if not isinstance(result, Submission)]
         self.admission.release([item.delivery_id for item in failed])
-        for item in [*failed, *items[admitted:]]:
-            self._forget(item.claim)
+        self._leave_nothing([*failed, *items[admitted:]])
         return [*published, *([refusal] * (len(items) - admitted) if refusal else [])]
 
     def _admit(self, delivery_ids: list[str]) -> tuple[int, AdmissionRefused | None]:
@@ -358,7 +364,7 @@ class Submitter:
         trace_id = send.envelope.trace_id if send.envelope else ""
 
         def on_delivery(err: KafkaError | None, _: Message | None) -> None:
-            self._done(item.delivery_id, send.event_id, trace_id, item.claim, err, future, started)
+            self._done(item, send.event_id, trace_id, err, future, started)
 
         return on_delivery
 
@@ -378,9 +384,10 @@ class Submitter:
         failure.__cause__ = exc
         return failure
 
-    def _done(self, delivery_id: str, event_id: str, trace_id: str, claim: _Claim | None,
-              err: KafkaError | None, future: Future[None], started: float) -> None:
+    def _done(self, item: _Item, event_id: str, trace_id: str, err: KafkaError | None,
+              future: Future[None], started: float) -> None:
         """Delivery report (poll thread): settle the caller, the key and the in-flight place."""
+        delivery_id, claim = item.delivery_id, item.claim
         self._unpend()
         if err is not None:
             metrics.PUBLISH_FAILED.inc()
@@ -389,7 +396,7 @@ class Submitter:
                 self.publisher.abandon_steps([(delivery_id, DeliveryRequested.topic)])
             except redis.RedisError:  # the supervisor then finds steps with no source: it fails them
                 pass
-            self._forget(claim)
+            self._leave_nothing([item])
             self.log.warning("publish not confirmed", delivery_id=delivery_id, event_id=event_id,
                              error=str(err))
             _settle(future, exc=DeliveryPublishError(delivery_id, str(err)))
@@ -440,14 +447,17 @@ class Submitter:
         self.log.info("republishing a stale idempotent request", delivery_id=delivery_id)
         return _Claim(rkey, delivery_id, int(requested_at), owned=True)
 
-    def _forget(self, claim: _Claim | None) -> None:
-        """The request was not accepted: free its key so a retry starts afresh."""
-        if claim is None or not claim.owned:
+    def _leave_nothing(self, items: Sequence[_Item]) -> None:
+        """The requests were not accepted: free their keys so a retry starts afresh, and drop
+        their owner records (one round trip)."""
+        keys = [item.claim.key for item in items if item.claim is not None and item.claim.owned]
+        keys += [owner_redis_key(item.delivery_id) for item in items if item.owner_recorded]
+        if not keys:
             return
         try:
-            self.redis.delete(claim.key)
-        except redis.RedisError as exc:  # expires by TTL; a retry meanwhile republishes
-            self.log.warning("could not free idempotency key", error=str(exc))
+            self.redis.delete(*keys)
+        except redis.RedisError as exc:  # they expire by TTL; a retry meanwhile republishes
+            self.log.warning("could not free idempotency keys or owner records", error=str(exc))
 
     # -- waiting -----------------------------------------------------------------------
 
@@ -476,19 +486,34 @@ class Submitter:
                 self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="submit")
             prepared = await asyncio.get_running_loop().run_in_executor(
                 self._executor, functools.partial(self._prepare, data, idempotency_key, owner))
+        deadline = time.monotonic() + self.cfg.publish_timeout_s
         if isinstance(prepared, Submission):
             submission = prepared
         else:
-            if self._group is None:
-                self._group = GroupCommit(self._commit_group, name="submit-group")
-            submission = _raised(await self._group.submit(prepared))
+            try:  # a group held up (Redis slow to answer) must not hold its callers without end
+                result = await asyncio.wait_for(self._grouped().submit(prepared),
+                                                self.cfg.publish_timeout_s)
+            except TimeoutError:  # the group may still publish it: the caller is told to look
+                raise PublishTimeout(prepared.delivery_id, "not admitted within "
+                                     f"{self.cfg.publish_timeout_s}s") from None
+            submission = _raised(result)
         waiter = asyncio.wrap_future(submission.confirmed)
-        done, _ = await asyncio.wait({waiter}, timeout=self.cfg.publish_timeout_s)
+        done, _ = await asyncio.wait({waiter}, timeout=max(0.0, deadline - time.monotonic()))
         if not done:
             raise PublishTimeout(submission.delivery_id,
                                  f"no broker confirmation within {self.cfg.publish_timeout_s}s")
         waiter.result()  # raises DeliveryPublishError when the broker refused
         return submission.accepted
+
+    def _grouped(self) -> GroupCommit[_Item, Submission | SubmitError]:
+        """The group commit, started with the first request; none once closing."""
+        with self._pending_lock:
+            if self._closing:
+                raise AdmissionRefused("shutting_down", "this instance is shutting down",
+                                       self.cfg.retry_after_s, status=503)
+            if self._group is None:
+                self._group = GroupCommit(self._commit_group, name="submit-group")
+            return self._group
 
     # -- reading -----------------------------------------------------------------------
 
@@ -525,8 +550,10 @@ class Submitter:
 
 
 def _raised(result: Submission | SubmitError) -> Submission:
+    """The submission, or its error raised. One error object may answer a whole group: its
+    traceback is reset on each raise, or every caller's frames would pile up on it."""
     if isinstance(result, Exception):
-        raise result
+        raise result.with_traceback(None)
     return result
 
 

@@ -60,6 +60,7 @@ def test_the_ingestion_benchmark_measures_both_servers_and_loses_nothing(tmp_pat
     result = json.loads(out.read_text())
     assert summary == result["summary"]
     assert summary["not_202"] == 0 and summary["accepted_not_recorded"] == 0
+    assert summary["recorded_not_accepted"] == 0
     assert set(summary["by_concurrency"]) == {"4", "32"}
     for run_ in result["runs"]:
         real, bare = run_["ingestion"], run_["bare"]

@@ -31,11 +31,12 @@ from choreo.envelope import derived_id, header_value
 from choreo.serde import Decoder, registry_client
 from choreo.state import DEADLINE_INDEX, StateTable, StepStatus, delivery_key
 from producers.client import DeliveryClient
-from producers.errors import AdmissionRefused
+from producers.errors import AdmissionRefused, StoreUnavailable
+from producers.http_server import MAX_HEAD_BYTES, server_config
 from producers.ingestion import create_app
 from producers.settings import IngestionSettings
 from producers.model import InvalidRequest
-from producers.submit import Submission, Submitter
+from producers.submit import Submission, Submitter, idempotency_redis_key, owner_redis_key
 from schemas.models import DeliveryRequested
 from tests.factories import request_body
 from tests.helpers import REPO, wait_for
@@ -64,12 +65,12 @@ def ingestion_settings(unique: str, **overrides: Any) -> IngestionSettings:
 @contextmanager
 def serving(cfg: IngestionSettings, cleanup: bool = True,
             submitter: Submitter | None = None) -> Iterator[str]:
-    """The app under uvicorn on a free port, in a thread; yields its base URL."""
+    """The app under uvicorn on a free port, in a thread, served as ``choreo serve`` serves it
+    (``producers.http_server``); yields its base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg, submitter), host="127.0.0.1", port=port,
-                                           log_level="warning", access_log=False))
+    server = uvicorn.Server(server_config(create_app(cfg, submitter), "127.0.0.1", port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -275,6 +276,61 @@ def test_bad_inputs_get_clear_4xx_and_publish_nothing(http: httpx.Client, unique
 
 
 # -- idempotency --------------------------------------------------------------------------------
+
+
+def raw_exchange(base_url: str, pieces: list[bytes]) -> tuple[bytes, bool]:
+    """Send ``pieces`` (one write each) on a fresh connection; the response's bytes, and
+    whether the server closed the connection after it."""
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        try:
+            for piece in pieces:
+                sock.sendall(piece)
+        except (BrokenPipeError, ConnectionResetError):  # refused part-way: read the answer
+            pass
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data, True
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += sock.recv(65536)
+        sock.settimeout(5)
+        try:
+            closed = sock.recv(1) == b""
+        except (TimeoutError, ConnectionResetError):
+            closed = False
+        return head + b"\r\n\r\n" + body, closed
+
+
+def test_an_oversized_request_head_is_refused_with_431_and_the_connection_closed(
+        base_url: str, unique: str) -> None:
+    start = end_offsets()
+    body = json.dumps(request_body(owner_id=f"head-{unique}")).encode()
+    line = b"POST /deliveries HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    big = b"X-Junk: " + b"a" * (MAX_HEAD_BYTES + 100) + b"\r\n"  # one header past the bound
+    many = [b"X-Junk-%d: %s\r\n" % (i, b"b" * 1000) for i in range(40)]  # many, in many writes
+    ending = b"Content-Length: %d\r\n\r\n" % len(body) + body
+    for pieces in ([line + big + ending], [line, *many, ending]):
+        response, closed = raw_exchange(base_url, pieces)
+        assert response.startswith(b"HTTP/1.1 431 "), response[:200]
+        assert b'"error": "headers_too_large"' in response and closed
+    assert not [k for k, e, _ in records_since(start) if e.owner_id == f"head-{unique}"]
+
+
+def test_a_head_under_the_bound_with_a_large_body_in_the_same_write_is_served(
+        base_url: str, unique: str) -> None:
+    """Only the head counts: a body just under its own limit, arriving with the head in one
+    write, is no reason for a 431."""
+    body = json.dumps(request_body(owner_id=f"big-{unique}")).encode() + b" " * 60_000
+    request = (b"POST /deliveries HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    response, _ = raw_exchange(base_url, [request])
+    assert response.startswith(b"HTTP/1.1 202 "), response[:300]
 
 
 def test_idempotent_retry_returns_the_same_delivery_and_publishes_once(http: httpx.Client,
@@ -628,3 +684,57 @@ def test_an_unreachable_state_store_is_a_503_not_a_500(unique: str) -> None:
             assert client.get("/readyz").status_code == 503
     finally:
         submitter.close()
+
+
+def test_a_store_failure_while_admitting_leaves_no_claim_and_no_owner_record(
+        unique: str, redis_client: redis.Redis) -> None:
+    """Redis fails during admission (the script may even have run, its reply lost): the
+    request is refused (503), and its idempotency claim and owner record are gone, so a
+    retry with the same key is accepted at once rather than told to wait."""
+    cfg = ingestion_settings(unique)
+    submitter = Submitter(cfg).start()
+    real_reserve, failures = submitter.admission.reserve, []
+
+    def reserve_once_broken(delivery_ids: Any) -> Any:
+        if not failures:
+            failures.append(delivery_ids)
+            real_reserve(delivery_ids)  # it ran; the reply is lost
+            raise redis.ConnectionError("reply lost")
+        return real_reserve(delivery_ids)
+
+    submitter.admission.reserve = reserve_once_broken  # type: ignore[method-assign]
+    body, key, owner = request_body(owner_id=f"owner-{unique}"), f"key-{unique}", f"owner-{unique}"
+    try:
+        with pytest.raises(StoreUnavailable):
+            submitter.submit(body, key, owner=owner)
+        refused_id = failures[0][0]
+        assert not redis_client.exists(idempotency_redis_key(owner, key))  # its claim freed
+        assert not redis_client.zscore(cfg.inflight_key, refused_id)  # its place given back
+        assert redis_client.get(owner_redis_key(refused_id)) is None  # no owner record
+        accepted = submitter.wait(submitter.submit(body, key, owner=owner))
+        # the key was free: not "in progress", a fresh start (a new delivery id)
+        assert accepted.delivery_id != refused_id and not accepted.replayed
+    finally:
+        submitter.close()
+
+
+def test_a_group_held_up_answers_504_with_the_delivery_to_look_up(unique: str) -> None:
+    cfg = ingestion_settings(unique, INGESTION_PUBLISH_TIMEOUT_S=1)
+    submitter = Submitter(cfg)
+    real_commit = submitter._commit_group
+
+    def slow_commit(items: Any) -> Any:
+        time.sleep(2)  # Redis slow to answer, say
+        return real_commit(items)
+
+    submitter._commit_group = slow_commit  # type: ignore[method-assign]
+    with serving(cfg, submitter=submitter.start()) as url, \
+            httpx.Client(base_url=url, timeout=40) as client:
+        response = client.post("/deliveries", json=request_body())
+        assert response.status_code == 504 and response.json()["error"] == "confirmation_timeout"
+        delivery_id = response.json()["delivery_id"]
+        assert response.headers["location"] == f"/deliveries/{delivery_id}"
+        # the group went on: the delivery was accepted after all, and is readable there
+        wait_for(lambda: client.get(f"/deliveries/{delivery_id}").status_code == 200, 30, 0.2,
+                 "the held-up delivery to be accepted")
+    submitter.close()

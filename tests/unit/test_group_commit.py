@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from producers.group import GroupCommit
+from producers.group import GroupClosed, GroupCommit
 
 
 class Recorder:
@@ -137,10 +137,39 @@ def test_close_runs_what_is_queued_then_refuses_more() -> None:
     async def late() -> int:
         return await group.submit(9)
 
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(GroupClosed, match="closed"):
         asyncio.run(late())
 
 
 def test_max_batch_must_be_positive() -> None:
     with pytest.raises(ValueError):
         GroupCommit(lambda items: items, max_batch=0)
+
+
+@pytest.mark.parametrize("thrown", [SystemExit(3), KeyboardInterrupt(), StopIteration()])
+def test_what_an_event_loop_must_not_get_reaches_callers_as_an_error_of_their_own(
+        thrown: BaseException) -> None:
+    calls: list[list[int]] = []
+
+    def work(items: list[int]) -> list[int]:
+        calls.append(items)
+        if len(calls) == 1:
+            raise thrown
+        return items
+
+    group: GroupCommit[int, int] = GroupCommit(work)
+
+    async def main() -> tuple[BaseException, int]:
+        try:
+            await group.submit(1)
+        except RuntimeError as exc:
+            failed: BaseException = exc
+        else:
+            raise AssertionError("the first batch's caller was answered")
+        return failed, await group.submit(2)
+
+    try:
+        failed, later = asyncio.run(main())
+    finally:
+        group.close()
+    assert failed.__cause__ is thrown and later == 2  # the thread lived on
