@@ -55,16 +55,19 @@ class GroupCommit(Generic[Item, Result]):
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    async def submit(self, item: Item) -> Result:
+    async def submit(self, item: Item, timeout_s: float | None = None) -> Result:
         """``item``'s result, once the batch it went in has run; ``work``'s exception, if it
-        raised, for every item of that batch."""
+        raised, for every item of that batch. ``TimeoutError`` past ``timeout_s``: the item
+        may still run (the caller is no longer told)."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Result] = loop.create_future()
         with self._closing:
             if self._closed:
                 raise GroupClosed("the group commit is closed")
             self._queue.put(_Waiting(item, loop, answer))
-        return await answer
+        if timeout_s is None:
+            return await answer
+        return await asyncio.wait_for(answer, timeout_s)  # a future: no task of its own
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Run what is queued, then stop the thread."""

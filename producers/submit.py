@@ -491,8 +491,7 @@ class Submitter:
             submission = prepared
         else:
             try:  # a group held up (Redis slow to answer) must not hold its callers without end
-                result = await asyncio.wait_for(self._grouped().submit(prepared),
-                                                self.cfg.publish_timeout_s)
+                result = await self._grouped().submit(prepared, self.cfg.publish_timeout_s)
             except TimeoutError:  # the group may still publish it: the caller is told to look
                 raise PublishTimeout(prepared.delivery_id, "not admitted within "
                                      f"{self.cfg.publish_timeout_s}s") from None

@@ -173,3 +173,18 @@ def test_what_an_event_loop_must_not_get_reaches_callers_as_an_error_of_their_ow
     finally:
         group.close()
     assert failed.__cause__ is thrown and later == 2  # the thread lived on
+
+
+def test_a_caller_past_its_timeout_is_told_and_the_item_still_runs() -> None:
+    work = Recorder(delay_s=0.3)
+    group: GroupCommit[int, int] = GroupCommit(work)
+
+    async def main() -> None:
+        with pytest.raises(TimeoutError):
+            await group.submit(5, timeout_s=0.05)
+
+    try:
+        asyncio.run(main())
+    finally:
+        group.close()
+    assert work.batches == [[5]]
