@@ -10,6 +10,7 @@ Status codes:
   409 a retry while the first request with the same Idempotency-Key is still unconfirmed
   413 body over the limit (checked on Content-Length, and while streaming chunked bodies)
   415 content type other than application/json
+  431 request head (request line and headers) over 16 KB (``producers.http_server``)
   422 invalid fields (with the field errors); Idempotency-Key reused for another request;
       a malformed delivery id in GET
   429 admission control: too many deliveries in flight, or the backlog is past its limit
