@@ -3,6 +3,7 @@ Prometheus scraping and Redis memory, so the drivers stay short and the logic is
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -321,3 +322,12 @@ def free_port(pair: bool = False) -> int:
 
 def rate(count: float, seconds: float) -> float:
     return round(count / seconds, 1) if seconds > 0 else 0.0
+
+
+def write_figures(out: Path, result: Mapping[str, Any], summary: Mapping[str, Any]) -> None:
+    """A benchmark's end: every figure to ``out`` (its path printed), then the summary as
+    the last line printed, one JSON object."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(out)
+    print(json.dumps(summary, separators=(",", ":")))

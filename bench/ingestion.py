@@ -39,32 +39,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import httpx
 import redis
 
-from bench.common import free_port, load_average, sample_process, spread
+from bench.common import free_port, load_average, sample_process, spread, write_figures
 from bench.pipeline import RESULTS, Private, log
 from choreo.config import REPO_ROOT, settings
-from infra.process import ManagedProcess
 
 TOPIC = "delivery.requested"
 INFLIGHT_KEY = "ingestion:inflight"
-
-
-def bare_process(url: str) -> ManagedProcess:
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-
-    def ready() -> bool:
-        return httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200
-
-    return ManagedProcess(
-        name="bare-ingestion",
-        argv=[sys.executable, "-m", "bench.bare_ingestion", "--host", host, "--port", str(port)],
-        workdir=settings().data_dir / "services", ports=[(host, port)], ready=ready,
-        marker=f"bench.bare_ingestion --host {host} --port {port}", env={"PYTHONPATH": str(REPO_ROOT)})
 
 
 def records_in(topic: str) -> int:
@@ -151,7 +134,7 @@ def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from infra.services import ingestion_process
+    from infra.services import http_server_process, ingestion_process
 
     private = Private.at(args.stack_dir)
     private.activate()
@@ -168,7 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ingestion": ingestion_process(urls["ingestion"], {
             **private.env, "INGESTION_MAX_IN_FLIGHT": str(10**9), "INGESTION_MAX_BACKLOG": "0",
             "INGESTION_MAX_PENDING": str(10**6)}),
-        "bare": bare_process(urls["bare"]),
+        "bare": http_server_process("bare-ingestion", ["bench.bare_ingestion"], urls["bare"]),
     }
     try:
         private.start(args.partitions)
@@ -212,11 +195,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(out)
-    print(json.dumps(result["summary"], separators=(",", ":")))
+    write_figures(Path(args.out), result, result["summary"])
 
 
 if __name__ == "__main__":

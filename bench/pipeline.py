@@ -53,7 +53,7 @@ from bench.ceiling import Record, save_samples
 from bench.common import (
     HAPPY_PATH, SOURCE_TOPIC, TERMINAL_TOPIC, Hops, ProcSample, Stage, batch_figures,
     free_port, hop_count, latency_summary, load_average, parse_metrics, rate, sample_process,
-    summarise_repeats, thread_cpu,
+    summarise_repeats, thread_cpu, write_figures,
 )
 from choreo.config import REPO_ROOT, settings
 from choreo.release import state_keys
@@ -971,13 +971,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(out)
     summary = {k: v for k, v in result["summary"].items()
                if k not in ("pipeline", "ceiling_transactional", "ceiling_plain", "ratios", "peak_rss_mb")}
-    print(json.dumps(summary, separators=(",", ":")))
+    write_figures(Path(args.out), result, summary)
 
 
 if __name__ == "__main__":

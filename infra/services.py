@@ -46,6 +46,14 @@ def service_process(spec: ServiceSpec, env: dict[str, str] | None = None,
 
 def ingestion_process(url: str, env: dict[str, str] | None = None,
                       cfg: Settings | None = None) -> ManagedProcess:
+    return http_server_process("ingestion", ["producers.cli", "serve"], url,
+                               {"INGESTION_URL": url, **(env or {})}, cfg)
+
+
+def http_server_process(name: str, module_args: list[str], url: str,
+                        env: dict[str, str] | None = None, cfg: Settings | None = None) -> ManagedProcess:
+    """``python -m <module_args> --host H --port P`` serving ``url``, ready once its
+    ``/readyz`` answers 200."""
     cfg = cfg or settings()
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 8000
@@ -53,14 +61,15 @@ def ingestion_process(url: str, env: dict[str, str] | None = None,
     def ready() -> bool:
         return httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200
 
+    where = ["--host", host, "--port", str(port)]
     return ManagedProcess(
-        name="ingestion",
-        argv=[sys.executable, "-m", "producers.cli", "serve", "--host", host, "--port", str(port)],
+        name=name,
+        argv=[sys.executable, "-m", *module_args, *where],
         workdir=cfg.data_dir / "services",
         ports=[(host, port)],
         ready=ready,
-        marker=f"serve --host {host} --port {port}",
-        env={"PYTHONPATH": str(REPO_ROOT), "INGESTION_URL": url, **(env or {})},
+        marker=" ".join([module_args[-1], *where]),
+        env={"PYTHONPATH": str(REPO_ROOT), **(env or {})},
     )
 
 
