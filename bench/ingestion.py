@@ -54,17 +54,18 @@ def records_in(topic: str) -> int:
     """Records in ``topic`` (high watermarks summed over its partitions)."""
     from confluent_kafka import Consumer, TopicPartition
 
+    from choreo.ops.records import partitions_of
+
     consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers,
                          "group.id": "bench-ingestion-count", "enable.auto.commit": False})
     try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-                   for p in partitions)
+                   for p in partitions_of(consumer, topic))
     finally:
         consumer.close()
 
 
-def drive(url: str, requests: int, concurrency: int, server_pid: int) -> dict[str, Any]:
+def drive(url: str, server_pid: int, requests: int, concurrency: int) -> dict[str, Any]:
     """One closed-loop run of ``bench.http_load`` against ``url``, with the server's CPU."""
     before = sample_process(server_pid)
     run = subprocess.run([sys.executable, "-m", "bench.http_load", "--url", url,
@@ -85,21 +86,23 @@ def one_run(servers: dict[str, tuple[str, int]], requests: int, concurrency: int
             store: redis.Redis, tag: str, bare_first: bool = False) -> dict[str, Any]:
     """The real endpoint and the baseline at one concurrency, in the order given (alternated
     by the caller: whichever runs second finds the broker still busy with the first)."""
-    figures: dict[str, dict[str, Any]] = {}
-    for name in (("bare", "ingestion") if bare_first else ("ingestion", "bare")):
-        url, pid = servers[name]
-        if name == "bare":
-            figures[name] = drive(url, requests, concurrency, pid)
-            continue
+    def ingestion() -> dict[str, Any]:
         store.delete(INFLIGHT_KEY)
         records_before = records_in(TOPIC)
-        real = figures[name] = drive(url, requests, concurrency, pid)
+        real = drive(*servers["ingestion"], requests, concurrency)
         real["records_added"] = records_in(TOPIC) - records_before
         accepted = real["statuses"].get("202", 0)
         # apart, so that an extra record (a publish whose caller timed out) never hides a loss
         real["accepted_not_recorded"] = max(0, accepted - real["records_added"])
         real["recorded_not_accepted"] = max(0, real["records_added"] - accepted)
-    real, bare = figures["ingestion"], figures["bare"]
+        return real
+
+    if bare_first:
+        bare = drive(*servers["bare"], requests, concurrency)
+        real = ingestion()
+    else:
+        real = ingestion()
+        bare = drive(*servers["bare"], requests, concurrency)
     ratio = round(real["requests_per_s"] / bare["requests_per_s"], 3) if bare["requests_per_s"] else 0.0
     log(f"{tag}: ingestion {real['requests_per_s']}/s (p99 {real['latency']['p99_ms']} ms, "
         f"{real['server_cpu_us_per_request']} µs CPU/request), bare {bare['requests_per_s']}/s "
@@ -128,7 +131,7 @@ def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "not_202": sum(r["ingestion"]["answered"] - r["ingestion"]["statuses"].get("202", 0)
                        + r["ingestion"]["errors"] for r in runs),
         "accepted_not_recorded": sum(r["ingestion"]["accepted_not_recorded"] for r in runs),
-        "recorded_not_accepted": sum(r["ingestion"].get("recorded_not_accepted", 0) for r in runs),
+        "recorded_not_accepted": sum(r["ingestion"]["recorded_not_accepted"] for r in runs),
         "ingestion_peak_rss_mb": max((r["ingestion"]["server_peak_rss_mb"] for r in runs), default=0.0),
     }
 

@@ -277,22 +277,23 @@ class Submitter:
         return self._admit_and_publish_all(items)
 
     def _admit_and_publish_all(self, items: list[_Item]) -> list[Submission | SubmitError]:
-        """``_admit_and_publish``, every item refused as ``StoreUnavailable`` if Redis fails
-        while admitting (places given back and claims freed, as far as Redis lets us: the
-        admission script may have run with only its reply lost)."""
+        """``_admit_and_publish``, every item refused as ``StoreUnavailable`` if Redis fails."""
         try:
             return self._admit_and_publish(items)
         except redis.RedisError as exc:
-            self.admission.release([item.delivery_id for item in items])
-            self._leave_nothing(items)
             failure = StoreUnavailable(f"state store unreachable: {type(exc).__name__}")
             failure.__cause__ = exc
             return [failure] * len(items)
 
     def _admit_and_publish(self, items: list[_Item]) -> list[Submission | SubmitError]:
         """Admit the items in order, publish the admitted ones; a refused or failed item
-        leaves nothing behind (its place, its idempotency claim)."""
-        admitted, refusal = self._admit([item.delivery_id for item in items])
+        leaves nothing behind (its place, its idempotency claim, its owner record)."""
+        try:
+            admitted, refusal = self._admit([item.delivery_id for item in items])
+        except redis.RedisError:  # the script may have run, only its reply lost: undo it all
+            self.admission.release([item.delivery_id for item in items])
+            self._leave_nothing(items)
+            raise
         try:
             published = self._publish(items[:admitted])
         except BaseException:  # raised before anything was produced (Publisher.publish_many)

@@ -254,7 +254,8 @@ def _ingestion_run(c: int, real_per_s: float, bare_per_s: float, accepted: int,
         return {"requests_per_s": per_s, "answered": answered, "errors": 0,
                 "statuses": {"202": accepted}, "latency": {"p99_ms": 10.0},
                 "server_cpu_us_per_request": cpu, "server_peak_rss_mb": 90.0,
-                "accepted_not_recorded": accepted - recorded}
+                "accepted_not_recorded": max(0, accepted - recorded),
+                "recorded_not_accepted": max(0, recorded - accepted)}
     return {"concurrency": c, "ingestion": side(real_per_s, 1000), "bare": side(bare_per_s, 300),
             "ratio": round(real_per_s / bare_per_s, 3)}
 
@@ -269,3 +270,4 @@ def test_ingestion_summary_takes_medians_per_concurrency_and_counts_losses() -> 
     assert summary["by_concurrency"]["32"]["ratio"]["median"] == 0.4
     assert summary["not_202"] == 2  # two requests of the last run were answered otherwise
     assert summary["accepted_not_recorded"] == 1  # a 202 with no record would be a loss
+    assert summary["recorded_not_accepted"] == 0
