@@ -9,7 +9,7 @@ import os
 import re
 import socket
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -331,3 +331,9 @@ def write_figures(out: Path, result: Mapping[str, Any], summary: Mapping[str, An
     out.write_text(json.dumps(result, indent=2))
     print(out)
     print(json.dumps(summary, separators=(",", ":")))
+
+
+def run_and_write(run: Callable[[Any], Mapping[str, Any]], args: Any) -> None:
+    """Run a benchmark whose figures hold their own ``summary`` and write both (``args.out``)."""
+    result = run(args)
+    write_figures(Path(args.out), result, result["summary"])

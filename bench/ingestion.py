@@ -37,13 +37,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import redis
 
-from bench.common import free_port, load_average, sample_process, spread, write_figures
-from bench.pipeline import RESULTS, Private, log
+from bench.common import free_port, load_average, run_and_write, sample_process, spread
+from bench.pipeline import Private, add_private_stack_options, log
 from choreo.config import REPO_ROOT, settings
 
 TOPIC = "delivery.requested"
@@ -185,10 +184,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", "-r", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2000, help="requests to each server first")
     parser.add_argument("--partitions", type=int, default=6)
-    parser.add_argument("--stack-dir", default=None,
-                        help="keep the private stack's data here (default: a temporary directory)")
-    parser.add_argument("--keep-stack", action="store_true", help="leave the private stack running")
-    parser.add_argument("--out", default=str(RESULTS / "ingestion.json"))
+    add_private_stack_options(parser, "ingestion.json")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.repeats < 1 or not args.concurrency or min(args.concurrency) < 1:
         parser.error("--requests, --repeats and every --concurrency must be at least 1")
@@ -196,9 +192,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    result = run(args)
-    write_figures(Path(args.out), result, result["summary"])
+    run_and_write(run, parse_args(argv))
 
 
 if __name__ == "__main__":

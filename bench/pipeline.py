@@ -143,6 +143,15 @@ class Private:
                 shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
+def add_private_stack_options(parser: argparse.ArgumentParser, figures_file: str) -> None:
+    """What every benchmark on a private stack lets one choose: the stack's directory (to
+    reuse one while developing), whether it stays up, and where the figures go."""
+    parser.add_argument("--stack-dir", default=None,
+                        help="reuse a private stack directory (default: a fresh temporary one)")
+    parser.add_argument("--keep-stack", action="store_true", help="leave the private stack running")
+    parser.add_argument("--out", default=str(RESULTS / figures_file))
+
+
 def stack_pids() -> dict[str, int]:
     from infra import stack
     from infra.redis_server import redis_process
@@ -961,10 +970,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-top", type=int, default=15)
     parser.add_argument("--profile-idle", action="store_true",
                         help="sample idle (blocked) threads too: a wall-clock profile")
-    parser.add_argument("--stack-dir", default=None,
-                        help="reuse a private stack directory (default: a fresh temporary one)")
-    parser.add_argument("--keep-stack", action="store_true", help="leave the private stack running")
-    parser.add_argument("--out", default=str(RESULTS / "pipeline.json"))
+    add_private_stack_options(parser, "pipeline.json")
     return parser.parse_args(argv)
 
 

@@ -1,7 +1,7 @@
-"""The pipeline benchmark in its short form: the command the benchmark notes quote runs on a
-fresh clone and writes figures that say what they should. Its full form (``python -m
-bench.pipeline``, see bench/README.md) is a command, not a timed test: nothing here asserts
-a speed, only that every figure was measured and is consistent."""
+"""The benchmarks in their short form: the commands the benchmark notes quote run on a fresh
+clone and write figures that say what they should. Their full forms (``python -m
+bench.pipeline`` and the others, see bench/README.md) are commands, not timed tests: nothing
+here asserts a speed, only that every figure was measured and is consistent."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,16 +18,20 @@ from choreo.config import REPO_ROOT
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_the_benchmark_measures_every_figure_on_its_own_stack(tmp_path: Path) -> None:
-    out = tmp_path / "pipeline.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.pipeline", "--deliveries", "200", "--repeats", "1", "--warmup", "200",
-         "--rates", "100", "--open-seconds", "1", "--timeout", "90", "--out", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+def run_benchmark(module: str, *args: str, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run a benchmark as the notes quote it; it must exit 0, print its figures' path, then
+    its summary as the last line. Returns (summary, figures)."""
+    run = subprocess.run([sys.executable, "-m", module, *args, "--out", str(out)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines()[-2] == str(out)
-    summary = json.loads(run.stdout.splitlines()[-1])  # the last line is the summary JSON
-    result = json.loads(out.read_text())
+    return json.loads(run.stdout.splitlines()[-1]), json.loads(out.read_text())
+
+
+def test_the_benchmark_measures_every_figure_on_its_own_stack(tmp_path: Path) -> None:
+    summary, result = run_benchmark(
+        "bench.pipeline", "--deliveries", "200", "--repeats", "1", "--warmup", "200", "--rates", "100",
+        "--open-seconds", "1", "--timeout", "90", out=tmp_path / "pipeline.json")
     closed = result["runs"][0]["pipeline"]
     assert closed["accepted"] == closed["terminal"] == 200
     assert closed["lost_or_stuck"] == 0 and closed["more_than_one_outcome"] == 0
@@ -49,15 +54,9 @@ def test_the_benchmark_measures_every_figure_on_its_own_stack(tmp_path: Path) ->
 
 
 def test_the_ingestion_benchmark_measures_both_servers_and_loses_nothing(tmp_path: Path) -> None:
-    out = tmp_path / "ingestion.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.ingestion", "--requests", "300", "--concurrency", "4,32",
-         "--repeats", "1", "--warmup", "100", "--out", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.splitlines()[-2] == str(out)
-    summary = json.loads(run.stdout.splitlines()[-1])  # the last line is the summary JSON
-    result = json.loads(out.read_text())
+    summary, result = run_benchmark(
+        "bench.ingestion", "--requests", "300", "--concurrency", "4,32", "--repeats", "1",
+        "--warmup", "100", out=tmp_path / "ingestion.json")
     assert summary == result["summary"]
     assert summary["not_202"] == 0 and summary["accepted_not_recorded"] == 0
     assert summary["recorded_not_accepted"] == 0
@@ -68,3 +67,22 @@ def test_the_ingestion_benchmark_measures_both_servers_and_loses_nothing(tmp_pat
         assert bare["statuses"] == {"202": 300} and bare["errors"] == 0
         assert real["server_cpu_us_per_request"] > 0 and bare["server_cpu_us_per_request"] > 0
         assert run_["ratio"] == round(real["requests_per_s"] / bare["requests_per_s"], 3) > 0
+
+
+def test_the_transaction_benchmark_times_both_hops_and_writes_every_record(tmp_path: Path) -> None:
+    summary, result = run_benchmark(
+        "bench.transactions", "--gaps", "0,30", "--transactions", "8", "--repeats", "2",
+        "--records", "5", out=tmp_path / "transactions.json")
+    assert summary == result["summary"] and summary["records_not_written"] == 0
+    assert set(summary["by_gap_ms"]) == {"0", "30"}
+    for figures in result["gaps"].values():
+        assert len(figures["runs"]) == 2 and figures["refusals_per_transaction"] >= 0
+        for run_ in figures["runs"]:
+            for kind in ("transactional", "plain"):
+                assert run_[kind]["records_written"] == run_[kind]["records_expected"] == (8 + 3) * 5
+                assert run_[kind]["records_failed"] == 0
+                phases = run_[kind]["phases"]
+                assert 0 < phases["commit"]["p50_ms"] <= phases["commit"]["p90_ms"]
+                assert phases["hop"]["p50_ms"] >= phases["offsets"]["p50_ms"] > 0
+    for gap in summary["by_gap_ms"].values():
+        assert gap["ratio"] == round(gap["plain_hop_ms"] / gap["transactional_hop_ms"], 3) > 0

@@ -15,6 +15,7 @@ from bench.http_load import BadResponse, parse_head, request_bytes
 from bench.ingestion import summarise as summarise_ingestion
 from bench.jfr import collapse
 from bench.profile import frame_name, summarise
+from bench.transactions import parse_args as parse_transaction_args, phase_figures
 
 
 def test_percentile_interpolates_between_closest_ranks() -> None:
@@ -271,3 +272,18 @@ def test_ingestion_summary_takes_medians_per_concurrency_and_counts_losses() -> 
     assert summary["not_202"] == 2  # two requests of the last run were answered otherwise
     assert summary["accepted_not_recorded"] == 1  # a 202 with no record would be a loss
     assert summary["recorded_not_accepted"] == 0
+
+
+def test_transaction_phases_take_median_and_p90_per_phase() -> None:
+    rows = [{"offsets": float(i), "commit": 2.0 * i} for i in range(1, 11)]
+    figures = phase_figures(rows)
+    assert figures["offsets"] == {"p50_ms": 5.5, "p90_ms": 9.1}
+    assert figures["commit"] == {"p50_ms": 11.0, "p90_ms": 18.2}
+
+
+@pytest.mark.parametrize("argv", [["--gaps", "-5"], ["--gaps", "ten"], ["--transactions", "0"],
+                                  ["--records", "-1"], ["--partitions", "0"]])
+def test_the_transaction_benchmark_refuses_nonsense_arguments(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_transaction_args(argv)
+    assert exit_.value.code == 2
