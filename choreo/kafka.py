@@ -9,7 +9,7 @@ from typing import Any
 from confluent_kafka import (
     Consumer, ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 
 from choreo.config import settings
 
@@ -122,15 +122,30 @@ def ensure_topics(
 
 
 def _wait_for_leaders(client: AdminClient, topics: list[str], timeout_s: float) -> None:
-    """Creation returns before every broker knows the new partitions' leaders; a client that
-    asks for watermarks or produces at once would get NOT_LEADER / UNKNOWN_PARTITION."""
+    """Creation returns before the new partitions are served, and metadata can name a leader
+    a moment before that leader serves the partition: a client that asked for watermarks in
+    between got NOT_LEADER_FOR_PARTITION (a test run, session 9). So wait until every
+    partition has a leader and that leader answers a ListOffsets."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         meta = client.list_topics(timeout=timeout_s).topics
         if all(t in meta and meta[t].error is None and meta[t].partitions
                and all(p.leader >= 0 for p in meta[t].partitions.values()) for t in topics):
-            return
+            partitions = [TopicPartition(t, p) for t in topics for p in meta[t].partitions]
+            if _leaders_answer(client, partitions, max(0.1, deadline - time.monotonic())):
+                return
         time.sleep(0.1)
+
+
+def _leaders_answer(client: AdminClient, partitions: list[TopicPartition], timeout_s: float) -> bool:
+    latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
+    futures = client.list_offsets({tp: latest for tp in partitions}, request_timeout=timeout_s)
+    try:
+        for future in futures.values():
+            future.result(timeout=timeout_s)
+    except (KafkaException, TimeoutError):  # not served yet
+        return False
+    return True
 
 
 def wait_transactions_settled(timeout_s: float, log: Callable[[str], None] | None = None) -> float:

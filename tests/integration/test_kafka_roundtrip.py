@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from choreo.kafka import ensure_topics
 
@@ -67,3 +67,17 @@ def test_committed_transaction_visible_aborted_invisible(bootstrap: str, unique:
     producer.produce(topic, value=b"after")
     producer.commit_transaction(30)
     assert _drain(bootstrap, topic, 2) == [b"committed", b"after"]
+
+
+def test_new_topics_are_served_when_ensure_topics_returns(bootstrap: str, unique: str) -> None:
+    """Every partition answers a watermark query at once, with no retry: metadata that names
+    a leader is not enough (a test once got NOT_LEADER_FOR_PARTITION right after creation)."""
+    topics = [f"t.served.{unique}.{i}" for i in range(4)]
+    ensure_topics(topics, partitions=6)
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"served-{unique}"})
+    try:
+        for topic in topics:
+            for partition in range(6):
+                assert consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10) == (0, 0)
+    finally:
+        consumer.close()
