@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import re
 import socket
 import statistics
+import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -322,6 +325,17 @@ def free_port(pair: bool = False) -> int:
 
 def rate(count: float, seconds: float) -> float:
     return round(count / seconds, 1) if seconds > 0 else 0.0
+
+
+def run_header(module: str) -> dict[str, Any]:
+    """What every figures file starts with: the command that made it, when, and on what
+    machine under what load (these machines are shared: the load says how to read it)."""
+    return {
+        "command": " ".join([".venv/bin/python", "-m", module, *sys.argv[1:]]),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform(), "load_average_before": load_average()},
+    }
 
 
 def write_figures(out: Path, result: Mapping[str, Any], summary: Mapping[str, Any]) -> None:

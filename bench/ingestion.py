@@ -31,17 +31,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import redis
 
-from bench.common import free_port, load_average, run_and_write, sample_process, spread
+from bench.common import free_port, load_average, run_and_write, run_header, sample_process, spread
 from bench.pipeline import Private, add_private_stack_options, log
 from choreo.config import REPO_ROOT, settings
 
@@ -141,10 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     private = Private.at(args.stack_dir)
     private.activate()
     result: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python", "-m", "bench.ingestion", *sys.argv[1:]]),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform(), "load_average_before": load_average()},
+        **run_header("bench.ingestion"),
         "config": {"requests": args.requests, "concurrency": args.concurrency,
                    "repeats": args.repeats, "warmup": args.warmup, "partitions": args.partitions},
     }

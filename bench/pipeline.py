@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -53,7 +52,7 @@ from bench.ceiling import Record, save_samples
 from bench.common import (
     HAPPY_PATH, SOURCE_TOPIC, TERMINAL_TOPIC, Hops, ProcSample, Stage, batch_figures,
     free_port, hop_count, latency_summary, load_average, parse_metrics, rate, sample_process,
-    summarise_repeats, thread_cpu, write_figures,
+    run_header, summarise_repeats, thread_cpu, write_figures,
 )
 from choreo.config import REPO_ROOT, settings
 from choreo.release import state_keys
@@ -844,13 +843,9 @@ def evaluate(summary: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     private = Private.at(args.stack_dir)
     private.activate()
-    load_before = load_average()
     bench = Bench(args, private)
     result: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python", "-m", "bench.pipeline", *sys.argv[1:]]),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform(), "load_average_before": load_before},
+        **run_header("bench.pipeline"),
         "config": {"deliveries": args.deliveries, "repeats": args.repeats, "warmup": args.warmup,
                    "rates": args.rates,
                    "open_seconds": args.open_seconds, "partitions": args.partitions,
