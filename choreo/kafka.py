@@ -6,9 +6,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import (
-    Consumer, ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition,
-)
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 
 from choreo.config import settings
@@ -81,13 +79,59 @@ def admin(bootstrap: str | None = None) -> AdminClient:
     return AdminClient(base_config(bootstrap))
 
 
-def committed_offsets(client: AdminClient, topic: str, partitions: Iterable[int], group: str,
-                      timeout_s: float = 5.0) -> dict[int, int]:
-    """The offsets ``group`` has committed on ``topic`` (the next record it will read); a
-    partition it never committed on is negative."""
-    request = [ConsumerGroupTopicPartitions(group, [TopicPartition(topic, p) for p in partitions])]
-    result = client.list_consumer_group_offsets(request, request_timeout=timeout_s)[group].result()
-    return {tp.partition: int(tp.offset) for tp in result.topic_partitions}
+# answers of a group coordinator that is moving or loading; the next request finds it
+_COORDINATOR_MOVING = (KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+                       KafkaError.COORDINATOR_NOT_AVAILABLE)
+
+
+class CommittedOffsets:
+    """What consumer groups have committed, read with one idle consumer handle per group.
+
+    Not ``AdminClient.list_consumer_group_offsets``: when a group's coordinator moves (a
+    broker restarts, then the controller's preferred-leader election hands its
+    ``__consumer_offsets`` partition back), the admin client's NOT_COORDINATOR answer makes
+    librdkafka 2.16 dereference a consumer group it does not have, and the whole process
+    dies of a segmentation fault (librdkafka #5040). A chaos run lost both supervisors to it
+    at once. A consumer handle answers NOT_COORDINATOR as an error and looks the new
+    coordinator up meanwhile, so asking again (within the timeout) reaches it. The handles
+    never subscribe, so they never join, rebalance or commit for the groups they read.
+    """
+
+    def __init__(self, timeout_s: float = 5.0, bootstrap: str | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.bootstrap = bootstrap
+        self._probes: dict[str, Consumer] = {}
+
+    def of(self, group: str, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """The offset ``group`` will read next on each (topic, partition); negative where it
+        never committed. Raises ``KafkaException`` when no coordinator answers in time."""
+        probe = self._probes.get(group)
+        if probe is None:
+            probe = self._probes[group] = Consumer({
+                **base_config(self.bootstrap), "group.id": group, "enable.auto.commit": False,
+            })
+        wanted = [TopicPartition(t, p) for t, p in partitions]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                found = probe.committed(wanted, timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except KafkaException as exc:  # the coordinator moved: it is looked up again
+                if exc.args[0].code() not in _COORDINATOR_MOVING or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        for tp in found:
+            if tp.error is not None:
+                raise KafkaException(tp.error)
+        return {(tp.topic, tp.partition): int(tp.offset) for tp in found}
+
+    def on_topic(self, group: str, topic: str, partitions: Iterable[int]) -> dict[int, int]:
+        return {p: offset for (_, p), offset in self.of(group, [(topic, p) for p in partitions]).items()}
+
+    def close(self) -> None:
+        for probe in self._probes.values():
+            probe.close()
+        self._probes.clear()
 
 
 def ensure_topics(

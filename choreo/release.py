@@ -11,7 +11,7 @@ consumer group that reads it has committed past it: the transactions that touche
 delivery are all committed, so no replay can come (a replay is a batch whose transaction
 did not commit). Kafka knows both facts: the supervisor records each terminal's position
 (partition, offset) in a sorted set per partition as it reads it, and ``Releaser`` compares
-those with the groups' committed offsets (one admin request per group per period) and
+those with the groups' committed offsets (one offset fetch per group per period) and
 releases everything behind all of them, one pipelined script per delivery.
 
 What stays is a tombstone, ``dl:{id}`` = {``done``, ``outcome``}, for the dedupe window
@@ -41,7 +41,7 @@ from prometheus_client import Counter as MetricCounter, Gauge
 
 from choreo.dedupe import seen_key
 from choreo.effects import OnceEffect, memo_key
-from choreo.kafka import committed_offsets
+from choreo.kafka import CommittedOffsets
 from choreo.state import DEADLINE_INDEX, delivery_key, text, with_steps
 
 RELEASES = MetricCounter("choreo_releases_total", "Finished deliveries looked at for release, by verdict",
@@ -141,6 +141,7 @@ class Releaser:
         self.page = page
         self.cap = cap
         self.timeout_s = timeout_s
+        self.committed = CommittedOffsets(timeout_s)
         self._release = client.register_script(_RELEASE)
 
     def passed_by_all(self, stats: ReleaseStats) -> dict[int, int]:
@@ -151,8 +152,7 @@ class Releaser:
             raise RuntimeError(f"topic {self.topic}: {meta.error}")
         lowest: dict[int, tuple[int, str]] = {}
         for group in self.groups:
-            for partition, offset in committed_offsets(self.admin, self.topic, meta.partitions,
-                                                       group, self.timeout_s).items():
+            for partition, offset in self.committed.on_topic(group, self.topic, meta.partitions).items():
                 if partition not in lowest or offset < lowest[partition][0]:
                     lowest[partition] = (offset, group)
         for partition, (offset, group) in lowest.items():

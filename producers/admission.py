@@ -35,7 +35,7 @@ from confluent_kafka import IsolationLevel, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
 
-from choreo.kafka import admin as kafka_admin, committed_offsets
+from choreo.kafka import CommittedOffsets, admin as kafka_admin
 from choreo.logs import get_logger
 from choreo.state import delivery_key
 from choreo.workflow import Workflow
@@ -156,6 +156,7 @@ class LagMeter:
         self._partitions: list[int] = []
         self._partitions_at = 0.0
         self._last: tuple[float, dict[str, int]] | None = None  # (time, committed sum per group)
+        self.committed = CommittedOffsets(timeout_s)
 
     def partitions(self) -> list[int]:
         """The topic's partitions, refreshed every 30 s (partitions can be added)."""
@@ -181,8 +182,7 @@ class LagMeter:
         committed_sums: dict[str, int] = {}
         for group in self.groups:
             lag = committed_sum = 0
-            for partition, offset in committed_offsets(self.client, self.topic, parts, group,
-                                                       self.timeout_s).items():
+            for partition, offset in self.committed.on_topic(group, self.topic, parts).items():
                 # no commit yet: the group starts from the earliest offset (auto.offset.reset)
                 position = offset if offset >= 0 else starts[partition]
                 lag += max(0, ends[partition] - position)

@@ -49,7 +49,7 @@ from confluent_kafka import ConsumerGroupTopicPartitions
 from choreo.config import settings
 from choreo.dedupe import Seen
 from choreo.envelope import Envelope
-from choreo.kafka import base_config, admin
+from choreo.kafka import CommittedOffsets, base_config, admin
 from choreo.ops.records import Span, reader, resolve
 from choreo.runner import Runner, RunnerOptions
 from choreo.service import Service
@@ -212,13 +212,12 @@ def replay_into_service(service: Service, spec: RangeSpec, *, group: str | None 
 
 
 def committed_offsets(group: str, spans: list[Span]) -> dict[tuple[str, int], int]:
-    """The group's committed offset per span partition (-1001 when it has none)."""
-    probe = reader(**{"group.id": group})
+    """The group's committed offset per span partition (negative when it has none)."""
+    committed = CommittedOffsets(timeout_s=10)
     try:
-        tps = probe.committed([TopicPartition(s.topic, s.partition) for s in spans], timeout=10)
-        return {(tp.topic, tp.partition): tp.offset for tp in tps}
+        return committed.of(group, [(s.topic, s.partition) for s in spans])
     finally:
-        probe.close()
+        committed.close()
 
 
 def move_group(group: str, spec: RangeSpec, *, allow_existing: bool = False) -> list[Span]:

@@ -8,15 +8,18 @@ this test's own. Its ports are fixed, so concurrent runs on one machine take tur
 from __future__ import annotations
 
 import fcntl
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from choreo.config import Settings
+from choreo.config import REPO_ROOT, Settings
 from infra.kafka import KafkaCluster
 from infra.process import port_in_use
 from infra.stack import kafka_cluster
@@ -152,3 +155,65 @@ def test_rf3_survives_one_kill_and_rejects_writes_when_two_are_down(
             f"after {two_down:.1f}s; restart + first acks=all write {healed:.1f}s; "
             f"RSS MiB {memory}"
         )
+
+
+def offsets_partition(admin: AdminClient, group: str) -> int:
+    """The ``__consumer_offsets`` partition whose leader coordinates ``group`` (Kafka's
+    ``abs(group.hashCode()) % partitions``)."""
+    count = len(admin.list_topics("__consumer_offsets", timeout=10).topics["__consumer_offsets"].partitions)
+    h = 0
+    for ch in group:
+        h = (31 * h + ord(ch)) & 0xFFFFFFFF
+    return (h & 0x7FFFFFFF) % count
+
+
+def offsets_leadership(admin: AdminClient, partition: int) -> tuple[int, int, int]:
+    """(leader, preferred replica, in-sync replicas) of a ``__consumer_offsets`` partition."""
+    meta = admin.list_topics("__consumer_offsets", timeout=10).topics["__consumer_offsets"].partitions[partition]
+    return meta.leader, meta.replicas[0], len(meta.isrs)
+
+
+def test_committed_offsets_are_read_across_a_coordinator_move(cluster: KafkaCluster) -> None:
+    """The supervisor's release and the ingestion's admission read groups' committed offsets
+    every period. When a broker comes back, the controller hands its ``__consumer_offsets``
+    partitions back to it (preferred-leader election) and the groups' coordinators move;
+    read through the admin client, the next read then killed the process with a segmentation
+    fault (librdkafka #5040: both supervisors of a chaos run at once). Reading with
+    ``choreo.kafka.CommittedOffsets`` finds the new coordinator and goes on."""
+    cluster.start(timeout_s=90)
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap_servers, "log_level": 0})
+    admin.create_topics([NewTopic(TOPIC, num_partitions=1, replication_factor=3)])[TOPIC].result(30)
+    group = "coordinator-move"
+    member = Consumer({"bootstrap.servers": cluster.bootstrap_servers, "group.id": group,
+                       "enable.auto.commit": False, "log_level": 0})
+    deadline = time.monotonic() + 60
+    while True:  # a fresh cluster creates __consumer_offsets on the first request for a group
+        try:
+            member.commit(offsets=[TopicPartition(TOPIC, 0, 7)], asynchronous=False)
+            break
+        except KafkaException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    member.close()
+    partition = offsets_partition(admin, group)
+    # on a fresh cluster the preferred replica leads: stop it and start it again, so that a
+    # follower leads until the preferred-leader election moves the coordinator back
+    leader, preferred, _ = offsets_leadership(admin, partition)
+    assert leader == preferred
+    cluster.node(leader - 1).stop(timeout_s=30)
+    cluster.start(timeout_s=90)
+    deadline = time.monotonic() + 60
+    while offsets_leadership(admin, partition)[2] < 3 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    leader, preferred, in_sync = offsets_leadership(admin, partition)
+    assert leader != preferred and in_sync == 3
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.services.coordinator_move", cluster.bootstrap_servers, group,
+         TOPIC, str(partition)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"exit {done.returncode}; stderr tail:\n{done.stderr[-2000:]}"
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["coordinator_was"] == leader and seen["coordinator_now"] == preferred
+    assert seen["before"] == 7 and seen["after"] == [7] * 5
