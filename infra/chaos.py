@@ -23,7 +23,10 @@ event id in any topic; no drone ever held by two deliveries (across the Redis lo
 whose ``drone.scheduled`` is committed carries over; one that never reached Kafka is
 forgotten with Redis, as nobody outside ever learned of it); no accepted request missing
 from ``delivery.requested``; no good event dead-lettered; everything ended within the
-bound. The result is one JSON line; the exit code is 1 on any violation.
+bound; no service instance died by itself (every kill of the plan is followed by a restart,
+nothing restarts a crash). The result is one JSON line; the exit code is 1 on any violation.
+Deliveries that never ended are described in it (``stuck_evidence``: records, state table,
+deadlines), since a CI log keeps nothing else.
 
 Every random choice comes from ``random.Random(seed)``: a failing run is replayed with the
 same seed (same deliveries, same fault schedule; the timing of the machine is not
@@ -66,6 +69,7 @@ from confluent_kafka import (
 from choreo.config import REPO_ROOT, Settings, settings
 from choreo.envelope import pairs
 from choreo.kafka import wait_transactions_settled
+from choreo.workflow import Workflow
 from infra.kafka import KafkaCluster
 from infra.process import ManagedProcess, StackError, port_in_use, stop_all
 
@@ -79,6 +83,7 @@ DUPLICATED = ("delivery.requested", "package.ready", "drone.scheduled", "package
 INTERNAL_TOPICS = ("__consumer_offsets", "__transaction_state", "_schemas")
 FULL_DELIVERIES = 100_000
 SHORT_DELIVERIES = 2_000
+STUCK_EVIDENCE = 5  # deliveries that never ended, described in the result
 # the services' failure injection: permanent failures exercise compensation, transient ones
 # the retries; compensation itself only fails transiently (a permanent undo failure is an
 # operator alert by design, not a pipeline outcome this run could check)
@@ -703,6 +708,27 @@ class Chaos:
         self.faults.note(self._now(), f"services back after redis loss: {self.faults.rebuild}")
 
 
+def died_on_their_own(services: list[ManagedProcess]) -> list[str]:
+    """The instances that are not running, each with how it ended when this process started
+    it (a signal number tells a crash, such as 11, from an exit)."""
+    died = []
+    for proc in services:
+        if proc.running():
+            continue
+        how = "ended"
+        if proc.started_pid:
+            try:
+                reaped, status = os.waitpid(proc.started_pid, os.WNOHANG)
+            except ChildProcessError:  # already collected, or not our child
+                reaped, status = 0, 0
+            if reaped and os.WIFSIGNALED(status):
+                how = f"killed by signal {os.WTERMSIG(status)}"
+            elif reaped:
+                how = f"exit {os.WEXITSTATUS(status)}"
+        died.append(f"{proc.name}: {how}")
+    return died
+
+
 def _resume(proc: ManagedProcess) -> None:
     proc.terminate(signal.SIGCONT)
 
@@ -878,6 +904,35 @@ def judge(plan: Plan, submitter: Submitter, found: Findings,
     }
 
 
+def stuck_evidence(deliveries: list[str], client: redis.Redis, workflow: Workflow, out: Path) -> dict[str, Any]:
+    """What a person needs to tell why a delivery never ended, taken before the stack stops
+    (a CI log keeps only the JSON line): each delivery's records in causal order, its state
+    table and each step's place in the deadline index. Bodies are left undecoded (customer
+    data); the full traces go to ``out``."""
+    from choreo.ops.trace import trace
+    from choreo.state import DEADLINE_INDEX, index_member
+
+    compact: dict[str, Any] = {}
+    full: dict[str, Any] = {}
+    for delivery in deliveries:
+        try:
+            story = trace(delivery, workflow, redis_client=client, decode=False)
+        except (KafkaException, redis.RedisError) as exc:
+            compact[delivery] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            continue
+        full[delivery] = story.as_dict()
+        steps = [s.name for s in workflow.steps if f"{s.name}.status" in story.state]
+        compact[delivery] = {
+            "hops": [f"+{h.since_start_ms}ms {h.topic}[{h.partition}]@{h.offset} a{h.attempt} "
+                     f"by {h.producer} read:{','.join(g for g, read in h.consumed_by.items() if read)}"
+                     for h in story.hops],
+            "state": story.state,
+            "deadlines": {s: client.zscore(DEADLINE_INDEX, index_member(delivery, s)) for s in steps},
+        }
+    out.write_text(json.dumps(full, indent=1, default=str))
+    return compact
+
+
 # -- the run --------------------------------------------------------------------------------
 
 def run(deliveries: int, seed: int, short: bool, *, ports: Ports | None = None,
@@ -983,17 +1038,27 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     settle_s = time.monotonic() - faults_over
     time.sleep(3.0)  # a last look for duplicates that would follow an outcome
     log(f"settled in {settle_s:.1f}s ({len(pending)} pending); stopping services, reading every topic")
+    died = died_on_their_own(stack.services)
     stop_all(stack.services, timeout_s=20)
     client = redis.Redis.from_url(stack.cfg.redis_url, socket_timeout=10)
     history = FleetHistory(chaos.fleet_before_loss, fleet.history(client), chaos.redis_lost_at_ms)
     held_at_end = int(client.hlen(fleet.HELD))
     found = read_everything()
     result = judge(plan, submitter, found, history, pending)
+    # every kill of the plan was followed by a restart: an instance down now died by itself,
+    # and nothing restarted it (a dead supervisor leaves every stuck delivery stuck)
+    result["violations"]["services_died"] = len(died)
+    if died:
+        result["violation_examples"]["services_died"] = died
     if result["violations"]["double_bookings"]:
         evidence = stack.cfg.data_dir / "double-bookings.json"
         evidence.write_text(json.dumps(history.evidence(result["violation_examples"]["double_bookings"], found),
                                        indent=1))
         result["double_booking_evidence"] = str(evidence)
+    stuck = sorted({*pending, *result["violation_examples"].get("missing_terminal", [])})[:STUCK_EVIDENCE]
+    if stuck:
+        evidence_file = stack.cfg.data_dir / "stuck-deliveries.json"
+        result["stuck_evidence"] = stuck_evidence(stuck, client, WORKFLOW, evidence_file)
     result.update({"startup_s": round(startup_s, 1), "traffic_s": round(faults_over - traffic_started, 1),
                    "settle_s": round(settle_s, 1), "drones_held_at_end": held_at_end,
                    "fault_log": chaos.faults.events[-60:]})

@@ -97,6 +97,8 @@ class ManagedProcess:
     marker: str
     env: dict[str, str] = field(default_factory=dict)
     install_hint: str = ""  # how to get ``argv[0]`` when it is missing, for the error sentence
+    # the last process this object started: still our child, so how it ended can be read
+    started_pid: int = field(default=0, init=False)
 
     @property
     def pid_file(self) -> Path:
@@ -161,6 +163,7 @@ class ManagedProcess:
             ) from None
         _await_exec(proc, self.marker)
         self.pid_file.write_text(str(proc.pid))
+        self.started_pid = proc.pid
         try:
             self._wait_ready(timeout_s, proc)
         except StackError:

@@ -9,6 +9,7 @@ FLUSHALL of the shared Redis would pull the rug from under them.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import socket
@@ -20,6 +21,7 @@ from datetime import UTC, datetime
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import redis
@@ -38,6 +40,7 @@ from choreo.state import StateTable, delivery_key
 from choreo.workflow import Workflow
 from consumers import fleet
 from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
+from infra.chaos import stuck_evidence
 from schemas.models import ALL_EVENTS, DroneScheduled
 from tests.factories import delivery_request
 from tests.helpers import ServiceProcess, read_topic, start_group_at_end, wait_for
@@ -254,7 +257,8 @@ def _bookings(client: redis.Redis) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in client.hgetall(fleet.BOOKING).items()}
 
 
-def test_trace_of_a_compensated_delivery_shows_every_hop_in_order(isolated: IsolatedPipeline) -> None:
+def test_trace_of_a_compensated_delivery_shows_every_hop_in_order(isolated: IsolatedPipeline,
+                                                                  tmp_path: Path) -> None:
     isolated.env = {"AGENT_DISPATCH_PERMANENT_RATE": "1.0"}  # every drone booking is refused
     isolated.start()
     ids = isolated.submit(3)
@@ -281,6 +285,17 @@ def test_trace_of_a_compensated_delivery_shows_every_hop_in_order(isolated: Isol
     assert all(h.since_previous_ms >= 0 for h in found.hops)
     # one partition per topic, from the request time on: far less than the topics hold
     assert found.stats.partitions <= len(found.hops) * 10
+    # what a chaos run reports of a delivery that never ended: the same story, compact, with
+    # the state table and the deadline index, and no body decoded (customer data)
+    out = tmp_path / "stuck.json"
+    evidence = stuck_evidence([target], isolated.client, isolated.flow, out)[target]
+    told = [line.split()[1].split("[")[0].removeprefix(isolated.prefix) for line in evidence["hops"]]
+    assert told[0] == "delivery.requested" and set(told) == set(topics) - {"package.cancelled"}
+    assert evidence["state"]["package.status"] == found.state["package.status"]
+    assert set(evidence["deadlines"]) <= {s.name for s in isolated.flow.steps}
+    assert "package" in evidence["deadlines"]
+    written = json.loads(out.read_text())[target]
+    assert len(written["hops"]) == len(told) and all(h["body"] == "" for h in written["hops"])
 
 
 def test_trace_of_a_requeued_delivery(isolated: IsolatedPipeline, unique: str) -> None:

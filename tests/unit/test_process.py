@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -141,3 +143,25 @@ def test_kill_leaves_the_pid_file_like_a_crash(tmp_path: Path) -> None:
     assert proc.pid() is None  # and the stale file is recognised as such
     assert proc.start(timeout_s=5) is True
     proc.stop(timeout_s=5)
+
+
+def test_the_chaos_run_tells_a_crash_from_a_running_instance(tmp_path: Path) -> None:
+    """A service that dies by itself during a chaos run is a violation, named with how it
+    ended (both supervisors once died of SIGSEGV and the run only showed stuck deliveries)."""
+    from infra.chaos import died_on_their_own
+
+    alive, crashed, exited = (sleeper(tmp_path, name) for name in ("alive", "crashed", "exited"))
+    for proc in (alive, crashed, exited):
+        proc.start(timeout_s=5)
+    try:
+        for proc, sig in ((crashed, signal.SIGSEGV), (exited, signal.SIGTERM)):
+            pid = proc.pid()
+            assert pid is not None
+            os.kill(pid, sig)
+        deadline = time.monotonic() + 5
+        while (crashed.running() or exited.running()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert died_on_their_own([alive, crashed, exited]) == [
+            "crashed: killed by signal 11", "exited: killed by signal 15"]
+    finally:
+        stop_all([alive, crashed, exited], timeout_s=5)
