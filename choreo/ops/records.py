@@ -23,10 +23,8 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from choreo.kafka import base_config
-from choreo.config import settings
 from choreo.envelope import Envelope, header_value, pairs
 from choreo.serde import MAGIC_BYTE, registry_client
-from choreo.state import text
 
 Progress = Callable[[int], None]
 

@@ -110,7 +110,7 @@ def test_poison_messages_are_dead_lettered_while_good_ones_flow(
     for value, headers in poison.values():
         producer.produce(topic, key=b"bad", value=value, headers=headers)
     producer.flush(10)
-    rejected = _publish([delivery_request(weight_kg=13)], topic)
+    _publish([delivery_request(weight_kg=13)], topic)  # refused by its handler: REJECTED
     _publish([delivery_request(weight_kg=11)], topic)  # yields its event: a bug, dead-lettered
     flaky = _publish([delivery_request(weight_kg=7)], topic)
     hopeless = _publish([delivery_request(weight_kg=9)], topic)

@@ -18,8 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from choreo.errors import Retryable
-from choreo.events import Event
-from choreo.service import Context, HandlerResult, Service
+from choreo.service import Context, Service
 from choreo.workflow import Workflow
 from tests.services.routing import private_workflow, routed
 from consumers import delivery as delivery_rules

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import json
-from concurrent.futures import Future
 from datetime import UTC, datetime
 from typing import Any
 
