@@ -45,6 +45,8 @@ class RegistryUnavailable(Exception):
     """The registry could not be asked right now: a transient failure, retry later."""
 
 
+SCHEMA_NOT_FOUND = 40403  # the registry API's error code for an unknown schema id
+
 _clients: dict[str, SchemaRegistryClient] = {}
 
 
@@ -54,6 +56,13 @@ def registry_client(url: str | None = None) -> SchemaRegistryClient:
     if url not in _clients:
         _clients[url] = SchemaRegistryClient({"url": url})
     return _clients[url]
+
+
+def forget_registry_clients() -> None:
+    """Drop every cached client with the ids it learnt: for a process that next talks to a
+    new registry at the same URL (the chaos runner, run after run on fresh stacks), where a
+    cached registration would hand out another registry's schema id."""
+    _clients.clear()
 
 
 class Encoder(Generic[E]):
@@ -124,7 +133,9 @@ class Decoder(Generic[E]):
         try:
             schema = self._client.get_schema(schema_id)
         except SchemaRegistryError as exc:
-            if exc.http_status_code == 404:
+            # only the registry's own "schema not found" condemns the event: any other 404 (a
+            # wrong URL, a proxy, another server on the port) must not dead-letter good events
+            if exc.http_status_code == 404 and exc.error_code == SCHEMA_NOT_FOUND:
                 raise DecodeFailure(
                     DeadLetterReason.UNKNOWN_SCHEMA, f"schema id {schema_id} unknown to the registry"
                 ) from exc

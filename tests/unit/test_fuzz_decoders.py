@@ -37,6 +37,7 @@ from producers.submit import Accepted
 from schemas.models import DeliveryRequested, PackageReady
 
 OURS, OTHER, FLAKY = 1, 2, 3  # schema ids the stand-in registry knows (FLAKY: it is "down")
+MISROUTED = 9  # a 404 that is not the registry's "schema not found" (a wrong URL, a proxy)
 PROTOBUF, WITH_REFERENCES, NOT_AVRO, WITH_RULES = 5, 6, 7, 8  # schemas a decoder cannot read
 
 
@@ -56,6 +57,8 @@ class StandInRegistry(SchemaRegistryClient):
         self.asked.append(schema_id)
         if schema_id == FLAKY:
             raise SchemaRegistryError(503, 50003, "registry unavailable")
+        if schema_id == MISROUTED:
+            raise SchemaRegistryError(404, 404, "HTTP 404 Not Found")
         if schema_id == PROTOBUF:
             return Schema('syntax = "proto3"; message M {}', "PROTOBUF")
         if schema_id == WITH_REFERENCES:
@@ -112,13 +115,13 @@ def test_arbitrary_bytes_are_an_event_or_a_classified_failure(decoder: Decoder[P
 
 
 @FUZZ
-@given(st.sampled_from([OURS, OTHER, FLAKY, 0, 4, 2**31 - 1, 2**32 - 1]), st.binary(max_size=2048))
+@given(st.sampled_from([OURS, OTHER, FLAKY, MISROUTED, 0, 4, 2**31 - 1, 2**32 - 1]), st.binary(max_size=2048))
 def test_framed_garbage_is_classified(decoder: Decoder[PackageReady], schema_id: int, payload: bytes) -> None:
     """Right magic byte, any schema id, any payload: the fastavro path itself is fuzzed."""
     outcome = decode_or_classify(decoder, framed(schema_id, payload))
     if not payload:  # a bare header is refused before anyone asks the registry
         assert isinstance(outcome, DecodeFailure) and outcome.reason is DeadLetterReason.UNDECODABLE
-    elif schema_id == FLAKY:
+    elif schema_id in (FLAKY, MISROUTED):
         assert isinstance(outcome, RegistryUnavailable)  # transient: retried, never dead-lettered
     elif schema_id not in (OURS, OTHER):
         assert isinstance(outcome, DecodeFailure) and outcome.reason is DeadLetterReason.UNKNOWN_SCHEMA
