@@ -69,6 +69,7 @@ from confluent_kafka import (
 from choreo.config import REPO_ROOT, Settings, settings
 from choreo.envelope import pairs
 from choreo.kafka import wait_transactions_settled
+from choreo.serde import forget_registry_clients
 from choreo.workflow import Workflow
 from infra.kafka import KafkaCluster
 from infra.process import ManagedProcess, StackError, port_in_use, stop_all
@@ -210,10 +211,13 @@ def cluster_lock(ports: Ports) -> Iterator[None]:
 @contextmanager
 def using(env: dict[str, str]) -> Iterator[Settings]:
     """Point this process (``choreo.config.settings()`` and every client built from it) at
-    the private stack while the block runs; restore the previous environment afterwards."""
+    the private stack while the block runs; restore the previous environment afterwards.
+    Registry clients are dropped both ways: a second run in one process starts a fresh
+    registry on the same port, and a cached id of the first would be unknown to it."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     settings.cache_clear()
+    forget_registry_clients()
     try:
         yield settings()
     finally:
@@ -223,6 +227,7 @@ def using(env: dict[str, str]) -> Iterator[Settings]:
             else:
                 os.environ[k] = v
         settings.cache_clear()
+        forget_registry_clients()
 
 
 class Stack:
