@@ -192,6 +192,10 @@ def _leaders_answer(client: AdminClient, partitions: list[TopicPartition], timeo
     return True
 
 
+# answers about a partition whose leadership is changing hands; the next request finds it
+_LEADER_MOVING = (KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE)
+
+
 def wait_transactions_settled(timeout_s: float, log: Callable[[str], None] | None = None) -> float:
     """Wait until no partition holds an open transaction (last stable offset == high
     watermark everywhere); returns the seconds it took.
@@ -209,10 +213,17 @@ def wait_transactions_settled(timeout_s: float, log: Callable[[str], None] | Non
         meta = committed.list_topics(timeout=10)
         tps = [TopicPartition(t, p) for t, tm in meta.topics.items() if not t.startswith("__")
                for p in tm.partitions]
+        def still_open(tp: TopicPartition) -> bool:
+            try:
+                return bool(committed.get_watermark_offsets(tp, timeout=10, cached=False)[1]
+                            < uncommitted.get_watermark_offsets(tp, timeout=10, cached=False)[1])
+            except KafkaException as exc:  # its leader is moving (a broker came back): ask again
+                if exc.args[0].code() in _LEADER_MOVING:
+                    return True
+                raise
+
         while tps and time.monotonic() - started < timeout_s:
-            tps = [tp for tp in tps
-                   if committed.get_watermark_offsets(tp, timeout=10, cached=False)[1]
-                   < uncommitted.get_watermark_offsets(tp, timeout=10, cached=False)[1]]
+            tps = [tp for tp in tps if still_open(tp)]
             if tps:
                 time.sleep(1.0)
         if tps and log is not None:

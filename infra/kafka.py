@@ -125,6 +125,9 @@ class KafkaCluster:
     heap: str = "-Xms256m -Xmx768m"
     controller_heap: str = "-Xms64m -Xmx256m"
     security: KafkaSecurity | None = None  # None: PLAINTEXT, no authorizer (the default)
+    # how often the controller hands partitions back to their preferred (restarted) leader;
+    # each hand-back moves partition leaders and group and transaction coordinators
+    leader_rebalance_s: int = 300
 
     @property
     def listener(self) -> str:
@@ -187,6 +190,7 @@ class KafkaCluster:
             "log.retention.hours=168",
             "log.segment.bytes=104857600",
             "unclean.leader.election.enable=false",
+            f"leader.imbalance.check.interval.seconds={self.leader_rebalance_s}",
             "message.max.bytes=1048588",
         ]
 

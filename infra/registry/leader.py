@@ -59,14 +59,17 @@ class Lease:
     token: int
 
 
+LEASE_PREFIX = "registry:leader:"  # the only keys the registry keeps in Redis
+
+
 class LeaderElection:
     """Keeps trying to hold the lease (when eligible) and tells who holds it."""
 
     def __init__(self, redis_url: str, topic: str, instance_id: str, url: str,
                  ttl_ms: int = 6000, eligible: bool = True) -> None:
         self.client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        self.key = f"registry:leader:{topic}"
-        self.token_key = f"registry:leader:{topic}:token"
+        self.key = f"{LEASE_PREFIX}{topic}"
+        self.token_key = f"{LEASE_PREFIX}{topic}:token"
         self.instance_id = instance_id
         self.url = url
         self.ttl_ms = ttl_ms
