@@ -7,9 +7,9 @@ each consumer**, and drives N deliveries through it while it:
 
 * kill -9s a random service instance every few seconds and restarts it;
 * hard-kills one broker (kill -9) and restarts it (three times in the full form, once in
-  the short form), waiting for every ISR to be whole again before the next one; the
-  controller hands the restarted broker its partitions back within 20 s, so leaders and
-  group and transaction coordinators also move while the traffic flows;
+  the short form), waiting for every ISR to be whole again before the next one (with
+  ``--leader-rebalance 20`` the controller hands the restarted broker its partitions back
+  within 20 s instead of 5 minutes, so leaders and coordinators also move under traffic);
 * SIGSTOPs an instance past its consumer session timeout (10 s), then SIGCONTs it: the
   zombie's transaction must be fenced, its partitions moved;
 * loses Redis once: stop the services, kill -9 Redis, delete its append-only files, start
@@ -88,7 +88,9 @@ INTERNAL_TOPICS = ("__consumer_offsets", "__transaction_state", "_schemas")
 FULL_DELIVERIES = 100_000
 SHORT_DELIVERIES = 2_000
 STUCK_EVIDENCE = 5  # deliveries that never ended, described in the result
-LEADER_REBALANCE_S = 20  # the cluster's leader.imbalance.check.interval.seconds
+# the cluster's leader.imbalance.check.interval.seconds (Kafka's default); --leader-rebalance 20
+# makes every run move leaders and coordinators (RELIABILITY.md, session 10)
+LEADER_REBALANCE_S = 300
 # the services' failure injection: permanent failures exercise compensation, transient ones
 # the retries; compensation itself only fails transiently (a permanent undo failure is an
 # operator alert by design, not a pipeline outcome this run could check)
@@ -237,18 +239,18 @@ def using(env: dict[str, str]) -> Iterator[Settings]:
 class Stack:
     """The private cluster, Redis, registry and service processes of one chaos run."""
 
-    def __init__(self, cfg: Settings, ports: Ports, service_env: dict[str, str]) -> None:
+    def __init__(self, cfg: Settings, ports: Ports, service_env: dict[str, str],
+                 leader_rebalance_s: int = LEADER_REBALANCE_S) -> None:
         from infra.redis_server import redis_process
         from infra.registry.launch import registry_process
         from infra.services import pipeline_specs, service_process
         from infra.stack import kafka_cluster
 
         self.cfg = cfg
-        # a restarted broker gets its partitions back within seconds, not Kafka's 5 minutes:
-        # every run then also sees leaders and coordinators move under load (a hand-back once
-        # crashed both supervisors, in the rare runs that lasted past the 5 minutes)
+        # how soon a restarted broker gets its partitions back: each hand-back moves leaders
+        # and coordinators under load (one once crashed both supervisors)
         self.cluster: KafkaCluster = replace(kafka_cluster(cfg, nodes=3), base_port=ports.kafka_base,
-                                             leader_rebalance_s=LEADER_REBALANCE_S)
+                                             leader_rebalance_s=leader_rebalance_s)
         self.redis = redis_process(cfg.redis_url, cfg.data_dir)
         self.registry = registry_process(cfg, port=ports.registry, name="registry")
         self.services: list[ManagedProcess] = [
@@ -281,18 +283,23 @@ def wait_for_groups(groups: list[str], timeout_s: float) -> None:
 
     client = admin()
     deadline = time.monotonic() + timeout_s
+    last = "nothing asked yet"
     while time.monotonic() < deadline:
         try:
             futures = client.describe_consumer_groups(groups, request_timeout=5)
             states = {g: f.result(timeout=5) for g, f in futures.items()}
-        except Exception:  # a group that does not exist yet fails its future
+        except Exception as exc:  # a group that does not exist yet fails its future
+            last = f"{type(exc).__name__}: {str(exc)[:200]}"
             time.sleep(0.5)
             continue
         if all(str(d.state).endswith("STABLE") and d.members
                and all(m.assignment.topic_partitions for m in d.members) for d in states.values()):
             return
+        last = "; ".join(f"{g}: {str(d.state).rsplit('.', 1)[-1]}, {len(d.members)} members, "
+                         f"{sum(1 for m in d.members if m.assignment.topic_partitions)} assigned"
+                         for g, d in states.items())
         time.sleep(0.5)
-    raise StackError(f"consumer groups {groups} not stable within {timeout_s:.0f}s")
+    raise StackError(f"consumer groups {groups} not stable within {timeout_s:.0f}s (last: {last})")
 
 
 def wait_groups_empty(groups: list[str], timeout_s: float) -> None:
@@ -953,7 +960,8 @@ def stuck_evidence(deliveries: list[str], client: redis.Redis, workflow: Workflo
 
 def run(deliveries: int, seed: int, short: bool, *, ports: Ports | None = None,
         data_dir: Path | None = None, rate_per_s: float | None = None, redis_loss: bool = True,
-        settle_timeout_s: float | None = None, log_level: str = "WARNING") -> dict[str, Any]:
+        settle_timeout_s: float | None = None, log_level: str = "WARNING",
+        leader_rebalance_s: int = LEADER_REBALANCE_S) -> dict[str, Any]:
     """One chaos run on a private stack; the summary dict (``ok`` false on any violation).
 
     Every process it started is stopped before it returns, whatever happened.
@@ -970,7 +978,7 @@ def run(deliveries: int, seed: int, short: bool, *, ports: Ports | None = None,
         "rate_per_s": plan.rate_per_s, "settle_timeout_s": plan.settle_timeout_s,
     }
     with cluster_lock(ports), using(env) as cfg:
-        stack = Stack(cfg, ports, service_env)
+        stack = Stack(cfg, ports, service_env, leader_rebalance_s)
         submitter = Submitter(plan)
         duplicator = Duplicator(plan)
         tracker = Tracker()
@@ -1099,13 +1107,18 @@ def chaos_command(
     registry_port: int = typer.Option(18081, help="the private registry port"),
     log_level: str = typer.Option("WARNING", help="the services' log level"),
     verbose: bool = typer.Option(False, "--verbose", help="keep the fault log in the JSON line"),
+    leader_rebalance: int = typer.Option(LEADER_REBALANCE_S, "--leader-rebalance",
+                                         help="seconds between the controller's hand-backs of "
+                                              "partitions to a restarted broker (20: leaders and "
+                                              "coordinators move in every run)"),
 ) -> None:
     """Run the chaos test on a private three-node stack; print one JSON line; exit 1 on any violation."""
     chosen_seed = seed or random.SystemRandom().randrange(1, 2**31)
     count = deliveries or (SHORT_DELIVERIES if short else FULL_DELIVERIES)
     summary = run(count, chosen_seed, short, ports=Ports(kafka_port, redis_port, registry_port),
                   rate_per_s=rate or None, redis_loss=not no_redis_loss,
-                  settle_timeout_s=settle_timeout or None, log_level=log_level)
+                  settle_timeout_s=settle_timeout or None, log_level=log_level,
+                  leader_rebalance_s=leader_rebalance)
     if not verbose:
         summary.pop("fault_log", None)
     print(json.dumps(summary, sort_keys=False), flush=True)
