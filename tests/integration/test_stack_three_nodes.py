@@ -23,6 +23,7 @@ from choreo.config import REPO_ROOT, Settings
 from infra.kafka import KafkaCluster
 from infra.process import port_in_use
 from infra.stack import kafka_cluster
+from tests.services.coordinator_move import offsets_leadership, offsets_partition
 
 pytestmark = pytest.mark.integration
 
@@ -155,22 +156,6 @@ def test_rf3_survives_one_kill_and_rejects_writes_when_two_are_down(
             f"after {two_down:.1f}s; restart + first acks=all write {healed:.1f}s; "
             f"RSS MiB {memory}"
         )
-
-
-def offsets_partition(admin: AdminClient, group: str) -> int:
-    """The ``__consumer_offsets`` partition whose leader coordinates ``group`` (Kafka's
-    ``abs(group.hashCode()) % partitions``)."""
-    count = len(admin.list_topics("__consumer_offsets", timeout=10).topics["__consumer_offsets"].partitions)
-    h = 0
-    for ch in group:
-        h = (31 * h + ord(ch)) & 0xFFFFFFFF
-    return (h & 0x7FFFFFFF) % count
-
-
-def offsets_leadership(admin: AdminClient, partition: int) -> tuple[int, int, int]:
-    """(leader, preferred replica, in-sync replicas) of a ``__consumer_offsets`` partition."""
-    meta = admin.list_topics("__consumer_offsets", timeout=10).topics["__consumer_offsets"].partitions[partition]
-    return meta.leader, meta.replicas[0], len(meta.isrs)
 
 
 def test_committed_offsets_are_read_across_a_coordinator_move(cluster: KafkaCluster) -> None:

@@ -24,18 +24,30 @@ from choreo.kafka import CommittedOffsets
 OFFSETS_TOPIC = "__consumer_offsets"
 
 
-def leader_of(admin: AdminClient, partition: int) -> int:
-    return int(admin.list_topics(OFFSETS_TOPIC, timeout=10).topics[OFFSETS_TOPIC].partitions[partition].leader)
+def offsets_partition(admin: AdminClient, group: str) -> int:
+    """The ``__consumer_offsets`` partition whose leader coordinates ``group`` (Kafka's
+    ``abs(group.hashCode()) % partitions``)."""
+    count = len(admin.list_topics(OFFSETS_TOPIC, timeout=10).topics[OFFSETS_TOPIC].partitions)
+    h = 0
+    for ch in group:
+        h = (31 * h + ord(ch)) & 0xFFFFFFFF
+    return (h & 0x7FFFFFFF) % count
+
+
+def offsets_leadership(admin: AdminClient, partition: int) -> tuple[int, int, int]:
+    """(leader, preferred replica, in-sync replicas) of a ``__consumer_offsets`` partition."""
+    meta = admin.list_topics(OFFSETS_TOPIC, timeout=10).topics[OFFSETS_TOPIC].partitions[partition]
+    return meta.leader, meta.replicas[0], len(meta.isrs)
 
 
 def main(bootstrap: str, group: str, topic: str, partition: int) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
     committed = CommittedOffsets(timeout_s=10, bootstrap=bootstrap)
     before = committed.on_topic(group, topic, [0])[0]  # the coordinator is now known (cached)
-    was = leader_of(admin, partition)
+    was = offsets_leadership(admin, partition)[0]
     admin.elect_leaders(ElectionType.PREFERRED, [TopicPartition(OFFSETS_TOPIC, partition)]).result(30)
     deadline = time.monotonic() + 30
-    while leader_of(admin, partition) == was and time.monotonic() < deadline:
+    while offsets_leadership(admin, partition)[0] == was and time.monotonic() < deadline:
         time.sleep(0.2)
     after = []
     for _ in range(5):  # the first reads go to the old coordinator, which answers NOT_COORDINATOR
@@ -43,7 +55,7 @@ def main(bootstrap: str, group: str, topic: str, partition: int) -> None:
         time.sleep(0.2)
     committed.close()
     print(json.dumps({"before": before, "after": after, "coordinator_was": was,
-                      "coordinator_now": leader_of(admin, partition)}), flush=True)
+                      "coordinator_now": offsets_leadership(admin, partition)[0]}), flush=True)
 
 
 if __name__ == "__main__":
