@@ -197,8 +197,23 @@ if status == 'completed' then
 end
 if status ~= 'pending' and status ~= 'processing' then return 'closed' end
 -- the service has now seen this input: remember where it lies even if it will not run it,
--- so the supervisor can requeue it (an expired trigger is consumed and would be lost)
-step_set(K, step, {source = ARGV[7]})
+-- so the supervisor can requeue it (an expired trigger is consumed and would be lost).
+-- A fan-in's other half that was seen and never ran (no 'go': its origin is not in
+-- origins) stays listed before this one: a requeue of the last input alone would leave
+-- the delivery waiting for a half it was given (sources are ';'-separated, see Source)
+local source = ARGV[7]
+if ARGV[8] == '1' then
+  local ran = ',' .. (step_get(K, step, 'origins') or '') .. ','
+  local unran = ''
+  for entry in string.gmatch(step_get(K, step, 'source') or '', '[^;]+') do
+    local from = string.match(entry, '^[^|]*')
+    if from ~= origin and not string.find(ran, ',' .. from .. ',', 1, true) then
+      unran = unran .. entry .. ';'
+    end
+  end
+  source = unran .. source
+end
+step_set(K, step, {source = source})
 if now > step_get(K, step, 'complete_by') then return 'expired' end
 local tries = step_incr(K, step, 'tries', 1)
 if tries > tonumber(ARGV[5]) then return 'exhausted' end
@@ -277,7 +292,8 @@ class Source:
     then the topic, partition and offset it was read from. Written ``topic|partition|offset``
     when the two topics are the same (they are but for a retry topic): a record must stay
     under the Redis listpack value limit (bench/README.md), and the long form pushed a fan-in
-    step's record past it."""
+    step's record past it. A fan-in's record may list several, ``;``-separated: the halves it
+    was given and never ran, then the last input (``_BEGIN``); a requeue sends them all."""
 
     handler_topic: str
     topic: str
@@ -287,6 +303,11 @@ class Source:
     def text(self) -> str:
         where = f"{self.topic}|{self.partition}|{self.offset}"
         return where if self.handler_topic == self.topic else f"{self.handler_topic}|{where}"
+
+    @classmethod
+    def parse_all(cls, raw: str) -> list[Source | None]:
+        """Every input a step's ``source`` lists (``None`` for one that cannot be read)."""
+        return [cls.parse(entry) for entry in raw.split(";")]
 
     @classmethod
     def parse(cls, raw: str) -> Source | None:

@@ -282,15 +282,20 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
 
 
 def _requeue(ctx: Context, rt: _Runtime, action: Action, log: Any) -> None:
-    """Re-publish the step's input to its retry topic with the claimed token as attempt.
+    """Re-publish the step's input to its retry topic with the claimed token as attempt;
+    for a fan-in, also each half it was given and never ran (``Source``).
 
     The event keeps its id: a requeue is the same input tried again, so every remembered
     answer (``ctx.once``) and the remote call id stay the same (a fan-in that already decided
     "ship" is told "ship" again, a remote booking is not made twice); the attempt header is
     what makes the older deliveries of it stale.
     """
+    for source in Source.parse_all(str(action.data.get("source", ""))):
+        _requeue_input(ctx, rt, action, source, log)
+
+
+def _requeue_input(ctx: Context, rt: _Runtime, action: Action, source: Source | None, log: Any) -> None:
     data = action.data
-    source = Source.parse(str(data.get("source", "")))
     policy = rt.policies.of(action.step)
     model = rt.models.get((policy.service, source.handler_topic)) if source else None
     if source is None or model is None:

@@ -9,6 +9,7 @@ deadline index, lease and fleet are the supervisor tests' alone), plus the real
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -206,6 +207,39 @@ def test_fan_in_half_queued_while_its_service_was_down_past_the_deadline_still_s
     _shipped_once(world, ids)
     for d in ids:
         assert world.state(d)["outcome"] == "shipped"
+
+
+def test_fan_in_halves_read_after_its_deadline_are_both_requeued_and_it_ships(world: World) -> None:
+    """The delivery service read both halves after the fan-in's deadline (it was down, and no
+    supervisor ran to extend it): each was consumed as EXPIRED, not run, and reported. The
+    requeue must send both, not only the last one read, or the delivery waits for a half it
+    was given until its budget fails it (found by a chaos run with the 20 s leader hand-back)."""
+    world.start("package")
+    world.start("drone")
+    ids = world.publish(2)
+    wait_for(lambda: set(ids) <= set(world.by_delivery("package.ready"))
+             and set(ids) <= set(world.by_delivery("drone.scheduled")), timeout_s=30,
+             what="both halves published")
+    time.sleep(DEADLINE_S + 0.5)  # past the fan-in step's deadline, opened with the halves
+    world.start("delivery")
+    wait_for(lambda: all(len(reports) == 2 for d, reports in _reports(ids).items()), timeout_s=30,
+             what="both halves reported as read after the deadline")
+    assert not world.by_delivery("delivery.shipped")  # neither half ran
+    world.supervisor()
+    _shipped_once(world, ids)
+    for d in ids:
+        state = world.state(d)
+        assert state["outcome"] == "shipped" and int(state["delivery.attempt"]) >= 2
+
+
+def _reports(ids: list[str]) -> dict[str, list[Any]]:
+    """The recovery reports of these deliveries (the recovery topic is shared: keyed by delivery)."""
+    found: dict[str, list[Any]] = {d: [] for d in ids}
+    for record in read_topic(RECOVERY_TOPIC):
+        delivery_id = (record.key or b"").decode().split("|")[0]
+        if delivery_id in found:
+            found[delivery_id].append(record)
+    return found
 
 
 def test_late_answer_of_an_old_attempt_changes_nothing(world: World) -> None:

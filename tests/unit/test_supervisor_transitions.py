@@ -13,7 +13,7 @@ import redis
 
 from choreo.lease import Lease
 from choreo.ops import status
-from choreo.state import DEADLINE_INDEX, Begin, StateTable, StepStatus, delivery_key, index_member
+from choreo.state import DEADLINE_INDEX, Begin, Source, StateTable, StepStatus, delivery_key, index_member
 from choreo.supervision import (
     COMPENSATION, FORWARD, MARK_COMPENSATED, MARK_COMPENSATING, Action, Policies, Scanner,
     StepPolicy, SupervisorSettings, Transitions, parse_marked,
@@ -179,6 +179,46 @@ def test_a_fan_in_still_open_a_deadline_after_its_halves_is_claimed(
     table.begin(d2, "delivery", 1, 1_000_010, DEADLINE, BUDGET, "p|p|0|5")
     table.finish(d2, "delivery", 1, 1_000_020, StepStatus.FAILED, "flight timed out")
     assert _scan(client, lease, 1_000_030)[(d2, "delivery")].kind == "claim"
+
+
+def test_a_fan_in_half_seen_after_the_deadline_is_requeued_with_the_half_that_joined_later(
+        client: redis.Redis, lease: Lease) -> None:
+    """Found by a chaos run with the 20 s leader hand-back (72 deliveries never ended): the
+    delivery service, far behind, read the package half after the fan-in's deadline
+    (EXPIRED: consumed, not run). The supervisor claimed the step; the drone half then joined
+    the claimed attempt and became the step's last input. The requeue sent that half alone,
+    and the delivery waited for a package it had been given until its budget failed it."""
+    d = _new(client, "package", "drone", "delivery")
+    table = StateTable(client)
+    for step in ("package", "drone"):
+        table.begin(d, step, 1, 1_000_010, DEADLINE, BUDGET, "q|q|0|1")
+        table.finish(d, step, 1, 1_000_020, StepStatus.COMPLETED)
+    package_half, drone_half = "package.ready|0|311", "drone.scheduled|0|321"
+    assert table.begin_many([(d, "delivery", 1, 1_003_000, DEADLINE, package_half)], BUDGET,
+                            {"delivery"}) == [(Begin.EXPIRED, 1)]
+    claim = _scan(client, lease, 1_003_010)[(d, "delivery")]
+    assert claim.kind == "claim" and claim.data["attempt"] == 2
+    assert table.begin_many([(d, "delivery", 1, 1_003_020, DEADLINE, drone_half)], BUDGET,
+                            {"delivery"}) == [(Begin.GO, 2)]
+    requeue = _scan(client, lease, int(claim.data["backoff"]) + 1_003_010)[(d, "delivery")]
+    assert requeue.kind == "requeue"
+    assert [s.text() if s else None for s in Source.parse_all(requeue.data["source"])] \
+        == [package_half, drone_half]
+    # both requeued halves run at attempt 2; once the package half has run, it is not listed again
+    assert table.begin_many([(d, "delivery", 2, 1_003_200, DEADLINE, "package.ready|retry.p|0|1")],
+                            BUDGET, {"delivery"}) == [(Begin.GO, 2)]
+    assert _fields(client, d)["delivery.source"] == "package.ready|retry.p|0|1"
+    assert table.begin_many([(d, "delivery", 2, 1_003_210, DEADLINE, "drone.scheduled|retry.d|0|1")],
+                            BUDGET, {"delivery"}) == [(Begin.GO, 2)]
+    assert _fields(client, d)["delivery.source"] == "drone.scheduled|retry.d|0|1"
+
+
+def test_a_step_with_one_trigger_keeps_one_source(client: redis.Redis, lease: Lease) -> None:
+    d = _new(client, "drone")
+    table = StateTable(client)
+    assert table.begin(d, "drone", 1, 1_003_000, DEADLINE, BUDGET, "a|a|0|1") == Begin.EXPIRED
+    assert table.begin(d, "drone", 1, 1_003_010, DEADLINE, BUDGET, "b|b|0|2") == Begin.EXPIRED
+    assert _fields(client, d)["drone.source"] == "b|b|0|2"
 
 
 def test_back_off_grows_exponentially(client: redis.Redis, lease: Lease) -> None:
