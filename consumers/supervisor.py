@@ -290,7 +290,11 @@ def _requeue(ctx: Context, rt: _Runtime, action: Action, log: Any) -> None:
     "ship" is told "ship" again, a remote booking is not made twice); the attempt header is
     what makes the older deliveries of it stale.
     """
-    for source in Source.parse_all(str(action.data.get("source", ""))):
+    listed = str(action.data.get("source", ""))
+    if not listed and action.data.get("joined"):
+        log.info("step.requeue_not_needed", attempt=action.data["attempt"], why="its input joined the attempt")
+        return
+    for source in Source.parse_all(listed):
         _requeue_input(ctx, rt, action, source, log)
 
 

@@ -200,17 +200,46 @@ def test_a_fan_in_half_seen_after_the_deadline_is_requeued_with_the_half_that_jo
     assert claim.kind == "claim" and claim.data["attempt"] == 2
     assert table.begin_many([(d, "delivery", 1, 1_003_020, DEADLINE, drone_half)], BUDGET,
                             {"delivery"}) == [(Begin.GO, 2)]
+    assert _fields(client, d)["delivery.source"] == f"{package_half};{drone_half}"
     requeue = _scan(client, lease, int(claim.data["backoff"]) + 1_003_010)[(d, "delivery")]
-    assert requeue.kind == "requeue"
-    assert [s.text() if s else None for s in Source.parse_all(requeue.data["source"])] \
-        == [package_half, drone_half]
-    # both requeued halves run at attempt 2; once the package half has run, it is not listed again
+    # the drone half runs as attempt 2 already (it joined): only the package half is sent
+    assert requeue.kind == "requeue" and requeue.data["joined"] == drone_half
+    assert [s.text() if s else None for s in Source.parse_all(requeue.data["source"])] == [package_half]
+    # once the requeued package half has run, it is not listed again
     assert table.begin_many([(d, "delivery", 2, 1_003_200, DEADLINE, "package.ready|retry.p|0|1")],
                             BUDGET, {"delivery"}) == [(Begin.GO, 2)]
     assert _fields(client, d)["delivery.source"] == "package.ready|retry.p|0|1"
-    assert table.begin_many([(d, "delivery", 2, 1_003_210, DEADLINE, "drone.scheduled|retry.d|0|1")],
-                            BUDGET, {"delivery"}) == [(Begin.GO, 2)]
-    assert _fields(client, d)["delivery.source"] == "drone.scheduled|retry.d|0|1"
+
+
+def test_a_fan_in_half_that_joined_the_claimed_attempt_is_not_sent_again(
+        client: redis.Redis, lease: Lease) -> None:
+    """Found by the same chaos runs: the drone half joined the claimed attempt and decided,
+    and the requeue then sent that half again; its replay told the remembered decision once
+    more, and ``delivery.failed`` was published twice (three deliveries)."""
+    d = _new(client, "package", "drone", "delivery")
+    table = StateTable(client)
+    for step in ("package", "drone"):
+        table.begin(d, step, 1, 1_000_010, DEADLINE, BUDGET, "q|q|0|1")
+        table.finish(d, step, 1, 1_000_020, StepStatus.COMPLETED)
+    package_half, drone_half = "package.ready|5|84", "drone.failed|5|7"
+    assert table.begin_many([(d, "delivery", 1, 1_000_100, DEADLINE, package_half)], BUDGET,
+                            {"delivery"}) == [(Begin.GO, 1)]  # ran; waits for the drone's half
+    claim = _scan(client, lease, 1_003_000)[(d, "delivery")]
+    assert claim.kind == "claim" and claim.data["attempt"] == 2
+    assert table.begin_many([(d, "delivery", 1, 1_003_010, DEADLINE, drone_half)], BUDGET,
+                            {"delivery"}) == [(Begin.GO, 2)]
+    requeue = _scan(client, lease, int(claim.data["backoff"]) + 1_003_000)[(d, "delivery")]
+    assert requeue.kind == "requeue" and requeue.data["source"] == ""
+    assert requeue.data["joined"] == drone_half
+    # the joined half never finished: the next claim gives it away with its attempt, so its
+    # replay is stale and the requeue of attempt 3 sends it
+    claim = _scan(client, lease, int(requeue.data["complete_by"]) + 1)[(d, "delivery")]
+    assert claim.kind == "claim" and claim.data["attempt"] == 3
+    assert table.begin_many([(d, "delivery", 1, int(requeue.data["complete_by"]) + 2, DEADLINE, drone_half)],
+                            BUDGET, {"delivery"}) == [(Begin.STALE, 1)]
+    requeue = _scan(client, lease, int(requeue.data["complete_by"]) + 1 + int(claim.data["backoff"]))[
+        (d, "delivery")]
+    assert requeue.kind == "requeue" and requeue.data["source"] == drone_half
 
 
 def test_a_step_with_one_trigger_keeps_one_source(client: redis.Redis, lease: Lease) -> None:
