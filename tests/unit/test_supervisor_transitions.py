@@ -181,6 +181,22 @@ def test_a_fan_in_still_open_a_deadline_after_its_halves_is_claimed(
     assert _scan(client, lease, 1_000_030)[(d2, "delivery")].kind == "claim"
 
 
+def _fan_in_after_both_upstreams(client: redis.Redis) -> tuple[str, StateTable]:
+    """A delivery whose package and drone steps completed at 1_000_020, its fan-in open."""
+    d = _new(client, "package", "drone", "delivery")
+    table = StateTable(client)
+    for step in ("package", "drone"):
+        table.begin(d, step, 1, 1_000_010, DEADLINE, BUDGET, "q|q|0|1")
+        table.finish(d, step, 1, 1_000_020, StepStatus.COMPLETED)
+    return d, table
+
+
+def _half(table: StateTable, d: str, attempt: int, now: int, source: str) -> tuple[Begin, int]:
+    """One fan-in half read by the delivery service: its verdict and the attempt it runs as."""
+    [verdict] = table.begin_many([(d, "delivery", attempt, now, DEADLINE, source)], BUDGET, {"delivery"})
+    return verdict
+
+
 def test_a_fan_in_half_seen_after_the_deadline_is_requeued_with_the_half_that_joined_later(
         client: redis.Redis, lease: Lease) -> None:
     """Found by a chaos run with the 20 s leader hand-back (72 deliveries never ended): the
@@ -188,26 +204,19 @@ def test_a_fan_in_half_seen_after_the_deadline_is_requeued_with_the_half_that_jo
     (EXPIRED: consumed, not run). The supervisor claimed the step; the drone half then joined
     the claimed attempt and became the step's last input. The requeue sent that half alone,
     and the delivery waited for a package it had been given until its budget failed it."""
-    d = _new(client, "package", "drone", "delivery")
-    table = StateTable(client)
-    for step in ("package", "drone"):
-        table.begin(d, step, 1, 1_000_010, DEADLINE, BUDGET, "q|q|0|1")
-        table.finish(d, step, 1, 1_000_020, StepStatus.COMPLETED)
+    d, table = _fan_in_after_both_upstreams(client)
     package_half, drone_half = "package.ready|0|311", "drone.scheduled|0|321"
-    assert table.begin_many([(d, "delivery", 1, 1_003_000, DEADLINE, package_half)], BUDGET,
-                            {"delivery"}) == [(Begin.EXPIRED, 1)]
+    assert _half(table, d, 1, 1_003_000, package_half) == (Begin.EXPIRED, 1)
     claim = _scan(client, lease, 1_003_010)[(d, "delivery")]
     assert claim.kind == "claim" and claim.data["attempt"] == 2
-    assert table.begin_many([(d, "delivery", 1, 1_003_020, DEADLINE, drone_half)], BUDGET,
-                            {"delivery"}) == [(Begin.GO, 2)]
+    assert _half(table, d, 1, 1_003_020, drone_half) == (Begin.GO, 2)
     assert _fields(client, d)["delivery.source"] == f"{package_half};{drone_half}"
     requeue = _scan(client, lease, int(claim.data["backoff"]) + 1_003_010)[(d, "delivery")]
     # the drone half runs as attempt 2 already (it joined): only the package half is sent
     assert requeue.kind == "requeue" and requeue.data["joined"] == drone_half
     assert [s.text() if s else None for s in Source.parse_all(requeue.data["source"])] == [package_half]
     # once the requeued package half has run, it is not listed again
-    assert table.begin_many([(d, "delivery", 2, 1_003_200, DEADLINE, "package.ready|retry.p|0|1")],
-                            BUDGET, {"delivery"}) == [(Begin.GO, 2)]
+    assert _half(table, d, 2, 1_003_200, "package.ready|retry.p|0|1") == (Begin.GO, 2)
     assert _fields(client, d)["delivery.source"] == "package.ready|retry.p|0|1"
 
 
@@ -216,18 +225,12 @@ def test_a_fan_in_half_that_joined_the_claimed_attempt_is_not_sent_again(
     """Found by the same chaos runs: the drone half joined the claimed attempt and decided,
     and the requeue then sent that half again; its replay told the remembered decision once
     more, and ``delivery.failed`` was published twice (three deliveries)."""
-    d = _new(client, "package", "drone", "delivery")
-    table = StateTable(client)
-    for step in ("package", "drone"):
-        table.begin(d, step, 1, 1_000_010, DEADLINE, BUDGET, "q|q|0|1")
-        table.finish(d, step, 1, 1_000_020, StepStatus.COMPLETED)
+    d, table = _fan_in_after_both_upstreams(client)
     package_half, drone_half = "package.ready|5|84", "drone.failed|5|7"
-    assert table.begin_many([(d, "delivery", 1, 1_000_100, DEADLINE, package_half)], BUDGET,
-                            {"delivery"}) == [(Begin.GO, 1)]  # ran; waits for the drone's half
+    assert _half(table, d, 1, 1_000_100, package_half) == (Begin.GO, 1)  # ran; waits for the drone
     claim = _scan(client, lease, 1_003_000)[(d, "delivery")]
     assert claim.kind == "claim" and claim.data["attempt"] == 2
-    assert table.begin_many([(d, "delivery", 1, 1_003_010, DEADLINE, drone_half)], BUDGET,
-                            {"delivery"}) == [(Begin.GO, 2)]
+    assert _half(table, d, 1, 1_003_010, drone_half) == (Begin.GO, 2)
     requeue = _scan(client, lease, int(claim.data["backoff"]) + 1_003_000)[(d, "delivery")]
     assert requeue.kind == "requeue" and requeue.data["source"] == ""
     assert requeue.data["joined"] == drone_half
@@ -235,8 +238,7 @@ def test_a_fan_in_half_that_joined_the_claimed_attempt_is_not_sent_again(
     # replay is stale and the requeue of attempt 3 sends it
     claim = _scan(client, lease, int(requeue.data["complete_by"]) + 1)[(d, "delivery")]
     assert claim.kind == "claim" and claim.data["attempt"] == 3
-    assert table.begin_many([(d, "delivery", 1, int(requeue.data["complete_by"]) + 2, DEADLINE, drone_half)],
-                            BUDGET, {"delivery"}) == [(Begin.STALE, 1)]
+    assert _half(table, d, 1, int(requeue.data["complete_by"]) + 2, drone_half) == (Begin.STALE, 1)
     requeue = _scan(client, lease, int(requeue.data["complete_by"]) + 1 + int(claim.data["backoff"]))[
         (d, "delivery")]
     assert requeue.kind == "requeue" and requeue.data["source"] == drone_half
