@@ -175,8 +175,15 @@ if role == 'forward' and outcome then
       detail = get('fail.detail') or '', compensate = get('fail.compensate') or '',
       attempt = of(step, 'attempt') or 1, tries = of(step, 'tries') or 0})
   end
+  -- an outcome is published once the decider's step completed, and a failure the supervisor
+  -- decided is its own to publish (above). The decider's own 'failed' is written by its
+  -- effect before its batch commits: a batch killed then, whose replay came past the
+  -- deadline ('expired', not run), leaves it in Redis alone. So the decider's step stays
+  -- watched until it completes: claimed and requeued, the replay tells the decision again
   local decider = ARGV[13]
-  if outcome == 'failed' or decider == '' or of(decider, 'status') == 'completed' then
+  local published = decider == '' or of(decider, 'status') == 'completed'
+  if outcome == 'failed' and (step ~= decider or get('fail.by') == 'supervisor') then published = true end
+  if published then
     redis.call('ZREM', KEYS[2], member)
     return cjson.encode({a = 'drop', why = 'outcome ' .. outcome})
   end

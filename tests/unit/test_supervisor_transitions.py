@@ -244,6 +244,35 @@ def test_a_fan_in_half_that_joined_the_claimed_attempt_is_not_sent_again(
     assert requeue.kind == "requeue" and requeue.data["source"] == drone_half
 
 
+def test_a_fan_in_failure_left_unpublished_by_a_killed_batch_is_requeued(
+        client: redis.Redis, lease: Lease) -> None:
+    """Found by the same chaos runs (16 deliveries never ended): the fan-in decided "failed"
+    (its effect writes the outcome before the batch commits), the instance was killed before
+    the commit, and the replay came past the deadline: EXPIRED, not run. The supervisor took
+    the outcome for a published failure and dropped the step: no ``delivery.failed`` ever."""
+    d, table = _fan_in_after_both_upstreams(client)
+    package_half, drone_half = "package.ready|0|200", "drone.failed|0|9"
+    assert _half(table, d, 1, 1_000_100, package_half) == (Begin.GO, 1)
+    assert _half(table, d, 1, 1_000_110, drone_half) == (Begin.GO, 1)
+    client.hset(delivery_key(d), "outcome", "failed")  # the decision; the batch is killed
+    assert _half(table, d, 1, 1_003_000, drone_half) == (Begin.EXPIRED, 1)  # its replay
+    claim = _scan(client, lease, 1_003_010)[(d, "delivery")]
+    assert claim.kind == "claim" and claim.data["attempt"] == 2
+    requeue = _scan(client, lease, 1_003_010 + int(claim.data["backoff"]))[(d, "delivery")]
+    assert requeue.kind == "requeue" and requeue.data["source"] == drone_half
+    # the requeued half tells the decision again and the step completes: then it is dropped
+    assert _half(table, d, 2, 1_003_200, "drone.failed|retry.d|0|1") == (Begin.GO, 2)
+    assert table.finish(d, "delivery", 2, 1_003_210, StepStatus.COMPLETED) == "ok"
+    assert (d, "delivery") not in _scan(client, lease, 1_010_000)
+    # a failure the supervisor decided ends the watch of every step, the decider's too
+    d2, table = _fan_in_after_both_upstreams(client)
+    assert _half(table, d2, 1, 1_000_100, package_half) == (Begin.GO, 1)
+    client.hset(delivery_key(d2), mapping={"outcome": "failed", "fail.by": "supervisor",
+                                           "fail.step": "drone", "fail.seen": "1"})
+    drop = _scan(client, lease, 1_003_000)[(d2, "delivery")]
+    assert drop.kind == "drop" and drop.data["why"] == "outcome failed"
+
+
 def test_a_step_with_one_trigger_keeps_one_source(client: redis.Redis, lease: Lease) -> None:
     d = _new(client, "drone")
     table = StateTable(client)
