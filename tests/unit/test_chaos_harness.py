@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from choreo.serde import registry_client
-from infra.chaos import using
+from infra.chaos import EDGE_TOPIC, Findings, FleetHistory, Submitter, judge, make_plan, using
 
 URL = "http://127.0.0.1:18081"  # the private registry of every chaos run (never contacted here)
 
@@ -18,3 +18,25 @@ def test_each_private_stack_gets_registry_clients_of_its_own() -> None:
         assert during is not first
         assert registry_client(URL) is during  # still one client per URL within a run
     assert registry_client(URL) is not during
+
+
+def test_a_request_written_twice_by_the_edge_is_counted_and_a_duplicate_output_is_a_violation() -> None:
+    """The edge's idempotent producer wrote 226 requests twice in a run with the 20 s leader
+    hand-back (librdkafka #4953): consumers drop such a copy by its event id, so it is counted
+    apart; the same id twice in a service's output topic stays a violation."""
+    submitter = Submitter(make_plan(2, 1, True, services=10))
+    submitter.accepted = {"d1": 0.0, "d2": 0.0}
+    found = Findings(requested={"d1", "d2"})
+    found.terminal.update({"d1": 1, "d2": 1})
+    found.shipped = {"d1", "d2"}
+    for topic, event in ((EDGE_TOPIC, "r1"), (EDGE_TOPIC, "r1"), ("package.ready", "p2"),
+                         ("package.ready", "p2"), ("package.ready", "p1")):
+        found.ids[topic][event] += 1
+    found.duplicate_at = [f"r1 first {EDGE_TOPIC}|4|59@1 by chaos, again {EDGE_TOPIC}|4|91@1 by chaos",
+                          "p2 first package.ready|1|5@2 by package, again package.ready|1|9@3 by package"]
+    result = judge(submitter, found, FleetHistory([], []), late=[])
+    assert result["edge_duplicates"] == 1
+    assert result["duplicates_by_topic"] == {"package.ready": 1}
+    assert result["violations"]["duplicate_event_ids"] == 1
+    assert result["violation_examples"]["duplicate_event_ids"] == [found.duplicate_at[1]]
+    assert result["edge_duplicate_examples"] == [found.duplicate_at[0]]
