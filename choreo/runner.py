@@ -48,7 +48,8 @@ LAG_PERIOD_S = 10.0
 
 
 class BatchTransient(Exception):
-    """Infrastructure is briefly unavailable (Redis, registry): abort and replay the batch."""
+    """Infrastructure is briefly unavailable (Redis, registry), or the replay of a completed
+    step failed: abort and replay the batch."""
 
 
 @dataclass
@@ -480,6 +481,11 @@ class Runner:
             envelope.correlation_id, step, envelope.attempt) <= self.service.retry_budget
         if run.tries <= self.service.in_process_retries and in_time and budget_left:
             return True
+        if w.verdict is Begin.REPLAY:
+            # the step completed in a batch that never committed: this replay is the only way
+            # its outputs get published, so the input must not be consumed without them (a
+            # report would not help: the supervisor leaves a completed step alone)
+            raise BatchTransient(f"replay of the completed step {step} failed: {str(error)[:200]}")
         if step is None:
             self._dead_letter(message, DeadLetterReason.REJECTED, f"retries exhausted: {error}")
             return False

@@ -17,10 +17,11 @@ from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from choreo.config import settings
-from choreo.envelope import Envelope
+from choreo.envelope import Envelope, now_ms
 from choreo.kafka import ensure_topics
 from choreo.publisher import Publisher
 from choreo.serde import Encoder, registry_client
+from choreo.state import Begin, StateTable, StepStatus
 from schemas.models import DeliveryShipped, PackageFailed
 from tests.factories import delivery_request
 from tests.helpers import ServiceProcess, free_port, read_topic, wait_for
@@ -155,6 +156,28 @@ def test_kill_mid_batch_loses_nothing_and_duplicates_nothing(
     assert {r.envelope.causation_id for r in out if r.envelope} == set(ids)
     effects = {k.decode(): int(v) for k, v in redis_client.hgetall(f"probe:{topic}:effects").items()}
     assert len(effects) == 300 and set(effects.values()) == {1}
+
+
+def test_a_failed_replay_of_a_completed_step_is_retried_until_it_publishes(
+        services: list[ServiceProcess], probe_topic: str, redis_client: redis.Redis) -> None:
+    """Found by a chaos run: a package step completed in a batch that was killed before its
+    commit; the replay met a transient failure of the warehouse, was reported and consumed,
+    and ``package.ready`` was never published: the supervisor leaves a completed step alone.
+    Here the step is left completed as such a batch leaves it, and the replay fails on its
+    first three tries (two in one batch)."""
+    topic = probe_topic
+    request = delivery_request(weight_kg=3.0)
+    table, now = StateTable(redis_client), now_ms()
+    table.open(request.delivery_id, "probe", now + 30_000, now)
+    assert table.begin(request.delivery_id, "probe", 1, now, 30_000, 10, f"{topic}|0|0") is Begin.GO
+    assert table.finish(request.delivery_id, "probe", 1, now, StepStatus.COMPLETED) == "ok"
+    [event_id] = _publish([request], topic)
+    services.append(ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic}).start())
+    out = wait_for(lambda: read_topic(f"{topic}.out"), timeout_s=60, what="the replay's output")
+    assert [r.envelope.causation_id for r in out if r.envelope] == [event_id]
+    assert int(redis_client.get(f"probe:{topic}:flaky:{request.delivery_id}") or 0) == 4
+    reports = [r for r in read_topic("recovery") if (r.key or b"").decode().startswith(request.delivery_id)]
+    assert reports == []  # not consumed as a failure
 
 
 def test_the_effects_of_a_batch_go_to_redis_together(

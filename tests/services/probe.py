@@ -4,6 +4,7 @@
 * 11 kg: the handler yields its event instead of an effect (a bug in a rule) → dead letter;
 * 7 kg: a transient failure on the first try, then success (in-process retry);
 * 9 kg: always transient → retries exhausted → reported to the recovery topic;
+* 3 kg: transient on its first three tries, across batches (a flaky remote call);
 * 42 kg: the first time, hang after the Redis effect so the test can kill -9 mid-batch;
 * anything else: an idempotent Redis counter effect (yielded: batched with the batch's
   other effects), then a derived event.
@@ -40,6 +41,8 @@ def handle(request: DeliveryRequested, ctx: Context) -> Effects[None]:
         raise Retryable("first try fails")
     if request.weight_kg == 9:
         raise Retryable("always fails")
+    if request.weight_kg == 3 and ctx.redis.incr(f"probe:{TOPIC}:flaky:{request.delivery_id}") <= 3:
+        raise Retryable("flaky")
     counted = yield ctx.effect(COUNT, keys=[f"probe:{TOPIC}:effects"], args=[request.delivery_id])
     assert counted == "counted"
     if request.weight_kg == 42 and ctx.redis.set(f"probe:{TOPIC}:hung", 1, nx=True):
