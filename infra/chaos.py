@@ -112,7 +112,6 @@ AGENT_ENV = {
 EDGE_TOPIC = "delivery.requested"
 
 
-
 def log(message: str) -> None:
     print(f"[chaos {datetime.now(UTC).strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
