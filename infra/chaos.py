@@ -827,7 +827,7 @@ class Findings:
     ids: dict[str, Counter[Any]] = field(default_factory=lambda: defaultdict(Counter))
     # where each id was first seen, and every later copy: the evidence of a duplicate
     first_at: dict[str, dict[Any, str]] = field(default_factory=lambda: defaultdict(dict))
-    duplicate_at: list[str] = field(default_factory=list)
+    duplicate_at: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # by topic
     dead_letters: Counter[str] = field(default_factory=Counter)
     booked: dict[str, str] = field(default_factory=dict)  # delivery -> its committed drone
     booked_at: dict[str, int] = field(default_factory=dict)  # delivery -> that record's time (ms)
@@ -864,7 +864,7 @@ def read_everything() -> Findings:
                 where = f"{r.position}@{r.timestamp_ms} by {env.producer} (delivery {delivery})"
                 first = found.first_at[r.topic].setdefault(key, where)
                 if first is not where:
-                    found.duplicate_at.append(f"{key} first {first}, again {where}")
+                    found.duplicate_at[r.topic].append(f"{key} first {first}, again {where}")
             if r.topic == EDGE_TOPIC:
                 found.requested.add(delivery)
             if r.topic in TERMINAL:
@@ -884,10 +884,6 @@ def read_everything() -> Findings:
     finally:
         consumer.close()
     return found
-
-
-def _on_edge(duplicate: str) -> bool:
-    return f" {EDGE_TOPIC}|" in duplicate
 
 
 def judge(submitter: Submitter, found: Findings, fleet_history: FleetHistory,
@@ -919,7 +915,7 @@ def judge(submitter: Submitter, found: Findings, fleet_history: FleetHistory,
         "missing_terminal": missing[:5], "multiple_terminal": multiple[:5],
         "uncompensated": uncompensated[:5], "lost": lost[:5], "double_bookings": doubled_drones[:5],
         "late": late[:5],
-        "duplicate_event_ids": [d for d in found.duplicate_at if not _on_edge(d)][:5],
+        "duplicate_event_ids": [d for t, ds in found.duplicate_at.items() if t != EDGE_TOPIC for d in ds][:5],
     }
     return {
         "accepted": len(accepted),
@@ -935,7 +931,7 @@ def judge(submitter: Submitter, found: Findings, fleet_history: FleetHistory,
         "copies_read": found.copies_read,
         "duplicates_by_topic": duplicates,
         "edge_duplicates": edge_duplicates,
-        "edge_duplicate_examples": [d for d in found.duplicate_at if _on_edge(d)][:5],
+        "edge_duplicate_examples": found.duplicate_at.get(EDGE_TOPIC, [])[:5],
         "dead_letters_by_topic": dict(found.dead_letters),
         "violations": violations,
         "violation_examples": {k: v for k, v in examples.items() if v},

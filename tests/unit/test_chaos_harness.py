@@ -32,11 +32,12 @@ def test_a_request_written_twice_by_the_edge_is_counted_and_a_duplicate_output_i
     for topic, event in ((EDGE_TOPIC, "r1"), (EDGE_TOPIC, "r1"), ("package.ready", "p2"),
                          ("package.ready", "p2"), ("package.ready", "p1")):
         found.ids[topic][event] += 1
-    found.duplicate_at = [f"r1 first {EDGE_TOPIC}|4|59@1 by chaos, again {EDGE_TOPIC}|4|91@1 by chaos",
-                          "p2 first package.ready|1|5@2 by package, again package.ready|1|9@3 by package"]
+    edge_copy = f"r1 first {EDGE_TOPIC}|4|59@1 by chaos, again {EDGE_TOPIC}|4|91@1 by chaos"
+    output_copy = "p2 first package.ready|1|5@2 by package, again package.ready|1|9@3 by package"
+    found.duplicate_at.update({EDGE_TOPIC: [edge_copy], "package.ready": [output_copy]})
     result = judge(submitter, found, FleetHistory([], []), late=[])
     assert result["edge_duplicates"] == 1
     assert result["duplicates_by_topic"] == {"package.ready": 1}
     assert result["violations"]["duplicate_event_ids"] == 1
-    assert result["violation_examples"]["duplicate_event_ids"] == [found.duplicate_at[1]]
-    assert result["edge_duplicate_examples"] == [found.duplicate_at[0]]
+    assert result["violation_examples"]["duplicate_event_ids"] == [output_copy]
+    assert result["edge_duplicate_examples"] == [edge_copy]
