@@ -21,7 +21,7 @@ from enum import StrEnum
 import redis
 
 from choreo.batch import BatchScript
-from choreo.state import delivery_key
+from choreo.state import Sighting, delivery_key
 
 # KEYS: the dedupe hash, the step table. ARGV: field, position, ttl s, '1' to refuse released.
 _SEEN = """
@@ -43,7 +43,13 @@ def seen_key(delivery_id: str) -> str:
 def seen_field(service: str, event_id: str, attempt: int) -> str:
     """``<service>:<event id>:<attempt>``: the service's own prefix lets the release take only
     the workflow's entries (``choreo.release``)."""
-    return f"{service}:{compact_id(event_id)}:{attempt}"
+    return f"{seen_prefix(service, event_id)}{attempt}"
+
+
+def seen_prefix(service: str, event_id: str) -> str:
+    """An event's field without its attempt: a fan-in half that joins a newer attempt claims
+    the event at that attempt (``choreo.state`` ``_BEGIN``)."""
+    return f"{service}:{compact_id(event_id)}:"
 
 
 def compact_id(event_id: str) -> str:
@@ -74,6 +80,10 @@ class Deduper:
         # only a workflow's own services: the releaser waits for their groups, not for others
         self.refuse_released = refuse_released
         self._script = BatchScript(client, _SEEN)
+
+    def sighting(self, delivery_id: str, event_id: str, position: str) -> Sighting:
+        """Where this service deduplicates the event read at ``position``."""
+        return Sighting(seen_key(delivery_id), seen_prefix(self.service, event_id), position)
 
     def verdicts(self, items: Sequence[tuple[str, str, int, str]]) -> list[Seen]:
         """For (delivery id, event id, attempt, position) items: whether each is to run."""

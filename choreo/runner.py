@@ -304,8 +304,7 @@ class Runner:
         keyed: list[tuple[int, tuple[str, str, int, str]]] = []
         for i, (m, env) in enumerate(zip(batch, envelopes)):
             if env is not None:
-                keyed.append((i, (env.correlation_id, env.event_id, env.attempt,
-                                  f"{m.topic()}|{m.partition()}|{m.offset()}")))
+                keyed.append((i, (env.correlation_id, env.event_id, env.attempt, _position(m))))
         try:
             verdicts = self.dedupe.verdicts([item for _, item in keyed])
         except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -384,7 +383,9 @@ class Runner:
              int(w.handler.deadline_s * 1000),
              Source(w.handler.topic, w.topic, w.message.partition() or 0, w.message.offset() or 0).text())
             for w in stepped
-        ], self.service.retry_budget, self.joinable)
+        ], self.service.retry_budget, self.joinable, [
+            self.dedupe.sighting(w.envelope.correlation_id, w.envelope.event_id, _position(w.message))
+            if w.handler.step in self.joinable else None for w in stepped])
         for w, (verdict, attempt) in zip(stepped, verdicts):
             w.verdict = verdict
             if attempt != w.envelope.attempt:  # it joined the step's current attempt: answer as that
@@ -619,6 +620,11 @@ def _waves(work: list[Work]) -> list[list[Work]]:
             waves.append([])
         waves[k].append(w)
     return waves
+
+
+def _position(message: Message) -> str:
+    """Where a message lies, as the dedupe remembers it."""
+    return f"{message.topic()}|{message.partition()}|{message.offset()}"
 
 
 def _next_offsets(batch: list[Message]) -> list[TopicPartition]:

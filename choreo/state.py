@@ -188,6 +188,14 @@ if attempt < token then
   local origins = ',' .. (step_get(K, step, 'origins') or '') .. ','
   if ARGV[7] ~= step_get(K, step, 'joined')
      and string.find(origins, ',' .. origin .. ',', 1, true) then return 'stale' end
+  -- the same event may be on its way at the current attempt from another position: the
+  -- supervisor's requeue of this very half, sent before it joined. The first position the
+  -- service's dedupe saw at that attempt runs, the other is a copy (KEYS[3]: the dedupe
+  -- hash, ARGV[9]: the event's field there without its attempt, ARGV[10]: this position)
+  if KEYS[3] then
+    local taken = redis.call('HGET', KEYS[3], ARGV[9] .. token)
+    if taken and taken ~= ARGV[10] then return 'stale' end
+  end
   attempt, joined = token, true
   step_set(K, step, {joined = ARGV[7]})
 end
@@ -227,7 +235,11 @@ if ARGV[8] == '1' then
   end
 end
 step_set(K, step, changes)
-if joined then return 'go:' .. attempt end
+if joined then
+  -- claimed at this attempt: the requeued copy of this half is a duplicate when it comes
+  if KEYS[3] then redis.call('HSET', KEYS[3], ARGV[9] .. attempt, ARGV[10]) end
+  return 'go:' .. attempt
+end
 return 'go'
 """
 
@@ -323,6 +335,19 @@ class Source:
 
 
 @dataclass(frozen=True)
+class Sighting:
+    """Where the service's dedupe (``choreo.dedupe``) keeps an input's event: the hash, the
+    event's field there without its attempt, and the input's position. A fan-in half that
+    joins a newer attempt claims its event at that attempt there, so the supervisor's requeue
+    of the same half, sent before the join, is a copy and does not publish the decision again
+    (a chaos run published 146 terminal events twice, RELIABILITY.md)."""
+
+    key: str
+    field_prefix: str
+    position: str
+
+
+@dataclass(frozen=True)
 class StepState:
     step: str
     status: str
@@ -377,16 +402,20 @@ class StateTable:
                                budget, {step} if joinable else set())[0][0]
 
     def begin_many(self, items: list[tuple[str, str, int, int, int, str]], budget: int,
-                   joinable: set[str] | frozenset[str] = frozenset()) -> list[tuple[Begin, int]]:
+                   joinable: set[str] | frozenset[str] = frozenset(),
+                   sightings: Sequence[Sighting | None] = ()) -> list[tuple[Begin, int]]:
         """``begin`` for a whole batch in one round trip: (delivery, step, attempt, now,
         default deadline ms, source) per item; each verdict comes with the attempt the input
         runs as (the current one when it joins a step requeued meanwhile). ``joinable``: the
-        steps with several trigger topics (a fan-in), whose other triggers may join."""
+        steps with several trigger topics (a fan-in), whose other triggers may join.
+        ``sightings``: where each item's event is deduplicated (one per item, ``None`` for
+        a step no input can join), so only one copy of an event runs at the attempt it joins."""
+        seen: Sequence[Sighting | None] = sightings or [None] * len(items)
         answers = self._begin.run([
-            ([delivery_key(delivery_id), DEADLINE_INDEX],
+            ([delivery_key(delivery_id), DEADLINE_INDEX, *([at.key] if at else [])],
              [step, attempt, now, default_deadline_ms, budget, index_member(delivery_id, step),
-              source, "1" if step in joinable else "0"])
-            for delivery_id, step, attempt, now, default_deadline_ms, source in items])
+              source, "1" if step in joinable else "0", *([at.field_prefix, at.position] if at else [])])
+            for (delivery_id, step, attempt, now, default_deadline_ms, source), at in zip(items, seen)])
         return [_started(text(r), item[2]) for r, item in zip(answers, items)]
 
     def complete_many(self, items: list[tuple[str, str, int]], now_ms: int) -> list[str]:

@@ -13,16 +13,18 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from confluent_kafka import ConsumerGroupState
+from confluent_kafka import ConsumerGroupState, Producer
 
 from choreo import topology
-from choreo.kafka import admin, ensure_topics
+from choreo.config import settings
+from choreo.envelope import now_ms
+from choreo.kafka import CommittedOffsets, admin, ensure_topics
 from choreo.lease import holder
 from choreo.publisher import Publisher
 from choreo.runner import RECOVERY_TOPIC
@@ -150,7 +152,7 @@ def _shipped_once(world: World, ids: list[str]) -> None:
     time.sleep(1.0)  # a second record would follow within a scan or two
     shipped = world.by_delivery("delivery.shipped")
     for delivery_id in ids:  # one record, not one event id: a requeue's replay repeats the id
-        assert len(shipped[delivery_id]) == 1, [r.position for r in shipped[delivery_id]]
+        assert len(shipped[delivery_id]) == 1, [(r.partition, r.offset) for r in shipped[delivery_id]]
     assert not set(world.by_delivery("delivery.failed")) & set(ids)
     assert fleet.double_bookings(world.redis) == []
 
@@ -232,6 +234,46 @@ def test_fan_in_halves_read_after_its_deadline_are_both_requeued_and_it_ships(wo
     for d in ids:
         state = world.state(d)
         assert state["outcome"] == "shipped" and int(state["delivery.attempt"]) >= 2
+
+
+def test_requeued_halves_that_joined_and_decided_meanwhile_are_not_published_again(world: World) -> None:
+    """Found by a chaos run (146 terminal events published twice). The batch that read the
+    package half after the fan-in's deadline aborted, so the half stayed unread. The
+    supervisor claimed the step and requeued that half. The half itself was then read again:
+    it joined the claimed attempt and decided. The requeued copy came after, and its replay
+    published the remembered decision a second time. Staged without the abort: the claim and
+    the copies are written as the supervisor writes them, once the halves have decided (both
+    halves are copied: the one that ran second decided)."""
+    world.start("package")
+    world.start("drone")
+    ids = world.publish(2)
+    wait_for(lambda: set(ids) <= set(world.by_delivery("package.ready"))
+             and set(ids) <= set(world.by_delivery("drone.scheduled")), timeout_s=30,
+             what="both halves published")
+    claimed_until = now_ms() + 60_000
+    for d in ids:  # the supervisor's claim of the fan-in
+        StateTable(world.redis).put(d, {"delivery.attempt": 2, "delivery.complete_by": claimed_until})
+    world.start("delivery")
+    _shipped_once(world, ids)  # the halves joined attempt 2 and decided
+    producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers})
+    copied: dict[str, set[int]] = defaultdict(set)
+    for half in ("package.ready", "drone.scheduled"):  # the requeues, sent before the halves joined
+        retry = retry_topic(world.topic("delivery"), world.topic(half))
+        for record in world.records(half):
+            envelope = record.envelope
+            assert envelope is not None
+            producer.produce(retry, key=record.key, value=record.value,
+                             headers=replace(envelope, attempt=2, deadline_ms=claimed_until).to_headers(),
+                             on_delivery=lambda err, msg: copied[msg.topic()].add(msg.partition()))
+    assert producer.flush(30) == 0
+    offsets = CommittedOffsets()
+    try:
+        wait_for(lambda: all(offset >= 1 for topic, partitions in copied.items() for offset in
+                             offsets.on_topic(world.topic("delivery"), topic, partitions).values()),
+                 timeout_s=30, what="the copies read")
+    finally:
+        offsets.close()
+    _shipped_once(world, ids)
 
 
 def _reports(ids: list[str]) -> dict[str, list[Any]]:
