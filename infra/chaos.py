@@ -297,6 +297,9 @@ def wait_for_groups(groups: list[str], timeout_s: float) -> None:
             states = {g: f.result(timeout=5) for g, f in futures.items()}
         except Exception as exc:  # a group that does not exist yet fails its future
             last = f"{type(exc).__name__}: {str(exc)[:200]}"
+            # a client that keeps hearing NOT_COORDINATOR kept asking the coordinator it had
+            # cached for 90 s in one run (session 11): a new client looks the coordinator up
+            client = admin()
             time.sleep(0.5)
             continue
         if all(str(d.state).endswith("STABLE") and d.members
