@@ -88,6 +88,17 @@ class World:
         publisher.flush(30)
         return ids
 
+    def halves_published(self, n: int) -> list[str]:
+        """``n`` deliveries through the package and drone services, both fan-in halves of each
+        published, the delivery service not started."""
+        self.start("package")
+        self.start("drone")
+        ids = self.publish(n)
+        wait_for(lambda: set(ids) <= set(self.by_delivery("package.ready"))
+                 and set(ids) <= set(self.by_delivery("drone.scheduled")), timeout_s=30,
+                 what="both halves published")
+        return ids
+
     def state(self, delivery_id: str) -> dict[str, str]:
         return StateTable(self.redis).fields(delivery_id)
 
@@ -219,12 +230,7 @@ def test_fan_in_halves_read_after_its_deadline_are_both_requeued_and_it_ships(wo
     supervisor ran to extend it): each was consumed as EXPIRED, not run, and reported. The
     requeue must send both, not only the last one read, or the delivery waits for a half it
     was given until its budget fails it (found by a chaos run with the 20 s leader hand-back)."""
-    world.start("package")
-    world.start("drone")
-    ids = world.publish(2)
-    wait_for(lambda: set(ids) <= set(world.by_delivery("package.ready"))
-             and set(ids) <= set(world.by_delivery("drone.scheduled")), timeout_s=30,
-             what="both halves published")
+    ids = world.halves_published(2)
     time.sleep(DEADLINE_S + 0.5)  # past the fan-in step's deadline, opened with the halves
     world.start("delivery")
     wait_for(lambda: all(len(reports) == 2 for d, reports in _reports(ids).items()), timeout_s=30,
@@ -245,12 +251,7 @@ def test_requeued_halves_that_joined_and_decided_meanwhile_are_not_published_aga
     published the remembered decision a second time. Staged without the abort: the claim and
     the copies are written as the supervisor writes them, once the halves have decided (both
     halves are copied: the one that ran second decided)."""
-    world.start("package")
-    world.start("drone")
-    ids = world.publish(2)
-    wait_for(lambda: set(ids) <= set(world.by_delivery("package.ready"))
-             and set(ids) <= set(world.by_delivery("drone.scheduled")), timeout_s=30,
-             what="both halves published")
+    ids = world.halves_published(2)
     claimed_until = now_ms() + 60_000
     for d in ids:  # the supervisor's claim of the fan-in
         StateTable(world.redis).put(d, {"delivery.attempt": 2, "delivery.complete_by": claimed_until})
