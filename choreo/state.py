@@ -415,7 +415,8 @@ class StateTable:
             ([delivery_key(delivery_id), DEADLINE_INDEX, *([at.key] if at else [])],
              [step, attempt, now, default_deadline_ms, budget, index_member(delivery_id, step),
               source, "1" if step in joinable else "0", *([at.field_prefix, at.position] if at else [])])
-            for (delivery_id, step, attempt, now, default_deadline_ms, source), at in zip(items, seen)])
+            for (delivery_id, step, attempt, now, default_deadline_ms, source), at
+            in zip(items, seen, strict=True)])
         return [_started(text(r), item[2]) for r, item in zip(answers, items)]
 
     def complete_many(self, items: list[tuple[str, str, int]], now_ms: int) -> list[str]:

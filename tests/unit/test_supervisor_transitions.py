@@ -310,7 +310,7 @@ def test_a_half_that_joined_makes_its_requeued_copy_a_duplicate(client: redis.Re
     # the other order: the requeued copy is seen first (in the same batch or an earlier one)
     d, table = _fan_in_after_both_upstreams(client)
     assert _read(table, dedupe, d, package, 1, 1_003_000, half) == (Begin.EXPIRED, 1)
-    claim = _scan(client, lease, 1_003_010)[(d, "delivery")]
+    assert _scan(client, lease, 1_003_010)[(d, "delivery")].kind == "claim"
     [seen] = dedupe.verdicts([(d, package, 2, "retry.p|0|7")])
     assert seen is Seen.FRESH
     assert _read(table, dedupe, d, package, 1, 1_003_100, half) == (Begin.STALE, 1)
