@@ -195,14 +195,19 @@ end
 local attempt = of(step, 'attempt') or 1
 local deadline_ms = tonumber(ARGV[6])
 if (of(step, 'requeue') or 0) == attempt then
-  -- phase 2: the back-off of a claimed step is over: re-publish with the claimed token
-  -- (a fan-in half that joined the claimed attempt meanwhile is sent too: the service's
-  -- dedupe knows it ran as that attempt, and drops the copy; choreo.state _BEGIN)
+  -- phase 2: the back-off of a claimed step is over: re-publish with the claimed token.
+  -- A fan-in half that joined the claimed attempt meanwhile runs as it (Kafka replays it
+  -- if its batch aborts): sent again it would run twice, and a fan-in that decided would
+  -- publish its decision a second time
   local complete_by = now + deadline_ms
+  local joined, sources = of(step, 'joined'), {}
+  for entry in string.gmatch(of(step, 'source') or '', '[^;]+') do
+    if entry ~= joined then table.insert(sources, entry) end
+  end
   set({complete_by = complete_by, requeued = attempt, updated = now, requeue = cjson.null})
   redis.call('ZADD', KEYS[2], complete_by, member)
-  return cjson.encode({a = 'requeue', attempt = attempt, source = of(step, 'source') or '',
-    complete_by = complete_by})
+  return cjson.encode({a = 'requeue', attempt = attempt, source = table.concat(sources, ';'),
+    joined = joined or '', complete_by = complete_by})
 end
 if ARGV[15] ~= '' and status ~= 'failed' then
   -- a fan-in step still waiting for a half is not stuck while the upstream step that owes

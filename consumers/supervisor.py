@@ -283,14 +283,19 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
 
 def _requeue(ctx: Context, rt: _Runtime, action: Action, log: Any) -> None:
     """Re-publish the step's input to its retry topic with the claimed token as attempt;
-    for a fan-in, also each half it was given and never ran (``Source``).
+    for a fan-in, also each half it was given and never ran (``Source``), and never a half
+    that joined the claimed attempt: that one runs as it already.
 
     The event keeps its id: a requeue is the same input tried again, so every remembered
     answer (``ctx.once``) and the remote call id stay the same (a fan-in that already decided
     "ship" is told "ship" again, a remote booking is not made twice); the attempt header is
     what makes the older deliveries of it stale.
     """
-    for source in Source.parse_all(str(action.data.get("source", ""))):
+    listed = str(action.data.get("source", ""))
+    if not listed and action.data.get("joined"):
+        log.info("step.requeue_not_needed", attempt=action.data["attempt"], why="its input joined the attempt")
+        return
+    for source in Source.parse_all(listed):
         _requeue_input(ctx, rt, action, source, log)
 
 

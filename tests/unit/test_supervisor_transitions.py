@@ -198,19 +198,6 @@ def _half(table: StateTable, d: str, attempt: int, now: int, source: str) -> tup
     return verdict
 
 
-def _read(table: StateTable, dedupe: Deduper, d: str, event_id: str, attempt: int, now: int,
-          source: str) -> tuple[Begin, int] | Seen:
-    """One fan-in half read by the delivery service as its runner does: the dedupe first,
-    then (if it is to run) the step's verdict and the attempt it runs as."""
-    position = "|".join(source.split("|")[-3:])  # topic|partition|offset, as the runner keys it
-    [seen] = dedupe.verdicts([(d, event_id, attempt, position)])
-    if seen is not Seen.FRESH:
-        return seen
-    [verdict] = table.begin_many([(d, "delivery", attempt, now, DEADLINE, source)], BUDGET, {"delivery"},
-                                 [dedupe.sighting(d, event_id, position)])
-    return verdict
-
-
 def test_a_fan_in_half_seen_after_the_deadline_is_requeued_with_the_half_that_joined_later(
         client: redis.Redis, lease: Lease) -> None:
     """Found by a chaos run with the 20 s leader hand-back (72 deliveries never ended): the
@@ -218,53 +205,44 @@ def test_a_fan_in_half_seen_after_the_deadline_is_requeued_with_the_half_that_jo
     (EXPIRED: consumed, not run). The supervisor claimed the step; the drone half then joined
     the claimed attempt and became the step's last input. The requeue sent that half alone,
     and the delivery waited for a package it had been given until its budget failed it."""
-    dedupe = Deduper(client, "delivery", 3600)
     d, table = _fan_in_after_both_upstreams(client)
-    package, drone = str(uuid.uuid4()), str(uuid.uuid4())
     package_half, drone_half = "package.ready|0|311", "drone.scheduled|0|321"
-    assert _read(table, dedupe, d, package, 1, 1_003_000, package_half) == (Begin.EXPIRED, 1)
+    assert _half(table, d, 1, 1_003_000, package_half) == (Begin.EXPIRED, 1)
     claim = _scan(client, lease, 1_003_010)[(d, "delivery")]
     assert claim.kind == "claim" and claim.data["attempt"] == 2
-    assert _read(table, dedupe, d, drone, 1, 1_003_020, drone_half) == (Begin.GO, 2)
+    assert _half(table, d, 1, 1_003_020, drone_half) == (Begin.GO, 2)
     assert _fields(client, d)["delivery.source"] == f"{package_half};{drone_half}"
     requeue = _scan(client, lease, int(claim.data["backoff"]) + 1_003_010)[(d, "delivery")]
-    assert requeue.kind == "requeue"
-    assert [s.text() if s else None for s in Source.parse_all(requeue.data["source"])] == [package_half, drone_half]
-    # the drone half runs as attempt 2 already (it joined): its copy is dropped, the package half runs
-    assert _read(table, dedupe, d, drone, 2, 1_003_190, "drone.scheduled|retry.d|0|1") is Seen.DUPLICATE
-    assert _read(table, dedupe, d, package, 2, 1_003_200, "package.ready|retry.p|0|1") == (Begin.GO, 2)
+    # the drone half runs as attempt 2 already (it joined): only the package half is sent
+    assert requeue.kind == "requeue" and requeue.data["joined"] == drone_half
+    assert [s.text() if s else None for s in Source.parse_all(requeue.data["source"])] == [package_half]
     # once the requeued package half has run, it is not listed again
+    assert _half(table, d, 2, 1_003_200, "package.ready|retry.p|0|1") == (Begin.GO, 2)
     assert _fields(client, d)["delivery.source"] == "package.ready|retry.p|0|1"
 
 
-def test_a_fan_in_half_that_joined_the_claimed_attempt_does_not_run_again_when_requeued(
+def test_a_fan_in_half_that_joined_the_claimed_attempt_is_not_sent_again(
         client: redis.Redis, lease: Lease) -> None:
     """Found by the same chaos runs: the drone half joined the claimed attempt and decided,
     and the requeue then sent that half again; its replay told the remembered decision once
-    more, and ``delivery.failed`` was published twice (three deliveries). The requeue still
-    sends it (it may not have run: a joined half can be past the deadline), and the service's
-    dedupe drops the copy of a half that ran as that attempt."""
-    dedupe = Deduper(client, "delivery", 3600)
+    more, and ``delivery.failed`` was published twice (three deliveries)."""
     d, table = _fan_in_after_both_upstreams(client)
-    package, drone = str(uuid.uuid4()), str(uuid.uuid4())
     package_half, drone_half = "package.ready|5|84", "drone.failed|5|7"
-    assert _read(table, dedupe, d, package, 1, 1_000_100, package_half) == (Begin.GO, 1)  # waits
+    assert _half(table, d, 1, 1_000_100, package_half) == (Begin.GO, 1)  # ran; waits for the drone
     claim = _scan(client, lease, 1_003_000)[(d, "delivery")]
     assert claim.kind == "claim" and claim.data["attempt"] == 2
-    assert _read(table, dedupe, d, drone, 1, 1_003_010, drone_half) == (Begin.GO, 2)
+    assert _half(table, d, 1, 1_003_010, drone_half) == (Begin.GO, 2)
     requeue = _scan(client, lease, int(claim.data["backoff"]) + 1_003_000)[(d, "delivery")]
-    assert requeue.kind == "requeue" and requeue.data["source"] == drone_half
-    assert _read(table, dedupe, d, drone, 2, 1_003_900, "drone.failed|retry.d|5|1") is Seen.DUPLICATE
+    assert requeue.kind == "requeue" and requeue.data["source"] == ""
+    assert requeue.data["joined"] == drone_half
     # the joined half never finished: the next claim gives it away with its attempt, so its
-    # replay is stale and the requeue of attempt 3 sends it, to run as attempt 3
+    # replay is stale and the requeue of attempt 3 sends it
     claim = _scan(client, lease, int(requeue.data["complete_by"]) + 1)[(d, "delivery")]
     assert claim.kind == "claim" and claim.data["attempt"] == 3
-    assert _read(table, dedupe, d, drone, 1, int(requeue.data["complete_by"]) + 2, drone_half) \
-        == (Begin.STALE, 1)
-    requeued_at = int(requeue.data["complete_by"]) + 1 + int(claim.data["backoff"])
-    requeue = _scan(client, lease, requeued_at)[(d, "delivery")]
+    assert _half(table, d, 1, int(requeue.data["complete_by"]) + 2, drone_half) == (Begin.STALE, 1)
+    requeue = _scan(client, lease, int(requeue.data["complete_by"]) + 1 + int(claim.data["backoff"]))[
+        (d, "delivery")]
     assert requeue.kind == "requeue" and requeue.data["source"] == drone_half
-    assert _read(table, dedupe, d, drone, 3, requeued_at + 10, "drone.failed|retry.d|5|2") == (Begin.GO, 3)
 
 
 def test_a_fan_in_failure_left_unpublished_by_a_killed_batch_is_requeued(
@@ -294,6 +272,19 @@ def test_a_fan_in_failure_left_unpublished_by_a_killed_batch_is_requeued(
                                            "fail.step": "drone", "fail.seen": "1"})
     drop = _scan(client, lease, 1_003_000)[(d2, "delivery")]
     assert drop.kind == "drop" and drop.data["why"] == "outcome failed"
+
+
+def _read(table: StateTable, dedupe: Deduper, d: str, event_id: str, attempt: int, now: int,
+          source: str) -> tuple[Begin, int] | Seen:
+    """One fan-in half read by the delivery service as its runner does: the dedupe first,
+    then (if it is to run) the step's verdict and the attempt it runs as."""
+    position = "|".join(source.split("|")[-3:])  # topic|partition|offset, as the runner keys it
+    [seen] = dedupe.verdicts([(d, event_id, attempt, position)])
+    if seen is not Seen.FRESH:
+        return seen
+    [verdict] = table.begin_many([(d, "delivery", attempt, now, DEADLINE, source)], BUDGET, {"delivery"},
+                                 [dedupe.sighting(d, event_id, position)])
+    return verdict
 
 
 def test_a_half_that_joined_makes_its_requeued_copy_a_duplicate(client: redis.Redis, lease: Lease) -> None:
