@@ -14,6 +14,7 @@ from bench.common import (
 from bench.http_load import BadResponse, parse_head, request_bytes
 from bench.ingestion import summarise as summarise_ingestion
 from bench.jfr import collapse
+from bench.pipeline import evaluate, retained_per_completed
 from bench.profile import frame_name, summarise
 from bench.transactions import parse_args as parse_transaction_args, phase_figures
 
@@ -287,3 +288,18 @@ def test_the_transaction_benchmark_refuses_nonsense_arguments(argv: list[str]) -
     with pytest.raises(SystemExit) as exit_:
         parse_transaction_args(argv)
     assert exit_.value.code == 2
+
+
+def test_a_finished_delivery_is_flat_only_when_no_measure_sees_it_kept() -> None:
+    # used_memory fell during the probe (client buffers freed), while the keys still hold a
+    # tombstone and the business logs grew: not flat
+    memory = {"bytes_per_completed_delivery": -1003, "business_log_bytes_per_completed_delivery": 245,
+              "counted_bytes_per_delivery": {"released": {"own": 136, "shared": -49, "total": 87}}}
+    assert retained_per_completed(memory) == 87 + 245
+    flat = evaluate({"redis_bytes_retained_per_completed": retained_per_completed(memory)})
+    assert flat["redis_flat_after_completion"]["met"] is False
+    nothing = {"bytes_per_completed_delivery": -12, "business_log_bytes_per_completed_delivery": 0,
+               "counted_bytes_per_delivery": {"released": {"own": 0, "shared": 0, "total": 0}}}
+    assert evaluate({"redis_bytes_retained_per_completed": retained_per_completed(nothing)}
+                    )["redis_flat_after_completion"]["met"] is True
+    assert evaluate({})["redis_flat_after_completion"]["met"] is None
