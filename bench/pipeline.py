@@ -909,9 +909,9 @@ def retained_per_completed(memory: dict[str, Any]) -> int:
     the key-by-key count (its own keys, its share of the shared sets, and the business logs).
     ``used_memory`` alone moves by megabytes with client buffers: one run measured -1,003 B
     per delivery and would have called that flat, with the 136 B tombstone in place."""
-    counted = memory["counted_bytes_per_delivery"]["released"]["total"]
-    return max(memory["bytes_per_completed_delivery"],
-               counted + memory["business_log_bytes_per_completed_delivery"])
+    counted = int(memory["counted_bytes_per_delivery"]["released"]["total"])
+    return max(int(memory["bytes_per_completed_delivery"]),
+               counted + int(memory["business_log_bytes_per_completed_delivery"]))
 
 
 def summarise(result: dict[str, Any], bench: Bench) -> dict[str, Any]:
