@@ -11,11 +11,9 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -23,27 +21,21 @@ from typing import Any
 import httpx
 import pytest
 import redis
-import uvicorn
 from confluent_kafka import Consumer, TopicPartition
 
 from choreo.config import settings
-from choreo.envelope import derived_id, header_value
-from choreo.serde import Decoder, registry_client
+from choreo.envelope import derived_id
 from choreo.state import DEADLINE_INDEX, StateTable, StepStatus, delivery_key
 from producers.client import DeliveryClient
 from producers.errors import AdmissionRefused, StoreUnavailable
-from producers.http_server import MAX_HEAD_BYTES, server_config
-from producers.ingestion import create_app
-from producers.settings import IngestionSettings
+from producers.http_server import MAX_HEAD_BYTES
 from producers.model import InvalidRequest
 from producers.submit import Submission, Submitter, idempotency_redis_key, owner_redis_key
-from schemas.models import DeliveryRequested
 from tests.factories import request_body
 from tests.helpers import REPO, wait_for
+from tests.ingestion import TOPIC, end_offsets, ingestion_settings, records_since, serving
 
 pytestmark = pytest.mark.integration
-
-TOPIC = DeliveryRequested.topic
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,35 +44,6 @@ def topics(stack: None) -> None:
     from consumers.workflow import WORKFLOW
 
     topology.create(WORKFLOW)
-
-
-def ingestion_settings(unique: str, **overrides: Any) -> IngestionSettings:
-    """Isolated from other tests: its own in-flight set; backlog off unless asked for."""
-    values: dict[str, Any] = {"INGESTION_INFLIGHT_KEY": f"test:inflight:{unique}",
-                              "INGESTION_MAX_BACKLOG": 0}
-    values.update(overrides)
-    return IngestionSettings(**values)
-
-
-@contextmanager
-def serving(cfg: IngestionSettings, cleanup: bool = True,
-            submitter: Submitter | None = None) -> Iterator[str]:
-    """The app under uvicorn on a free port, in a thread, served as ``choreo serve`` serves it
-    (``producers.http_server``); yields its base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(server_config(create_app(cfg, submitter), "127.0.0.1", port))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started, 30, 0.05, "uvicorn to start")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        if cleanup:
-            redis.Redis.from_url(settings().redis_url).delete(cfg.inflight_key)
 
 
 @pytest.fixture(scope="module")
@@ -93,47 +56,6 @@ def base_url(stack: None) -> Iterator[str]:
 def http(base_url: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=base_url, timeout=40) as client:
         yield client
-
-
-def end_offsets() -> dict[int, int]:
-    consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers,
-                         "group.id": "ingestion-test-reader"})
-    try:
-        parts = consumer.list_topics(TOPIC, timeout=10).topics[TOPIC].partitions
-        return {p: consumer.get_watermark_offsets(TopicPartition(TOPIC, p), timeout=10)[1]
-                for p in parts}
-    finally:
-        consumer.close()
-
-
-def records_since(start: dict[int, int]) -> list[tuple[str, DeliveryRequested, dict[str, str]]]:
-    """(key, event, headers) of every committed record written after ``start``."""
-    ends = end_offsets()
-    decode = Decoder(DeliveryRequested, TOPIC, registry_client())
-    consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers,
-                         "group.id": "ingestion-test-reader", "enable.auto.commit": False,
-                         "isolation.level": "read_committed"})
-    wanted = {p: (start.get(p, 0), end) for p, end in ends.items() if end > start.get(p, 0)}
-    out: list[tuple[str, DeliveryRequested, dict[str, str]]] = []
-    try:
-        consumer.assign([TopicPartition(TOPIC, p, s) for p, (s, _) in wanted.items()])
-        done: set[int] = set()
-        deadline = time.monotonic() + 30
-        while len(done) < len(wanted) and time.monotonic() < deadline:
-            msg = consumer.poll(0.2)
-            if msg is None or msg.error():
-                continue
-            raw = msg.headers() or []
-            headers = {h[0]: header_value(raw, h[0]) or "" for h in raw}
-            key = msg.key()
-            out.append((bytes(key).decode() if key else "", decode(msg.value()), headers))
-            partition, offset = int(msg.partition() or 0), int(msg.offset() or 0)
-            if offset + 1 >= wanted[partition][1]:
-                done.add(partition)
-        assert len(done) == len(wanted), "could not read the topic to its end"
-        return out
-    finally:
-        consumer.close()
 
 
 # -- the happy path -------------------------------------------------------------------------
