@@ -1,0 +1,89 @@
+"""Admission control against the running pipeline: a downstream service stops, the endpoint
+is flooded, and the door closes on the real consumer lag; nothing it accepted is lost, and it
+opens again once the service is back and has caught up."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from choreo import topology
+from consumers.workflow import WORKFLOW
+from producers.client import DeliveryClient
+from producers.errors import AdmissionRefused
+from tests.factories import request_body
+from tests.helpers import ServiceProcess, wait_for
+from tests.ingestion import end_offsets, ingestion_settings, records_since, serving
+from tests.pipeline import Pipeline, terminal_counts, wait_terminal
+
+pytestmark = pytest.mark.integration
+
+PACKAGE = "consumers.package:service"
+BACKLOG_LIMIT = 60
+FLOOD = 600
+
+
+@pytest.fixture()
+def pipeline(stack: None) -> Iterator[Pipeline]:
+    topology.create(WORKFLOW)
+    running = Pipeline().start()
+    yield running
+    running.kill()
+
+
+def backlog(client: httpx.Client) -> int:
+    return int(client.get("/readyz").json()["backlog"])
+
+
+def test_a_stopped_service_closes_the_door_and_nothing_accepted_is_lost(
+        pipeline: Pipeline, unique: str) -> None:
+    owner = f"flood-{unique}"
+    cfg = ingestion_settings(unique, INGESTION_MAX_BACKLOG=BACKLOG_LIMIT, INGESTION_LAG_INTERVAL_S=0.2)
+    start = end_offsets()
+    with serving(cfg) as url, httpx.Client(base_url=url, timeout=40) as client:
+        # every service is up (one delivery goes all the way) and has caught up: the door is open
+        first = client.post("/deliveries", json=request_body(owner_id=owner)).json()["delivery_id"]
+        wait_terminal({first}, timeout_s=120)
+        wait_for(lambda: backlog(client) < BACKLOG_LIMIT // 4, 120, 0.5, "the services to catch up")
+        package = next(p for p in pipeline.procs if p.ref == PACKAGE)
+        assert package.stop() == 0  # SIGTERM: it leaves its group, its offsets stay committed
+
+        accepted: list[str] = []
+        codes: list[int] = []
+        refusal: httpx.Response | None = None
+        for _ in range(FLOOD):
+            response = client.post("/deliveries", json=request_body(owner_id=owner))
+            codes.append(response.status_code)
+            if response.status_code == 202:
+                accepted.append(response.json()["delivery_id"])
+            else:
+                refusal = refusal or response
+        assert refusal is not None and refusal.status_code == 429, codes[-5:]
+        assert refusal.json()["error"] == "overloaded" and refusal.json()["reason"] == "backlog"
+        assert 1 <= int(refusal.headers["retry-after"]) <= 30
+        # the door closed near the limit and stayed closed while nothing drained
+        assert BACKLOG_LIMIT // 2 <= len(accepted) < FLOOD // 2, len(accepted)
+        first_refused = codes.index(429)
+        assert set(codes[first_refused:]) == {429}, codes[first_refused:]
+        assert backlog(client) >= BACKLOG_LIMIT
+
+        # the Python API meets the same door, with the same reason
+        with DeliveryClient(cfg) as api, pytest.raises(AdmissionRefused) as refused:
+            api.submit(request_body(owner_id=owner))
+        assert refused.value.reason == "backlog" and refused.value.retry_after_s >= 1
+
+        # what the door refused was never published; what it accepted was, once each
+        published = [key for key, event, _ in records_since(start) if event.owner_id == owner]
+        assert sorted(published) == sorted([first, *accepted])
+
+        pipeline.procs.append(ServiceProcess(PACKAGE, instance="restarted").start())
+        counts = wait_terminal(set(accepted), timeout_s=180)
+        assert sorted(counts) == sorted(accepted) and set(counts.values()) == {1}
+        wait_for(lambda: backlog(client) < BACKLOG_LIMIT, 60, 0.2, "the backlog to drain")
+        reopened = client.post("/deliveries", json=request_body(owner_id=owner))
+        assert reopened.status_code == 202, reopened.text
+    late = reopened.json()["delivery_id"]
+    assert wait_terminal({late}, timeout_s=60)[late] == 1
+    assert terminal_counts(set(accepted)) == counts  # and none of them ended a second time
