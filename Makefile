@@ -11,7 +11,7 @@ test: setup
 	.venv/bin/choreo stack start
 	.venv/bin/python -m pytest -q
 
-# the pipeline benchmark as bench/README.md quotes it (≈ 3 min); figures in bench/results/
+# the pipeline benchmark as bench/README.md quotes it (≈ 2½ min); figures in bench/results/
 BENCH_ARGS ?= --deliveries 2000 --repeats 3 --rates 500,1000 --out bench/results/pipeline.json
 bench: setup
 	.venv/bin/python -m bench.pipeline $(BENCH_ARGS)

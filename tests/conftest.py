@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
 
 from choreo.config import settings
+
+if TYPE_CHECKING:
+    from tests.pipeline import Pipeline
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +37,16 @@ def redis_client(stack: None) -> redis.Redis:
 def unique() -> str:
     """A short unique suffix so tests never share topics, groups or keys."""
     return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture()
+def pipeline(stack: None) -> Iterator[Pipeline]:
+    """The workflow's five services running as real processes, killed after the test."""
+    from choreo import topology
+    from consumers.workflow import WORKFLOW
+    from tests.pipeline import Pipeline
+
+    topology.create(WORKFLOW)
+    running = Pipeline().start()
+    yield running
+    running.kill()

@@ -4,13 +4,9 @@ opens again once the service is back and has caught up."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
 
-from choreo import topology
-from consumers.workflow import WORKFLOW
 from producers.client import DeliveryClient
 from producers.errors import AdmissionRefused
 from tests.factories import request_body
@@ -23,14 +19,6 @@ pytestmark = pytest.mark.integration
 PACKAGE = "consumers.package:service"
 BACKLOG_LIMIT = 60
 FLOOD = 600
-
-
-@pytest.fixture()
-def pipeline(stack: None) -> Iterator[Pipeline]:
-    topology.create(WORKFLOW)
-    running = Pipeline().start()
-    yield running
-    running.kill()
 
 
 def backlog(client: httpx.Client) -> int:

@@ -6,12 +6,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import redis
 
-from choreo import topology
 from choreo.envelope import now_ms
 from choreo.kafka import ensure_topics
 from choreo.ops.replay import RangeSpec, committed_offsets, replay_into_service
@@ -61,14 +59,6 @@ def test_time_range_into_a_new_subscriber_delivers_exactly_that_range(stack: Non
     again = replay_into_service(build(topic), RangeSpec([topic], since, until))
     assert again.handled == 0 and again.duplicates == 30
     assert len(read_topic(f"{topic}.out")) == 30
-
-
-@pytest.fixture()
-def pipeline(stack: None) -> Iterator[Pipeline]:
-    topology.create(WORKFLOW)
-    running = Pipeline().start()
-    yield running
-    running.kill()
 
 
 OUTPUTS = ("package.ready", "package.failed", "drone.scheduled", "drone.failed", "delivery.shipped",

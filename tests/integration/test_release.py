@@ -4,7 +4,6 @@ goes, what it leaves, what it waits for and what it refuses afterwards."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -33,13 +32,6 @@ WITHOUT_NOTIFIER = [ref for ref in SERVICES if ref != NOTIFIER]
 @pytest.fixture(scope="module", autouse=True)
 def topics(stack: None) -> None:
     topology.create(WORKFLOW)
-
-
-@pytest.fixture()
-def pipeline() -> Iterator[Pipeline]:
-    running = Pipeline().start()
-    yield running
-    running.kill()
 
 
 def state_keys(client: redis.Redis, delivery_id: str) -> list[str]:
