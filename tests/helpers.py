@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +17,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from choreo.config import settings
 from choreo.envelope import Envelope, header_value
+from infra.process import port_in_use
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,10 +130,21 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float = 60.0, interval_s: 
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+# Test servers listen below the kernel's ephemeral range (net.ipv4.ip_local_port_range,
+# 32768-60999 on Debian): a port from that range can become the local end of any outgoing
+# connection the moment a test's server on it dies, and its restart on the same port then
+# finds it taken (a clean-clone run, session 13). No fixed port of the stacks lies in here.
+SERVER_PORTS = range(30000, 32768)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port nothing holds, outside the ephemeral range, not handed out before in this run."""
+    for port in random.sample(SERVER_PORTS, len(SERVER_PORTS)):
+        if port not in _handed_out and not port_in_use("127.0.0.1", port):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port left in {SERVER_PORTS}")
 
 
 def start_group_at_end(group: str, topic: str) -> None:
