@@ -690,7 +690,6 @@ class Bench:
             "bytes_per_completed_delivery": round((done_mem - base) / count),
             "business_log_bytes_per_completed_delivery": round(logs / count),
             "admission_set_bytes_per_completed_delivery": round(admission / count),
-            "runtime_bytes_per_completed_delivery": round((done_mem - base - logs - admission) / count),
             "counted_bytes_per_delivery": {"accepted": counted_accepted, "before_release": counted_held,
                                            "released": counted_done},
             "keys_of_one_delivery_before_release": held_keys,
