@@ -122,15 +122,15 @@ class Private:
     def start(self, partitions: int) -> None:
         """Start the stack (this process activated), with the workflow's topics and contracts."""
         from choreo import contracts, topology
+        from choreo.runtime_events import RUNTIME_EVENTS
         from consumers.workflow import WORKFLOW
         from infra import stack
-        from schemas.models import CompensationRecord, StepReport
 
         log(f"private stack in {self.data_dir} (Kafka :{self.kafka}, Redis :{self.redis}, "
             f"registry :{self.registry})")
         stack.start()
         topology.create(WORKFLOW, partitions)
-        contracts.register(contracts.topic_models(WORKFLOW, (StepReport, CompensationRecord)))
+        contracts.register(contracts.topic_models(WORKFLOW, RUNTIME_EVENTS))
 
     def stop(self, keep: bool) -> None:
         """Stop the stack unless ``keep``; a temporary data directory goes with it."""

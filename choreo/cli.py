@@ -173,11 +173,11 @@ app.add_typer(schemas_app, name="schemas")
 
 def _contract_models(workflow: str) -> "dict[str, type[Event]]":
     from choreo import contracts
-    from schemas.models import CompensationRecord, StepReport
+    from choreo.runtime_events import RUNTIME_EVENTS
 
     flow = _load_workflow(workflow)
     assert flow is not None
-    return contracts.topic_models(flow, (StepReport, CompensationRecord))
+    return contracts.topic_models(flow, RUNTIME_EVENTS)
 
 
 @schemas_app.command("register")

@@ -572,7 +572,7 @@ class Runner:
 
     def _report(self, message: Message, envelope: Envelope, step: str, kind: str,
                 error: str, log: Any) -> None:
-        from schemas.models import StepReport
+        from choreo.runtime_events import StepReport
 
         report = StepReport(
             delivery_id=envelope.correlation_id, step=step, kind=kind,

@@ -51,8 +51,8 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from prometheus_client import Counter, Gauge, Histogram
 
 from choreo.effects import OnceEffect
+from choreo.runtime_events import CompensationRecord
 from choreo.state import DEADLINE_INDEX, delivery_key, index_member, with_steps
-from schemas.models import CompensationRecord
 
 # -- metrics (operators see detection delay, load and every decision) -----------------------
 

@@ -42,9 +42,8 @@ from choreo.supervision import (
     split_list,
 )
 from choreo.workflow import Workflow
-from schemas.models import (
-    CompensationRecord, DeliveryFailed, DeliveryShipped, DroneReleased, PackageCancelled, StepReport,
-)
+from choreo.runtime_events import CompensationRecord, StepReport
+from schemas.models import DeliveryFailed, DeliveryShipped, DroneReleased, PackageCancelled
 
 NAME = os.environ.get("SUPERVISOR_NAME", "supervisor")  # consumer group and lease name
 PREFIX = os.environ.get("SUPERVISOR_TOPIC_PREFIX", "")  # isolates a test's topics

@@ -1036,9 +1036,9 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
            tracker: Tracker, chaos: Chaos) -> dict[str, Any]:
     from choreo import contracts, topology
     from choreo.kafka import ensure_topics
+    from choreo.runtime_events import RUNTIME_EVENTS
     from consumers import fleet
     from consumers.workflow import WORKFLOW
-    from schemas.models import CompensationRecord, StepReport
 
     started = time.monotonic()
     log(f"starting the private stack in {stack.cfg.data_dir}")
@@ -1051,7 +1051,7 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     ensure_topics({"_schemas": 1}, config={"cleanup.policy": "compact", "min.compaction.lag.ms": "0"})
     wait_leaders(60)
     stack.registry.start(timeout_s=60)
-    contracts.register(contracts.topic_models(WORKFLOW, (StepReport, CompensationRecord)))
+    contracts.register(contracts.topic_models(WORKFLOW, RUNTIME_EVENTS))
     stack.start_services()
     startup_s = time.monotonic() - started
     tracker.start()

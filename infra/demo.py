@@ -30,12 +30,13 @@ from choreo import contracts, topology
 from choreo.config import settings
 from choreo.kafka import base_config, admin as kafka_admin
 from choreo.envelope import Envelope
+from choreo.runtime_events import RUNTIME_EVENTS
 from choreo.serde import Decoder, registry_client
 from consumers.workflow import WORKFLOW
 from infra import stack
 from infra.process import ManagedProcess, StackError
 from infra.services import ingestion_process, pipeline_specs, service_process
-from schemas.models import CompensationRecord, DeliveryFailed, StepReport
+from schemas.models import DeliveryFailed
 
 WATCHED = ["delivery.requested", "package.ready", "package.failed", "drone.scheduled",
            "drone.failed", "delivery.shipped", "delivery.failed", "package.cancelled",
@@ -164,7 +165,7 @@ def run(requests: int, concurrency: int = 16, timeout_s: float = 120.0, seed: in
     console.print("[bold]starting the local stack[/] (Kafka, Redis, schema registry)")
     stack.start()
     topology.create(WORKFLOW)
-    contracts.register(contracts.topic_models(WORKFLOW, (StepReport, CompensationRecord)))
+    contracts.register(contracts.topic_models(WORKFLOW, RUNTIME_EVENTS))
     url = os.environ.get("INGESTION_URL", "http://127.0.0.1:8000")
     services = _start_services(env or {})
     ingestion = ingestion_process(url, env)

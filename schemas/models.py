@@ -9,6 +9,8 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from choreo.events import Event
+# re-exported: choreo/ops/rebuild.py still imports CompensationRecord from here
+from choreo.runtime_events import CompensationRecord as CompensationRecord
 
 HERE = Path(__file__).parent
 
@@ -118,35 +120,8 @@ class DroneReleased(Event):
     released_at: datetime
 
 
-class StepReport(Event):
-    schema_file: ClassVar[Path] = HERE / "StepReport.avsc"
-    topic: ClassVar[str] = "recovery"
-
-    delivery_id: str
-    step: str
-    kind: Literal["FAILED", "DEADLINE_MISSED", "RETRIES_EXHAUSTED"]
-    attempt: int
-    service: str
-    source_topic: str
-    source_event_id: str
-    error: str = ""
-    reported_at: datetime
-
-
-class CompensationRecord(Event):
-    schema_file: ClassVar[Path] = HERE / "CompensationRecord.avsc"
-    topic: ClassVar[str] = "compensation.log"
-
-    delivery_id: str
-    step: str
-    status: Literal["COMPENSATING", "COMPENSATED", "COMPENSATION_FAILED"]
-    attempt: int
-    reason: str = ""
-    recorded_at: datetime
-
-
+# the contracts beside this file; the runtime's own are ``choreo.runtime_events.RUNTIME_EVENTS``
 ALL_EVENTS: tuple[type[Event], ...] = (
     DeliveryRequested, PackageReady, PackageFailed, DroneScheduled, DroneFailed,
-    DeliveryShipped, DeliveryFailed, PackageCancelled, DroneReleased, StepReport,
-    CompensationRecord,
+    DeliveryShipped, DeliveryFailed, PackageCancelled, DroneReleased,
 )

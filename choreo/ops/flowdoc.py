@@ -20,9 +20,9 @@ from choreo.envelope import (
 from choreo.events import Event
 from choreo.ops.topocheck import fan_ins
 from choreo.runner import RECOVERY_TOPIC
+from choreo.runtime_events import RUNTIME_EVENTS
 from choreo.topology import derive
 from choreo.workflow import Workflow
-from schemas.models import CompensationRecord, StepReport
 
 DOCS = REPO_ROOT / "docs"
 AVRO_FORMAT = "application/vnd.apache.avro+json;version=1.9.0"
@@ -46,7 +46,7 @@ def channel_id(topic: str) -> str:
 
 def asyncapi(workflow: Workflow, bootstrap: str = "127.0.0.1:9092") -> dict[str, Any]:
     topo = derive(workflow)
-    models = topic_models(workflow, (StepReport, CompensationRecord))
+    models = topic_models(workflow, RUNTIME_EVENTS)
     steps = {(s.service, t): s for s in workflow.steps for t in s.triggers}
     joins = {t: j.step for j in fan_ins(workflow) for t in j.topics}
     channels: dict[str, Any] = {}

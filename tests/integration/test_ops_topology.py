@@ -31,11 +31,11 @@ def _check(workflow: str) -> tuple[int, dict[str, object]]:
 def test_the_real_workflow_is_sound_on_the_live_broker_and_registry(stack: None) -> None:
     # what a deploy does first: create the declared topics and register their contracts
     from choreo import contracts, topology
+    from choreo.runtime_events import RUNTIME_EVENTS
     from consumers.workflow import WORKFLOW
-    from schemas.models import CompensationRecord, StepReport
 
     topology.create(WORKFLOW)
-    contracts.register(contracts.topic_models(WORKFLOW, (StepReport, CompensationRecord)))
+    contracts.register(contracts.topic_models(WORKFLOW, RUNTIME_EVENTS))
     code, report = _check("consumers.workflow:WORKFLOW")
     assert (code, report["ok"]) == (0, True), report
 

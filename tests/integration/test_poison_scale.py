@@ -34,13 +34,14 @@ from choreo.envelope import Envelope, derived_id
 from choreo.errors import DeadLetterReason as R
 from choreo.events import Event
 from choreo.runner import dlq_topic
+from choreo.runtime_events import RUNTIME_EVENTS, StepReport
 from choreo.serde import MAX_VALUE_BYTES, Encoder, registry_client
 from consumers.workflow import WORKFLOW
 from producers.ingestion import create_app
 from producers.settings import IngestionSettings
 from schemas.models import (
-    CompensationRecord, DeliveryFailed, DeliveryRequested, DeliveryShipped, DroneFailed, DroneReleased,
-    DroneScheduled, PackageCancelled, PackageFailed, PackageReady, StepReport,
+    DeliveryFailed, DeliveryRequested, DeliveryShipped, DroneFailed, DroneReleased, DroneScheduled,
+    PackageCancelled, PackageFailed, PackageReady,
 )
 from tests.factories import delivery_request, request_body
 from tests.helpers import Record, read_topic, wait_for
@@ -162,7 +163,7 @@ def consumers_of(topic: str) -> set[str]:
 @pytest.fixture(scope="module")
 def pipeline(stack: None) -> Iterator[Pipeline]:
     topology.create(WORKFLOW)
-    contracts.register(contracts.topic_models(WORKFLOW, (StepReport, CompensationRecord)))
+    contracts.register(contracts.topic_models(WORKFLOW, RUNTIME_EVENTS))
     pipe = Pipeline().start()
     try:
         yield pipe

@@ -29,11 +29,12 @@ from choreo.kafka import CommittedOffsets, admin, ensure_topics
 from choreo.lease import holder
 from choreo.publisher import Publisher
 from choreo.runner import RECOVERY_TOPIC
+from choreo.runtime_events import CompensationRecord
 from choreo.serde import Decoder, registry_client
 from choreo.service import retry_topic
 from choreo.state import DEADLINE_INDEX, StateTable
 from consumers import fleet
-from schemas.models import CompensationRecord, DeliveryFailed
+from schemas.models import DeliveryFailed
 from tests.factories import delivery_request
 from tests.helpers import ServiceProcess, read_topic, start_group_at_end, wait_for
 from tests.services import sup_pipeline

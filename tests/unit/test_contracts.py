@@ -12,9 +12,12 @@ import fastavro
 import pytest
 from pydantic import BaseModel
 
+from choreo.runtime_events import RUNTIME_EVENTS
 from schemas.models import ALL_EVENTS, DeliveryRequested, Location
 
-SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schemas"
+REPO = Path(__file__).resolve().parents[2]
+# every contract directory with the models mirroring it: the domain's and the runtime's own
+CONTRACTS = {REPO / "schemas": ALL_EVENTS, REPO / "choreo": RUNTIME_EVENTS}
 
 
 def _nullable(avro_type: Any) -> bool:
@@ -34,7 +37,7 @@ def _check_record(model: type[BaseModel], schema: dict[str, Any]) -> None:
         assert avro.get("doc"), f"{schema['name']}.{name} is undocumented"
 
 
-@pytest.mark.parametrize("model", ALL_EVENTS, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("model", ALL_EVENTS + RUNTIME_EVENTS, ids=lambda m: m.__name__)
 def test_model_matches_contract(model: Any) -> None:
     schema = json.loads(model.schema_file.read_text())
     assert schema["name"] == model.__name__
@@ -42,8 +45,11 @@ def test_model_matches_contract(model: Any) -> None:
     _check_record(model, schema)
 
 
-def test_every_contract_has_a_model() -> None:
-    assert {p.stem for p in SCHEMA_DIR.glob("*.avsc")} == {m.__name__ for m in ALL_EVENTS}
+@pytest.mark.parametrize("directory", sorted(CONTRACTS), ids=lambda d: d.name)
+def test_every_contract_has_a_model(directory: Path) -> None:
+    models = CONTRACTS[directory]
+    assert {p.stem for p in directory.glob("*.avsc")} == {m.__name__ for m in models}
+    assert {m.schema_file.parent for m in models} == {directory}
 
 
 def test_nested_location_matches() -> None:

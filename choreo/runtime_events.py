@@ -1,0 +1,48 @@
+"""The runtime's own events: what a service reports on the recovery topic and what the
+supervisor writes to the compensation log.
+
+They belong to the runtime, not to any one workflow: every service the runner hosts may
+report a step, whatever its domain, so their ``.avsc`` contracts live beside this module.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from choreo.events import Event
+
+HERE = Path(__file__).parent
+
+
+class StepReport(Event):
+    schema_file: ClassVar[Path] = HERE / "StepReport.avsc"
+    topic: ClassVar[str] = "recovery"
+
+    delivery_id: str
+    step: str
+    kind: Literal["FAILED", "DEADLINE_MISSED", "RETRIES_EXHAUSTED"]
+    attempt: int
+    service: str
+    source_topic: str
+    source_event_id: str
+    error: str = ""
+    reported_at: datetime
+
+
+class CompensationRecord(Event):
+    schema_file: ClassVar[Path] = HERE / "CompensationRecord.avsc"
+    topic: ClassVar[str] = "compensation.log"
+
+    delivery_id: str
+    step: str
+    status: Literal["COMPENSATING", "COMPENSATED", "COMPENSATION_FAILED"]
+    attempt: int
+    reason: str = ""
+    recorded_at: datetime
+
+
+# written by the runtime whichever services a workflow lists, so a workflow's contracts
+# (``contracts.topic_models(workflow, RUNTIME_EVENTS)``) include them
+RUNTIME_EVENTS: tuple[type[Event], ...] = (StepReport, CompensationRecord)
