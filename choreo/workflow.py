@@ -19,6 +19,8 @@ class Workflow:
     service_refs: list[str]
     # topics produced by entry points that are not services (e.g. HTTP ingestion)
     extra_producers: dict[str, str] = field(default_factory=dict)
+    # topics whose event ends a delivery: what ``choreo ops status`` counts as recent outcomes
+    terminal_topics: tuple[str, ...] = ()
 
     @cached_property
     def services(self) -> list[Service]:

@@ -12,6 +12,7 @@ every transaction leaves one commit marker, so a caught-up partition may show a 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,6 @@ from choreo.config import settings
 from choreo.ops.records import existing_topics, read, reader, resolve
 from choreo.state import DEADLINE_INDEX, StepStatus, delivery_key, text, unpack_step
 from choreo.workflow import Workflow
-from schemas.models import DeliveryFailed, DeliveryShipped
 
 OPEN = {StepStatus.PENDING.value, StepStatus.PROCESSING.value}
 COMPENSATING = {StepStatus.COMPENSATING.value, StepStatus.COMPENSATION_FAILED.value}
@@ -104,14 +104,14 @@ def deliveries(client: redis.Redis, limit: int = 1000, now_ms: int | None = None
     return status
 
 
-def recent_outcomes(window_ms: int) -> dict[str, int]:
-    """Terminal events per topic over the last ``window_ms`` (records counted, not decoded)."""
+def recent_outcomes(topics: Iterable[str], window_ms: int) -> dict[str, int]:
+    """Events per terminal topic over the last ``window_ms`` (records counted, not decoded)."""
     consumer = reader()
     since = int(time.time() * 1000) - window_ms
     counts: dict[str, int] = {}
     try:
         present = existing_topics(consumer)
-        for topic in (DeliveryShipped.topic, DeliveryFailed.topic):
+        for topic in topics:
             if topic not in present:
                 continue
             seen = 0
@@ -159,7 +159,7 @@ def status(workflow: Workflow, *, limit: int = 1000, window_ms: int = 3600_000, 
     client = client or redis.Redis.from_url(settings().redis_url, socket_timeout=5)
     result = deliveries(client, limit)
     result.window_ms = window_ms
-    result.recent_outcomes = recent_outcomes(window_ms)
+    result.recent_outcomes = recent_outcomes(workflow.terminal_topics, window_ms)
     if with_lag:
         result.lag = lag(workflow)
     return result
