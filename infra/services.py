@@ -35,7 +35,7 @@ def service_process(spec: ServiceSpec, env: dict[str, str] | None = None,
     name = f"{spec.name}-{spec.instance}"
     return ManagedProcess(
         name=name,
-        argv=[sys.executable, "-m", "choreo.cli", "run", spec.ref, "--instance", spec.instance],
+        argv=[sys.executable, "-m", "infra.cli", "run", spec.ref, "--instance", spec.instance],
         workdir=cfg.data_dir / "services",
         ports=[],
         ready=lambda: True,

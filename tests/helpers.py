@@ -42,7 +42,7 @@ class ServiceProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "choreo.cli", "run", self.ref, "--instance", self.instance,
+            [sys.executable, "-m", "infra.cli", "run", self.ref, "--instance", self.instance,
              "--workflow", self.workflow, *self.args],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
         )

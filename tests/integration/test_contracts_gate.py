@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 
 def _cli(*args: str, topic: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "choreo.cli", *args], cwd=REPO, text=True,
+    return subprocess.run([sys.executable, "-m", "infra.cli", *args], cwd=REPO, text=True,
                           capture_output=True, env={**os.environ, "GATE_TOPIC": topic}, timeout=60)
 
 

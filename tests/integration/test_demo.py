@@ -20,7 +20,7 @@ def test_demo_ends_every_delivery_once_and_prints_its_summary(stack: None) -> No
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     result = subprocess.run(
-        [sys.executable, "-m", "choreo.cli", "demo", "-n", "60", "--timeout", "120"],
+        [sys.executable, "-m", "infra.cli", "demo", "-n", "60", "--timeout", "120"],
         cwd=REPO, capture_output=True, text=True, timeout=400,
         env={**os.environ, "INGESTION_URL": f"http://127.0.0.1:{port}"},
     )

@@ -93,7 +93,7 @@ def free_port() -> int:
 
 def cli(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     """``choreo ARGS`` as a separate process with ``env`` on top of ours (a principal's env file)."""
-    return subprocess.run([sys.executable, "-m", "choreo.cli", *args], cwd=REPO_ROOT, text=True,
+    return subprocess.run([sys.executable, "-m", "infra.cli", *args], cwd=REPO_ROOT, text=True,
                           capture_output=True, timeout=timeout_s, env={**os.environ, **env})
 
 

@@ -1,5 +1,8 @@
 """The one command for people: the local stack, services, events, schemas, the demo and recovery."""
 
+# The composition root: it mounts the stack, chaos, the registry and ingestion on the
+# runtime's commands, so it lives above them all (the runtime package imports none of them).
+
 from __future__ import annotations
 
 import json
