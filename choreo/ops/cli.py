@@ -36,7 +36,7 @@ JSON_OPT = typer.Option(False, "--json", help="one JSON document on stdout, for 
 
 def _workflow(ref: str) -> Workflow:
     """``module:attr`` → the Workflow (the twin of ``choreo.service.load_service``; not
-    imported from ``choreo.cli`` so that this sub-app can be mounted there)."""
+    imported from ``infra.cli``, which mounts this sub-app: the runtime imports nothing above it)."""
     import importlib
 
     module, _, attr = ref.partition(":")
