@@ -57,6 +57,7 @@ from bench.common import (
 from choreo.config import REPO_ROOT, settings
 from choreo.release import state_keys
 from choreo.state import DEADLINE_INDEX
+from consumers.drone_scheduler import fleet
 from consumers.workflow import WORKFLOW
 from producers.settings import IngestionSettings
 
@@ -67,7 +68,7 @@ SERVICES = ["package", "drone-scheduler", "delivery", "notifier", "supervisor"]
 OTHER_PROFILES = ("ingestion", "kafka")
 OUTCOME_TOPICS = ["delivery.shipped", "delivery.failed"]
 # records the services keep of every delivery, by design (business logs, not runtime state)
-BUSINESS_LOGS = ("notifications", "fleet:history")
+BUSINESS_LOGS = (fleet.history_key,)
 # admission's in-flight set: a live ingestion instance trims terminal deliveries out of it
 # lazily; the benchmark's driver exits first, so its entries are counted apart
 ADMISSION_SET = IngestionSettings().inflight_key
@@ -642,8 +643,9 @@ class Bench:
         """Redis bytes per delivery at three moments: accepted but not yet worked (the step
         consumers paused with SIGSTOP for a moment); shipped, with every reaction done but the
         notifier's, whose group then holds the release back (``choreo.release``): the most a
-        delivery holds; and once released. The business logs that grow with every delivery
-        (the notifier's record, the fleet's history) are counted apart from the runtime's state."""
+        delivery holds; and once released. The business log that grows with every delivery (the
+        fleet's history) is counted apart from the runtime's state; the services' records are
+        keys of the delivery's hash slot and count with it."""
         client = redis.Redis.from_url(settings().redis_url)
         step_consumers = self._pids("package", "drone-scheduler")
         notifier = self._pids("notifier")
@@ -742,7 +744,7 @@ class Bench:
             found[name.replace(delivery_id, "<id>")] = {
                 "type": client.type(key).decode(),  # type: ignore[union-attr]
                 "bytes": client.memory_usage(key), "ttl_s": client.ttl(key)}
-        for shared in (ADMISSION_SET, "deadlines", *BUSINESS_LOGS, "fleet:booking"):
+        for shared in (ADMISSION_SET, "deadlines", *BUSINESS_LOGS, fleet.booking_key):
             if client.exists(shared):
                 found[f"(shared) {shared}"] = {"type": client.type(shared).decode(),  # type: ignore[union-attr]
                                                "bytes": client.memory_usage(shared),

@@ -18,9 +18,9 @@ fenced instance): run, it would book a drone for a delivery that has already end
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import redis
 
@@ -45,6 +45,9 @@ redis.call('HSET', KEYS[1], ARGV[1], outcome)
 if redis.call('TTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 return outcome
 """
+
+
+T = TypeVar("T")
 
 
 class OnceEffect:
@@ -90,6 +93,19 @@ class EffectCall:
 
     def run(self, client: redis.Redis) -> str | None:
         return run_all(client, [self])[0]
+
+
+@dataclass(frozen=True)
+class Op(Generic[T]):
+    """A typed effect on state a service declared (a record, a pool, a join): what a handler
+    ``yield``s. The runtime runs it as a ``OnceEffect`` for the input event (at most once,
+    the same answer on replay) and sends the handler back ``decode(answer)``, so business
+    code names the operation and gets a typed answer, never Lua or raw Redis replies."""
+
+    effect: OnceEffect
+    keys: tuple[str, ...]
+    args: tuple[str | int | float, ...]
+    decode: Callable[[str | None], T]
 
 
 def run_all(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:

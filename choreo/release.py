@@ -2,7 +2,7 @@
 
 A delivery's state (its step table ``dl:{id}``, the dedupe entries ``seen:{id}``, the
 remembered effect answers ``fx:{id}`` and the records services declare with
-``Service.released_with_delivery``) exists so that a replayed or copied event of it is
+``Service.record(..., released_with_delivery=True)``) exists so that a replayed or copied event of it is
 harmless. Left to its TTLs (1 to 24 h) it was about 3 KB per delivery long after the
 delivery ended: at 500 deliveries/s, tens of gigabytes a day (bench/README.md).
 

@@ -38,7 +38,7 @@ from choreo.events import Event
 from choreo.logs import get_logger
 from choreo.memory import collect_batch_cycles, settle_garbage_collector
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
-from choreo.effects import RELEASED, EffectCall, run_all
+from choreo.effects import RELEASED, EffectCall, Op, run_all
 from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerResult, Periodic, Service
 from choreo.state import Begin, Source, StateTable, StepStatus
 from choreo.workflow import Workflow
@@ -74,6 +74,7 @@ class Attempt:
     ctx: Context = field(init=False)
     tries: int = 0  # failed tries so far
     request: EffectCall | None = None  # the effect it waits for
+    decode: Callable[[str | None], Any] | None = None  # a typed operation's answer, from the effect's
     result: HandlerResult = None
     error: Retryable | Rejected | None = None
     delay_s: float = 0.0
@@ -83,7 +84,7 @@ class Attempt:
 
     def start(self) -> None:
         self.request, self.result, self.error, self._gen, self.seconds = None, None, None, None, 0.0
-        self.released = False
+        self.released, self.decode = False, None
         self._step(lambda: self.work.handler.fn(self.work.event, self.ctx), first=True)
 
     def resume(self, answer: str | None) -> None:
@@ -93,7 +94,8 @@ class Attempt:
             gen.close()
             self.request, self.released = None, True
             return
-        self._step(lambda: gen.send(answer))
+        decode, self.decode = self.decode, None
+        self._step(lambda: gen.send(decode(answer) if decode else answer))
 
     def _step(self, call: Callable[[], Any], first: bool = False) -> None:
         started = time.perf_counter()
@@ -106,10 +108,12 @@ class Attempt:
                 self.result = out
             elif isinstance(out, EffectCall):
                 self.request = out
+            elif isinstance(out, Op):
+                self.request, self.decode = self.ctx.effect(out.effect, out.keys, out.args), out.decode
             else:  # a bug in the rule, not in the event: dead-letter it with the reason
                 self.request, self.error = None, Rejected(
                     f"{self.work.handler.fn.__name__} yielded {type(out).__name__}; a handler yields "
-                    "ctx.effect(...) only (emit events with ctx.emit or return them)")
+                    "typed operations or ctx.effect(...) only (emit events with ctx.emit or return them)")
         except StopIteration as stop:
             if self._gen is None:  # a plain handler's own StopIteration is a bug, not a result
                 raise RuntimeError(f"{self.work.handler.fn.__name__} raised StopIteration") from stop

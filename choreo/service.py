@@ -22,17 +22,22 @@ from typing import Any, TypeVar
 
 import redis
 
-from choreo.effects import RELEASED, EffectCall, OnceEffect, memo_field
+from choreo.effects import RELEASED, EffectCall, OnceEffect, Op, memo_field
 from choreo.envelope import Envelope, derived_id
 from choreo.errors import DeliveryReleased
 from choreo.events import Event
+from choreo.join import Join, Part
+from choreo.pool import Pool
+from choreo.record import Record
 from choreo.state import check_step_name
 
 HandlerResult = Event | Iterable[Event] | None
+Store = redis.Redis  # the client a start hook (``Service.on_start``) is given
 R = TypeVar("R", bound=HandlerResult)
-# what a handler that yields ``ctx.effect(...)`` returns: it gets each answer back from
-# ``yield`` and returns its result at the end; the runner drives a batch's handlers side by side
-Effects = Generator[EffectCall, str | None, R]
+# what a handler that yields typed operations (``Op``: a record's, a pool's) or
+# ``ctx.effect(...)`` returns: it gets each answer back from ``yield`` and returns its result at
+# the end; the runner drives a batch's handlers side by side
+Effects = Generator[EffectCall | Op[Any], Any, R]
 EffectfulHandler = Effects[HandlerResult]
 HandlerOutput = HandlerResult | EffectfulHandler
 
@@ -45,7 +50,8 @@ class StepSpec:
     service: str
     triggers: tuple[str, ...]
     deadline_s: float
-
+    undoes: str = ""  # a compensation step: the forward step whose work it undoes
+    confirmed_by: type[Event] | None = None  # ... and the event that says it was undone
 
 
 def deadline_scale() -> float:
@@ -66,6 +72,8 @@ class Handler:
     fn: Callable[[Any, Context], HandlerOutput]
     step: str | None
     deadline_s: float
+    undoes: str = ""
+    confirmed_by: type[Event] | None = None
 
 
 @dataclass
@@ -177,9 +185,11 @@ class Service:
         self.in_process_retries = in_process_retries
         self.handlers: dict[str, Handler] = {}
         self.outputs: set[type[Event]] = set()
-        self.startup: list[Callable[[redis.Redis], None]] = []
+        self.startup: list[Callable[[redis.Redis], object]] = []
         self.periodic: list[Periodic] = []
-        self.per_delivery_keys: list[Callable[[str], str]] = []
+        self.records: list[Record] = []
+        self.pools: list[Pool] = []
+        self.joins: list[Join] = []
 
     def every(self, period_s: float) -> Callable[[Callable[[Context], None]], Callable[[Context], None]]:
         """Run the decorated function every ``period_s`` between batches; what it emits is
@@ -196,19 +206,51 @@ class Service:
         self.startup.append(fn)
         return fn
 
-    def released_with_delivery(self, key: Callable[[str], str]) -> Callable[[str], str]:
-        """Declare ``key(delivery_id)`` as this service's own per-delivery record, deleted with
-        the runtime's state once the delivery is finished (``choreo.release``): kept past
-        that it would only cost memory, since every event that could still read it is gone."""
-        self.per_delivery_keys.append(key)
-        return key
+    def record(self, name: str, *, ttl_s: int, released_with_delivery: bool = False) -> Record:
+        """Declare a record this service owns, one per delivery (``choreo.record``). With
+        ``released_with_delivery`` it is deleted with the runtime's state once the delivery
+        is finished (``choreo.release``): kept past that it would only cost memory, since
+        every event that could still read it is gone."""
+        record = Record(name, ttl_s, released_with_delivery)
+        self.records.append(record)
+        return record
+
+    def pool(self, pool: Pool) -> Pool:
+        """Declare a pool this service reserves from (``choreo.pool``); each instance grows
+        it to its seed before consuming."""
+        self.pools.append(pool)
+        self.startup.append(pool.grow)
+        return pool
+
+    def join(self, step: str, *, parts: dict[str, Part], outcomes: dict[type[Event], str],
+             deadline_s: float = 60.0, retention_s: int = 3600, prefix: str = "") -> Join:
+        """A fan-in step (``choreo.join``): waits for one result of each part (named after
+        the step that produces it) and sets the delivery's ``outcome`` once decided; the
+        events of ``outcomes`` publish it. Its handlers are the returned join's
+        ``on_complete`` and ``on_failure``."""
+        join = Join(check_step_name(step), parts, outcomes=outcomes, retention_s=retention_s, prefix=prefix)
+        for topic, model, part, ok in join.topics():
+            self.subscribe(topic, model, join.handler(part, ok), step=step, deadline_s=deadline_s,
+                           produces=list(outcomes))
+        self.joins.append(join)
+        return join
+
+    @property
+    def per_delivery_keys(self) -> list[Callable[[str], str]]:
+        """The records that go with a finished delivery's state (``choreo.release``)."""
+        return [record.key for record in self.records if record.released_with_delivery]
 
     def on(self, topic: str, *, step: str | None = None, deadline_s: float = 30.0,
-           produces: Sequence[type[Event]] = ()) -> Callable[[Callable[..., HandlerOutput]], Callable[..., HandlerOutput]]:
+           produces: Sequence[type[Event]] = (), undoes: str = "",
+           confirmed_by: type[Event] | None = None,
+           ) -> Callable[[Callable[..., HandlerOutput]], Callable[..., HandlerOutput]]:
         """Subscribe the decorated function to ``topic``; the event type is its first parameter's annotation.
 
         ``step`` makes the handler a supervised workflow step with a complete-by deadline;
         it then also consumes the step's retry topic, where the supervisor requeues it.
+        ``undoes`` makes the step the compensation of that forward step, and
+        ``confirmed_by`` the event it publishes once the work is undone: the supervisor
+        derives what to undo, and when it is undone, from these.
         """
 
         def register(fn: Callable[..., HandlerOutput]) -> Callable[..., HandlerOutput]:
@@ -217,15 +259,27 @@ class Service:
             model = hints.get(params[0]) if params else None
             if not (isinstance(model, type) and issubclass(model, Event)):
                 raise TypeError(f"{fn.__name__}: annotate the first parameter with an Event type")
-            handler = Handler(topic, model, fn, step if step is None else check_step_name(step),
-                              deadline_s * deadline_scale())
-            self.handlers[topic] = handler
-            if step is not None:
-                self.handlers[retry_topic(self.name, topic)] = handler
-            self.outputs.update(produces)
+            self.subscribe(topic, model, fn, step=step, deadline_s=deadline_s, produces=produces,
+                           undoes=undoes, confirmed_by=confirmed_by)
             return fn
 
         return register
+
+    def subscribe(self, topic: str, model: type[Event], fn: Callable[[Any, Context], HandlerOutput], *,
+                  step: str | None = None, deadline_s: float = 30.0,
+                  produces: Sequence[type[Event]] = (), undoes: str = "",
+                  confirmed_by: type[Event] | None = None) -> None:
+        """``on`` with the event type given, for handlers the runtime or a tool builds."""
+        if (undoes or confirmed_by) and not (step and undoes and confirmed_by):
+            raise ValueError(f"{topic}: a compensation names its step, what it undoes and its confirmation")
+        handler = Handler(topic, model, fn, step if step is None else check_step_name(step),
+                          deadline_s * deadline_scale(), undoes, confirmed_by)
+        self.handlers[topic] = handler
+        if step is not None:
+            self.handlers[retry_topic(self.name, topic)] = handler
+        self.outputs.update(produces)
+        if confirmed_by is not None:
+            self.outputs.add(confirmed_by)
 
     @property
     def topics(self) -> list[str]:
@@ -238,7 +292,7 @@ class Service:
                 continue
             spec = found.get(h.step)
             triggers = (*spec.triggers, topic) if spec else (topic,)
-            found[h.step] = StepSpec(h.step, self.name, triggers, h.deadline_s)
+            found[h.step] = StepSpec(h.step, self.name, triggers, h.deadline_s, h.undoes, h.confirmed_by)
         return list(found.values())
 
 

@@ -6,10 +6,13 @@ its services); topics, steps, deadlines and fan-in pairs come from their decorat
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from choreo.events import Event
+from choreo.join import Join
 from choreo.service import Service, StepSpec, load_service
 
 
@@ -51,3 +54,34 @@ class Workflow:
 
     def step(self, name: str) -> StepSpec:
         return next(s for s in self.steps if s.name == name)
+
+    @property
+    def joins(self) -> list[Join]:
+        return [join for s in self.services for join in s.joins]
+
+    @property
+    def decider(self) -> str:
+        """The step whose decision is the delivery's outcome: the workflow's join."""
+        steps = {join.step for join in self.joins}
+        if len(steps) > 1:
+            raise ValueError(f"workflow {self.name}: one join decides a delivery, not {sorted(steps)}")
+        return next(iter(steps), "")
+
+    def fan_in(self) -> dict[str, tuple[str, ...]]:
+        """Each join's step and the upstream steps it waits for (its parts are named after them)."""
+        return {join.step: tuple(join.parts) for join in self.joins}
+
+    def compensations(self) -> dict[str, tuple[str, type[Event]]]:
+        """Forward step -> (the step that undoes it, the event that confirms it is undone)."""
+        return {spec.undoes: (spec.name, spec.confirmed_by) for spec in self.steps
+                if spec.undoes and spec.confirmed_by is not None}
+
+
+def load_workflow(ref: str) -> Workflow:
+    """``module:attribute`` (``WORKFLOW`` when left out) → the Workflow it names (the twin of
+    ``load_service``)."""
+    module, _, attr = ref.partition(":")
+    flow = getattr(importlib.import_module(module), attr or "WORKFLOW", None)
+    if not isinstance(flow, Workflow):
+        raise TypeError(f"{ref} is not a Workflow")
+    return flow

@@ -2,7 +2,7 @@
 and takes it back when the flight is over.
 
 Asking twice for the same delivery returns the same drone; one drone is never booked for
-two deliveries at once (both hold by construction of ``consumers.fleet``).
+two deliveries at once (both hold by construction of the runtime's pool).
 """
 
 from __future__ import annotations
@@ -10,11 +10,9 @@ from __future__ import annotations
 import os
 from datetime import UTC, datetime
 
-import redis
-
 from choreo.errors import Retryable
+from choreo.pool import Pool
 from choreo.service import Context, Effects, Service
-from consumers import fleet
 from consumers.agents import Agent, PermanentFailure
 from schemas.models import (
     DeliveryFailed, DeliveryRequested, DeliveryShipped, DroneFailed, DroneReleased, DroneScheduled,
@@ -23,13 +21,23 @@ from schemas.models import (
 service = Service("drone-scheduler")
 dispatch = Agent.from_env("dispatch")
 dispatch_release = Agent.from_env("dispatch-release")  # compensation fails on its own terms
-# at least the ingestion in-flight cap, so a burst waits on admission, not on a drone
-FLEET_SIZE = int(os.environ.get("DRONE_FLEET_SIZE", "10000"))
+CAPACITIES_KG = (2.0, 5.0, 10.0, 25.0)
+NO_DRONE_FITS = "NO_DRONE_FITS"
 
 
-@service.on_start
-def seed_fleet(client: redis.Redis) -> None:
-    fleet.seed(client, FLEET_SIZE)
+def drones() -> dict[str, float]:
+    """The fleet: drone-00000, drone-00001, ... with capacities taking turns. At least the
+    ingestion's in-flight cap (``DRONE_FLEET_SIZE``), so a burst waits on admission, not on
+    a drone."""
+    size = int(os.environ.get("DRONE_FLEET_SIZE", "10000"))
+    return {f"drone-{n:05d}": CAPACITIES_KG[n % len(CAPACITIES_KG)] for n in range(size)}
+
+
+fleet = service.pool(Pool("fleet", seed=drones))
+# a booking is proven by drone.scheduled; it ends when the drone is released, or when this
+# service has read the shipment (the flight is over: the drone came back)
+fleet.rebuilt_from(DroneScheduled, member=lambda scheduled: scheduled.drone_id,
+                   freed_by={DroneReleased: False, DeliveryShipped: True})
 
 
 @service.on("delivery.requested", step="drone", deadline_s=30,
@@ -40,18 +48,19 @@ def reserve(request: DeliveryRequested, ctx: Context) -> Effects[DroneScheduled 
     except PermanentFailure as refusal:
         return DroneFailed(delivery_id=request.delivery_id, reason="DISPATCH_REFUSED",
                            detail=str(refusal), failed_at=datetime.now(UTC))
-    drone = yield ctx.effect(fleet.RESERVE, keys=fleet.KEYS, args=[request.delivery_id, request.weight_kg])
-    if drone is None:
-        raise Retryable("no drone free right now")
-    if drone == fleet.NO_FIT:
-        return DroneFailed(delivery_id=request.delivery_id, reason=fleet.NO_FIT,
+    booking = yield fleet.reserve(request.delivery_id, request.weight_kg)
+    if not booking.fits:
+        return DroneFailed(delivery_id=request.delivery_id, reason=NO_DRONE_FITS,
                            detail=f"no drone carries {request.weight_kg} kg",
                            failed_at=datetime.now(UTC))
-    return DroneScheduled(delivery_id=request.delivery_id, drone_id=drone,
+    if booking.member is None:
+        raise Retryable("no drone free right now")
+    return DroneScheduled(delivery_id=request.delivery_id, drone_id=booking.member,
                           scheduled_at=datetime.now(UTC))
 
 
-@service.on("delivery.failed", step="release_drone", deadline_s=30, produces=[DroneReleased])
+@service.on("delivery.failed", step="release_drone", deadline_s=30, undoes="drone",
+            confirmed_by=DroneReleased)
 def release(failure: DeliveryFailed, ctx: Context) -> Effects[DroneReleased | None]:
     if "drone" not in failure.compensate:
         return None
@@ -59,12 +68,12 @@ def release(failure: DeliveryFailed, ctx: Context) -> Effects[DroneReleased | No
         dispatch_release.call("release", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:  # compensation must be retried, then alerted on
         raise Retryable(f"release refused: {refusal}") from refusal
-    drone = yield ctx.effect(fleet.RELEASE, keys=fleet.KEYS, args=[failure.delivery_id, "release"])
-    return DroneReleased(delivery_id=failure.delivery_id, drone_id=drone or None,
+    drone = yield fleet.release(failure.delivery_id)
+    return DroneReleased(delivery_id=failure.delivery_id, drone_id=drone,
                          released_at=datetime.now(UTC))
 
 
 @service.on("delivery.shipped")
 def flight_over(shipment: DeliveryShipped, ctx: Context) -> Effects[None]:
     """The simulated flight ends when the shipment is recorded: the drone is free again."""
-    yield ctx.effect(fleet.RELEASE, keys=fleet.KEYS, args=[shipment.delivery_id, "return"])
+    yield fleet.release(shipment.delivery_id, "return")

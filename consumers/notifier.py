@@ -5,19 +5,17 @@ other service. Copy this file to subscribe a new service.
 
 from __future__ import annotations
 
-from choreo.effects import OnceEffect
 from choreo.service import Context, Effects, Service
 from schemas.models import DeliveryShipped
 
 service = Service("notifier")
 
-RECORD = OnceEffect("notify", """
-redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
-return 'sent'
-""")
+# what the customer was told, once per delivery (a replay finds it sent); kept a day
+notified = service.record("notified", ttl_s=24 * 3600)
+notified.rebuilt_from(DeliveryShipped, lambda shipment: {"drone": shipment.drone_id}, when_consumed=True)
 
 
 @service.on("delivery.shipped")
 def notify(shipment: DeliveryShipped, ctx: Context) -> Effects[None]:
-    yield ctx.effect(RECORD, keys=["notifications"], args=[shipment.delivery_id, shipment.drone_id])
+    yield notified.set_once(shipment.delivery_id, "drone", shipment.drone_id)
     ctx.log.debug("customer.notified", drone_id=shipment.drone_id)  # per event: debug, not info

@@ -18,11 +18,10 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
-
-import redis
 
 from choreo.config import settings
 from choreo.envelope import Envelope, derived_id, now_ms
@@ -33,7 +32,7 @@ from choreo.logs import get_logger
 from choreo.release import AWAIT_RELEASE, Releaser, awaiting_key
 from choreo.runner import RECOVERY_TOPIC
 from choreo.serde import DecodeFailure, Decoder, RegistryUnavailable, registry_client
-from choreo.service import Context, Effects, Service, retry_topic
+from choreo.service import Context, Effects, Service, Store, retry_topic
 from choreo.state import DEADLINE_INDEX, Source, delivery_key
 from choreo.supervision import (
     COMPENSATION, COMPENSATION_FAILURES, COMPENSATIONS, FORWARD, LEADER, MARK_COMPENSATED,
@@ -41,22 +40,14 @@ from choreo.supervision import (
     SourceReader, StepPolicy, SupervisorSettings, Transitions, labels, parse_marked,
     split_list,
 )
-from choreo.workflow import Workflow
+from choreo.workflow import Workflow, load_workflow
 from choreo.runtime_events import CompensationRecord, StepReport
-from schemas.models import DeliveryFailed, DeliveryShipped, DroneReleased, PackageCancelled
+from schemas.models import DeliveryFailed, DeliveryShipped
 
 NAME = os.environ.get("SUPERVISOR_NAME", "supervisor")  # consumer group and lease name
 PREFIX = os.environ.get("SUPERVISOR_TOPIC_PREFIX", "")  # isolates a test's topics
 WORKFLOW_REF = os.environ.get("SUPERVISOR_WORKFLOW", "consumers.workflow:WORKFLOW")
 SETTINGS = SupervisorSettings.from_env()
-
-# forward step -> (the step that undoes it, the topic whose event proves it was undone)
-UNDO = {"package": ("cancel_package", "package.cancelled"), "drone": ("release_drone", "drone.released")}
-DECIDER = "delivery"  # its completion makes the delivery's recorded outcome final
-# fan-in step -> the upstream steps whose results it joins: while one of them is still at work
-# the fan-in waits (same token) instead of being requeued (see ``choreo.supervision``)
-FAN_IN: dict[str, tuple[str, ...]] = {"delivery": ("package", "drone")}
-
 
 def topic(name: str) -> str:
     return f"{PREFIX}{name}"
@@ -86,21 +77,12 @@ class _Runtime:
 _runtime: _Runtime | None = None
 
 
-def _load_workflow(ref: str) -> Workflow:
-    import importlib
-
-    module, _, attr = ref.partition(":")
-    flow = getattr(importlib.import_module(module), attr)
-    if not isinstance(flow, Workflow):
-        raise TypeError(f"{ref} is not a Workflow")
-    return flow
-
-
-def policies_of(flow: Workflow, undo: dict[str, tuple[str, str]] = UNDO,
-                decider: str = DECIDER,
-                fan_in: dict[str, tuple[str, ...]] = FAN_IN) -> Policies:
+def policies_of(flow: Workflow) -> Policies:
     """Each step's role, budget (its service's ``retry_budget``: the one budget), deadline,
-    and for a fan-in step the upstream steps it waits for."""
+    and for a fan-in step the upstream steps it waits for: all from the services'
+    declarations (their compensations, the workflow's join)."""
+    undo = flow.compensations()
+    fan_in = flow.fan_in()
     undoing = {comp: forward for forward, (comp, _) in undo.items()}
     services = {s.name: s for s in flow.services}
     names = {spec.name for spec in flow.steps}
@@ -113,13 +95,13 @@ def policies_of(flow: Workflow, undo: dict[str, tuple[str, str]] = UNDO,
         )
         for spec in flow.steps
     }
-    return Policies(steps, compensable=tuple(f for f in undo if f in steps), decider=decider)
+    return Policies(steps, compensable=tuple(f for f in undo if f in steps), decider=flow.decider)
 
 
 def _rt(ctx: Context) -> _Runtime:
     global _runtime
     if _runtime is None:
-        flow = _load_workflow(WORKFLOW_REF)
+        flow = load_workflow(WORKFLOW_REF)
         owner = f"{socket.gethostname()}:{os.getpid()}"
         models = {(s.name, t): h.model for s in flow.services for t, h in s.handlers.items()}
         _runtime = _Runtime(
@@ -183,14 +165,19 @@ def _undone(ctx: Context, delivery_id: str, step: str) -> None:
         ctx.log.info("compensation.done", step=step, was=before)
 
 
-@service.on(topic(PackageCancelled.topic), produces=[CompensationRecord])
-def on_package_cancelled(cancelled: PackageCancelled, ctx: Context) -> None:
-    _undone(ctx, cancelled.delivery_id, "package")
+def _on_undone(step: str) -> Callable[[Event, Context], None]:
+    def on_undone(_: Event, ctx: Context) -> None:
+        _undone(ctx, ctx.delivery_id, step)
+
+    return on_undone
 
 
-@service.on(topic(DroneReleased.topic), produces=[CompensationRecord])
-def on_drone_released(released: DroneReleased, ctx: Context) -> None:
-    _undone(ctx, released.delivery_id, "drone")
+def _watch_compensations(flow: Workflow) -> None:
+    """Subscribe to the event that confirms each declared compensation: it marks its forward
+    step compensated and writes the compensation log."""
+    for forward, (_, confirmed_by) in flow.compensations().items():
+        service.subscribe(topic(confirmed_by.topic), confirmed_by, _on_undone(forward),
+                          produces=[CompensationRecord])
 
 
 @service.on(SHIPPED)
@@ -337,10 +324,10 @@ def _requeue_input(ctx: Context, rt: _Runtime, action: Action, source: Source | 
 
 
 @service.on_start
-def start_releasing(client: redis.Redis) -> None:
+def start_releasing(client: Store) -> None:
     """The leader releases shipped deliveries' state (``choreo.release``) on a thread of its
     own, so that slow admin requests never hold up the lease renewal and the scans."""
-    flow = _load_workflow(WORKFLOW_REF)
+    flow = load_workflow(WORKFLOW_REF)
     groups = flow.consumer_groups(SHIPPED)
     log = get_logger(service=NAME, component="release")
     if groups == [NAME]:  # e.g. a topic prefix the workflow's services do not use
@@ -348,3 +335,7 @@ def start_releasing(client: redis.Redis) -> None:
     releaser = Releaser(client, admin(), SHIPPED, groups, [s.name for s in flow.services],
                         flow.released_keys, settings().dedupe_ttl_s)
     releaser.run_in_background(SETTINGS.scan_period_s, lambda: _runtime is not None and _runtime.leading, log)
+
+
+# the workflow may list this very module: ``service`` exists by now, so loading it here is safe
+_watch_compensations(load_workflow(WORKFLOW_REF))

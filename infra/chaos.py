@@ -680,7 +680,7 @@ class Chaos:
 
     def _lose_redis(self) -> None:
         from choreo.ops.rebuild import rebuild
-        from consumers import fleet
+        from consumers.drone_scheduler import fleet
         from consumers.workflow import WORKFLOW
 
         started = time.monotonic()
@@ -794,7 +794,7 @@ class FleetHistory:
         rebuild that lost it shows up as the drone reserved again while its holder flies it.
         A booking committed only after the loss is the redone reservation, which may well pick
         the same drone again: the hold at the loss was still forgotten."""
-        from consumers.fleet import violations_in
+        from choreo.pool import violations_in
 
         found, held = violations_in(self.before_loss)
         times = booked_at or {}
@@ -1037,7 +1037,7 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     from choreo import contracts, topology
     from choreo.kafka import ensure_topics
     from choreo.runtime_events import RUNTIME_EVENTS
-    from consumers import fleet
+    from consumers.drone_scheduler import fleet
     from consumers.workflow import WORKFLOW
 
     started = time.monotonic()
@@ -1080,7 +1080,7 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     stop_all(stack.services, timeout_s=20)
     client = redis.Redis.from_url(stack.cfg.redis_url, socket_timeout=10)
     history = FleetHistory(chaos.fleet_before_loss, fleet.history(client), chaos.redis_lost_at_ms)
-    held_at_end = int(client.hlen(fleet.HELD))
+    held_at_end = int(client.hlen(fleet.held_key))
     found = read_everything()
     result = judge(submitter, found, history, pending)
     # every kill of the plan was followed by a restart: an instance down now died by itself,

@@ -9,8 +9,6 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from choreo.events import Event
-# re-exported: choreo/ops/rebuild.py still imports CompensationRecord from here
-from choreo.runtime_events import CompensationRecord as CompensationRecord
 
 HERE = Path(__file__).parent
 

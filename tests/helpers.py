@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,3 +159,13 @@ def start_group_at_end(group: str, topic: str) -> None:
         consumer.commit(offsets=ends, asynchronous=False)
     finally:
         consumer.close()
+
+
+def notifications(client: Any, ids: Iterable[str]) -> list[bytes | None]:
+    """What the notifier recorded for each delivery (``None`` where it has not yet)."""
+    from consumers.notifier import notified
+
+    pipe = client.pipeline(transaction=False)
+    for delivery_id in ids:
+        pipe.hget(notified.key(delivery_id), "drone")
+    return list(pipe.execute())

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from choreo.workflow import Workflow
+from choreo.workflow import Workflow, load_workflow
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: list, show, redrive.")
@@ -35,15 +35,10 @@ JSON_OPT = typer.Option(False, "--json", help="one JSON document on stdout, for 
 
 
 def _workflow(ref: str) -> Workflow:
-    """``module:attr`` → the Workflow (the twin of ``choreo.service.load_service``; not
-    imported from ``infra.cli``, which mounts this sub-app: the runtime imports nothing above it)."""
-    import importlib
-
-    module, _, attr = ref.partition(":")
-    flow = getattr(importlib.import_module(module), attr or "WORKFLOW", None)
-    if not isinstance(flow, Workflow):
-        raise typer.BadParameter(f"{ref} is not a Workflow")
-    return flow
+    try:
+        return load_workflow(ref)
+    except TypeError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _emit_json(value: Any) -> None:
@@ -158,12 +153,11 @@ def replay_cmd(
 @app.command("rebuild-state")
 def rebuild_cmd(
     since: str = typer.Option("-7d", "--from", help="read the topics from this time (ISO, epoch ms, -7d)"),
-    fleet_size: int = typer.Option(0, help="drones to seed (default: DRONE_FLEET_SIZE)"),
     force: bool = typer.Option(False, "--force", help="rebuild even while services consume (unsafe)"),
     workflow: str = WORKFLOW_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Rebuild Redis (state table, fan-in, outcomes, fleet, dedupe) from the topics, merge-only.
+    """Rebuild Redis (state table, joins, outcomes, pools, services' records, dedupe) from the topics, merge-only.
 
     Pause the workflow's services first (stop or SIGSTOP them), resume them afterwards.
     """
@@ -172,7 +166,7 @@ def rebuild_cmd(
 
     try:
         with _progress("reading topics", as_json) as (total, advance):
-            report = rebuild(_workflow(workflow), since_ms=parse_time(since), fleet_size=fleet_size or None,
+            report = rebuild(_workflow(workflow), since_ms=parse_time(since),
                              progress_total=total, progress=advance, force=force)
     except RuntimeError as exc:
         _fail(str(exc))
@@ -181,7 +175,7 @@ def rebuild_cmd(
         return
     table = Table("restored", "count", title=f"rebuild from {_when(report.since_ms)} ({report.seconds:.1f}s)")
     for name in ("records_read", "deliveries", "outcomes", "fanin_fields", "steps", "open_steps",
-                 "bookings_restored", "seen_entries", "packages", "notifications", "fleet_seeded",
+                 "bookings_restored", "seen_entries", "service_records", "pool_members",
                  "released_skipped", "awaiting_release"):
         table.add_row(name.replace("_", " "), str(getattr(report, name)))
     out.print(table)

@@ -2,25 +2,26 @@
 
 What is rebuilt, and why each piece matters for exactly-once after a wipe:
 
-* **Delivery outcome** (``outcome`` in ``dl:{id}``) from ``delivery.shipped`` /
-  ``delivery.failed``. The dedupe entries (``seen:``) and remembered effect answers (``fx:``) are gone, so a copy
-  of a step result or a requeue would otherwise find "both results in, no decision" and
-  decide again: the restored outcome makes it ``late``, no second shipment.
-* **Fan-in** (``fanin.package`` / ``fanin.drone`` / ``fanin.order``) from every committed
-  result, consumed by the delivery service or not: the fan-in script never overwrites a
-  recorded result and decides as soon as both are present, so a result recorded here and
-  delivered later decides exactly once. A result consumed before the wipe would otherwise
-  be forgotten and its delivery would wait forever for a pair.
-* **Fleet** (``fleet:*``): the fleet is seeded again, then every booking still held is
-  restored: ``drone.scheduled`` minus ``drone.released`` minus shipments the
-  drone-scheduler has *consumed* (its committed offset is past them: the drone came back).
-  A shipment not consumed yet keeps its drone held; the drone returns when it is consumed.
-  Only a drone's **latest** committed booking can still hold it: the fleet script let a later
-  delivery reserve the drone, so every earlier holder had given it back in Redis, even when
-  the release or return was in a transaction that a kill aborted (a Redis effect runs before
-  its Kafka commit). Earlier bookings are superseded, not restored; when the service handles
-  their release again it finds no booking and does nothing. A restore never takes a drone
-  someone else holds (reported as a conflict).
+* **Delivery outcome** (``outcome`` in ``dl:{id}``) from the events the workflow's join
+  names as its outcomes (``choreo.join``). The dedupe entries (``seen:``) and remembered
+  effect answers (``fx:``) are gone, so a copy of a step result or a requeue would otherwise
+  find "every part in, no decision" and decide again: the restored outcome makes it
+  ``late``, no second decision.
+* **Join** (``fanin.<part>``, ``fanin.order``) from every committed result of a part,
+  consumed by the joining service or not: the join never overwrites a recorded result and
+  decides as soon as every part is present, so a result recorded here and delivered later
+  decides exactly once. A result consumed before the wipe would otherwise be forgotten and
+  its delivery would wait forever for its other parts.
+* **Pools** (``choreo.pool``): each pool is grown to its seed again, then every hold still
+  on is restored from the events its declaration names: a hold event minus the events that
+  end it (published, or *consumed* by the pool's service when that is what frees the
+  member: its committed offset is past them). An end not consumed yet keeps its member
+  held; it is freed when it is consumed. Only a member's **latest** committed hold can
+  still be on: the pool let a later holder reserve the member, so every earlier holder had
+  given it back in Redis, even when the release was in a transaction that a kill aborted (a
+  Redis effect runs before its Kafka commit). Earlier holds are superseded, not restored;
+  when the service handles their release again it finds no hold and does nothing. A
+  restore never takes a member someone else holds (reported as a conflict).
 * **State table** (``dl:{id}`` steps + ``deadlines``), replayed through the state table's
   own transitions (``open`` / ``begin`` / ``finish``): a step whose latest trigger the
   service has committed is completed (failed when it was reported to ``recovery`` or
@@ -28,14 +29,16 @@ What is rebuilt, and why each piece matters for exactly-once after a wipe:
   Compensation states come from the supervisor's ``compensation.log``.
 * **Dedupe** (``seen:{id}``): for every record each service has committed, its position,
   so a copy arriving after the wipe is still recognised.
-* **Business records** derived from events: packages (``pkg:{id}``), notifications.
-* **The release's record of terminals** (``release:<topic>:<partition>``): each shipped
-  delivery's ``delivery.shipped`` position, so the supervisor releases its rebuilt state once
+* **Services' records** (``choreo.record``), by the ``rebuilt_from`` rules each declares:
+  merged in the order of the events, written where no field is.
+* **The release's record of terminals** (``release:<topic>:<partition>``): each successful
+  delivery's position on its join's success event, so the supervisor releases its rebuilt state once
   every reader is past it, instead of leaving it to its TTLs (``choreo.release``).
 
-Remembered effect answers (``fx:{id}``) are not rebuilt: every effect is also idempotent on its business key
-(a booking by delivery id, a package by its derived id, the fan-in by its fields, the
-outcome), and those keys are what is restored.
+Remembered effect answers (``fx:{id}``) are not rebuilt: every effect is also idempotent on its
+business key (a hold by its holder, a record by its delivery, the join by its fields, the
+outcome), and those keys are what is restored. Nothing here knows a service: every piece
+comes from the workflow's declarations, so a new service's state is rebuilt as it declares.
 
 Everything is **merge-only** (a field or booking that exists is kept), so running it
 twice, or once more after the services resumed, is harmless. A delivery whose tombstone
@@ -45,10 +48,9 @@ state expires as the delivery service's does; a delivery with dead letters gets 
 
 **Procedure.** Pause the workflow's services (stop them, or SIGSTOP), run
 ``rebuild-state``, resume them. Between a wipe and the end of the rebuild a running
-service would decide on empty state (the drone-scheduler sees no fleet, a fan-in half a
-pair). The rebuild ends by writing ``choreo:state:ready``; a runtime that pauses its batches
-while that key is missing makes the procedure safe with the services running (see the
-report's proposed runner change).
+service would decide on empty state (a pool with no members, a join with no parts). The
+rebuild ends by writing ``choreo:state:ready``; a runtime that pauses its batches while that
+key is missing makes the procedure safe with the services running.
 """
 
 from __future__ import annotations
@@ -66,40 +68,19 @@ from choreo.config import settings
 from choreo.dedupe import seen_field, seen_key
 from choreo.envelope import now_ms
 from choreo.kafka import admin
+from choreo.events import Event
+from choreo.join import Join, fanin_fields, result_text
 from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
+from choreo.pool import Pool
+from choreo.record import Record, RebuildRule
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
 from choreo.release import awaiting_key, released
+from choreo.runtime_events import CompensationRecord
 from choreo.state import Source, StateTable, StepStatus, delivery_key
 from choreo.workflow import Workflow
-from consumers import fleet
-from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
-from consumers.package import RETENTION_S as PACKAGE_RETENTION_S
-from consumers.package import package_key
-from schemas.models import (
-    CompensationRecord, DeliveryFailed, DeliveryShipped, DroneFailed, DroneReleased, DroneScheduled,
-    PackageCancelled, PackageFailed, PackageReady,
-)
 
 READY_KEY = "choreo:state:ready"
-NOTIFICATIONS = "notifications"  # the notifier's record (consumers/notifier.py)
-NOTIFIER = "notifier"
 DEFAULT_WINDOW_S = 7 * 24 * 3600
-
-RESTORE_BOOKING = """
-local delivery, drone = ARGV[1], ARGV[2]
-if redis.call('HGET', KEYS[3], delivery) then return 'exists' end
-local holder = redis.call('HGET', KEYS[2], drone)
-if holder and holder ~= delivery then return 'conflict:' .. holder end
-redis.call('ZREM', KEYS[1], drone)
-redis.call('HSET', KEYS[2], drone, delivery)
-redis.call('HSET', KEYS[3], delivery, drone)
-redis.call('XADD', KEYS[4], '*', 'action', 'reserve', 'drone', drone, 'delivery', delivery, 'rebuilt', '1')
-return 'restored'
-"""
-
-RESULTS = {PackageReady.topic: ("package", "ok", "package_id"), PackageFailed.topic: ("package", "fail", "reason"),
-           DroneScheduled.topic: ("drone", "ok", "drone_id"), DroneFailed.topic: ("drone", "fail", "reason")}
-OUTCOMES = {DeliveryShipped.topic: "shipped", DeliveryFailed.topic: "failed"}
 SHARED = {RECOVERY_TOPIC, CompensationRecord.topic}  # never prefixed
 
 
@@ -115,21 +96,23 @@ class Trigger:
 
 
 @dataclass
+class Hold:
+    member: str
+    since_ms: int  # when this holder's hold was first recorded
+
+
+@dataclass
 class DeliveryFacts:
-    results: dict[str, tuple[int, str, str]] = field(default_factory=dict)  # kind -> (ts, ok, value)
+    results: dict[str, tuple[int, bool, str]] = field(default_factory=dict)  # part -> (ts, ok, result)
     outcome: str = ""
-    drone: str = ""
-    scheduled_ms: int = 0  # when this delivery's booking of ``drone`` was first recorded
-    released: bool = False
-    returned: bool = False
-    package: dict[str, str] = field(default_factory=dict)
-    cancelled: bool = False
-    notified_drone: str = ""
+    holds: dict[str, Hold] = field(default_factory=dict)  # pool -> this delivery's hold
+    ended: set[str] = field(default_factory=set)  # pools whose hold of it ended (in any order)
+    records: dict[str, dict[str, str]] = field(default_factory=dict)  # record name -> fields
     triggers: dict[str, Trigger] = field(default_factory=dict)  # step -> latest trigger
     reports: dict[tuple[str, int], str] = field(default_factory=dict)  # (step, attempt) -> error
     compensation: dict[str, str] = field(default_factory=dict)  # forward step -> status
     dead_letters: int = 0  # its events in dead-letter topics: the state stays for a redrive
-    terminal: tuple[str, int, int] | None = None  # its first delivery.shipped: topic, partition, offset
+    terminal: tuple[str, int, int] | None = None  # its first success outcome: topic, partition, offset
 
 
 @dataclass
@@ -145,26 +128,62 @@ class RebuildReport:
     bookings_superseded: int = 0
     booking_conflicts: list[str] = field(default_factory=list)
     seen_entries: int = 0
-    packages: int = 0
-    notifications: int = 0
-    fleet_seeded: int = 0
+    service_records: int = 0
+    pool_members: int = 0
     released_skipped: int = 0  # released deliveries (choreo.release): their tombstone is left alone
-    awaiting_release: int = 0  # shipped deliveries handed back to the release
+    awaiting_release: int = 0  # successful deliveries handed back to the release
     seconds: float = 0.0
+
+
+@dataclass
+class Declared:
+    """What the workflow's declarations say one (canonical) topic restores."""
+
+    parts: list[tuple[Join, str, bool, type[Event]]] = field(default_factory=list)
+    outcome: tuple[Join, str] | None = None
+    holds: list[tuple[Pool, str]] = field(default_factory=list)  # pool, its service
+    ends: list[tuple[Pool, str, bool]] = field(default_factory=list)  # pool, its service, when consumed
+    records: list[tuple[Record, RebuildRule, str]] = field(default_factory=list)  # record, rule, its service
+
+
+def declarations(workflow: Workflow) -> dict[str, Declared]:
+    """Canonical topic -> what it restores, from every service's joins, pools and records."""
+    found: dict[str, Declared] = {}
+
+    def at(topic: str) -> Declared:
+        return found.setdefault(topic, Declared())
+
+    for service in workflow.services:
+        for join in service.joins:
+            for name, part in join.parts.items():
+                at(part.ok.topic).parts.append((join, name, True, part.ok))
+                if part.failed is not None:
+                    at(part.failed.topic).parts.append((join, name, False, part.failed))
+            for model, outcome in join.outcomes.items():
+                at(model.topic).outcome = (join, outcome)
+        for pool in service.pools:
+            if pool.held_by is not None:
+                at(pool.held_by[0].topic).holds.append((pool, service.name))
+            for end in pool.freed:
+                at(end.model.topic).ends.append((pool, service.name, end.when_consumed))
+        for record in service.records:
+            for rule in record.rules:
+                at(rule.model.topic).records.append((record, rule, service.name))
+    return found
 
 
 class Rebuilder:
     """Collects the facts from the topics, then writes them merge-only (see module doc)."""
 
-    def __init__(self, workflow: Workflow, client: redis.Redis, fleet_size: int,
-                 grace_s: float = 10.0, prefix: str = "") -> None:
+    def __init__(self, workflow: Workflow, client: redis.Redis, grace_s: float = 10.0,
+                 prefix: str = "") -> None:
         self.workflow = workflow
         self.prefix = prefix
+        self.declared = declarations(workflow)
         # the pipeline's topics under this workflow's naming, mapped back to the canonical names
-        self.canonical = {prefix + t: t for t in [*RESULTS, *OUTCOMES, DroneReleased.topic, PackageCancelled.topic]}
+        self.canonical = {prefix + t: t for t in self.declared}
         self.canonical.update({t: t for t in SHARED})
         self.client = client
-        self.fleet_size = fleet_size
         self.grace_ms = int(grace_s * 1000)
         self.facts: dict[str, DeliveryFacts] = {}
         self.seen: list[tuple[str, str, str]] = []  # (delivery, field, position)
@@ -178,6 +197,9 @@ class Rebuilder:
             for topic, handler in service.handlers.items():
                 self.handlers.setdefault(topic, []).append(
                     (service.name, handler.step, handler.topic, int(handler.deadline_s * 1000)))
+        self.joins = {join.step: join for join in workflow.joins}
+        self.records = {record.name: record for s in workflow.services for record in s.records}
+        self.pools = {pool.name: pool for s in workflow.services for pool in s.pools}
 
     def topics(self, present: dict[str, int]) -> list[str]:
         wanted = set(self.handlers) | set(self.canonical)
@@ -236,30 +258,9 @@ class Rebuilder:
         topic = self.canonical.get(r.topic, "")
         body = self.decode(r.topic, r.value) if topic else {}
         body = body if isinstance(body, dict) else {}
-        if topic in RESULTS and body:
-            kind, ok, name = RESULTS[topic]
-            if kind not in facts.results:
-                facts.results[kind] = (r.timestamp_ms, ok, str(body.get(name) or ""))
-            drone = str(body.get("drone_id") or "")
-            if topic == DroneScheduled.topic and drone != facts.drone:
-                # the first record of a booking dates it: a copy (a replay, a redrive) comes later
-                # and would make an earlier holder look like the drone's latest
-                facts.drone, facts.scheduled_ms = drone, r.timestamp_ms
-            if topic == PackageReady.topic:
-                facts.package = {"package_id": str(body["package_id"]), "size": str(body["package_size"]),
-                                 "weight_kg": str(body["weight_kg"])}
-        if topic in OUTCOMES and not facts.outcome:
-            facts.outcome = OUTCOMES[topic]
-        if topic == DeliveryShipped.topic:
-            if facts.terminal is None:
-                facts.terminal = (r.topic, r.partition, r.offset)
-            facts.returned = facts.returned or consumed_by(_drone_service(self.workflow))
-            if consumed_by(self.prefix + NOTIFIER) and body:
-                facts.notified_drone = str(body.get("drone_id") or "")
-        if topic == DroneReleased.topic:
-            facts.released = True
-        if topic == PackageCancelled.topic:
-            facts.cancelled = True
+        declared = self.declared.get(topic)
+        if declared is not None and body:
+            self._declared_fact(declared, facts, r, body, consumed_by)
         if topic == RECOVERY_TOPIC and body:
             facts.reports[(str(body["step"]), int(body["attempt"]))] = f"{body['kind']}: {body.get('error', '')}"
         if topic == CompensationRecord.topic and body:
@@ -276,16 +277,46 @@ class Rebuilder:
                 facts.triggers[step] = Trigger(step, service, origin, r, env.attempt, deadline_ms,
                                                env.event_id)
 
+    def _declared_fact(self, declared: Declared, facts: DeliveryFacts, r: Rec, body: dict[str, Any],
+                       consumed_by: Callable[[str], bool]) -> None:
+        """What the declarations say this event restores (see the module doc)."""
+        for _, part, ok, model in declared.parts:
+            event = _event(model, body)
+            if event is not None and part not in facts.results:
+                facts.results[part] = (r.timestamp_ms, ok, result_text(event))
+        if declared.outcome is not None:
+            join, outcome = declared.outcome
+            facts.outcome = facts.outcome or outcome
+            if outcome == join.outcome and facts.terminal is None:
+                facts.terminal = (r.topic, r.partition, r.offset)
+        for pool, _ in declared.holds:
+            assert pool.held_by is not None
+            event = _event(pool.held_by[0], body)
+            member = pool.held_by[1](event) if event is not None else ""
+            hold = facts.holds.get(pool.name)
+            if member and (hold is None or hold.member != member):
+                # the first record of a hold dates it: a copy (a replay, a redrive) comes later
+                # and would make an earlier holder look like the member's latest
+                facts.holds[pool.name] = Hold(member, r.timestamp_ms)
+        for pool, service, when_consumed in declared.ends:
+            if not when_consumed or consumed_by(service):
+                facts.ended.add(pool.name)
+        for record, rule, service in declared.records:
+            event = _event(rule.model, body)
+            if event is not None and (not rule.when_consumed or consumed_by(service)):
+                fields = facts.records.setdefault(record.name, {})
+                fields.update({name: str(value) for name, value in rule.fields(event).items()})
+
     # -- writing ---------------------------------------------------------------------------
 
     def write(self, report: RebuildReport) -> None:
         report.deliveries = len(self.facts)
         self.released = self._released()
         report.released_skipped = len(self.released)
-        report.fleet_seeded = fleet.seed(self.client, self.fleet_size)
-        self._write_fanin(report)
+        report.pool_members = sum(pool.grow(self.client) for pool in self.pools.values())
+        self._write_joins(report)
         self._write_steps(report)
-        self._write_fleet(report)
+        self._write_holds(report)
         self._write_records(report)
         self._write_seen(report)
         self._write_awaiting_release(report)
@@ -299,7 +330,8 @@ class Rebuilder:
     def _unreleased(self) -> Iterable[tuple[str, DeliveryFacts]]:
         return ((d, f) for d, f in self.facts.items() if d not in self.released)
 
-    def _write_fanin(self, report: RebuildReport) -> None:
+    def _write_joins(self, report: RebuildReport) -> None:
+        retention = max((join.retention_s for join in self.joins.values()), default=0)
         pipe = self.client.pipeline(transaction=False)
         for delivery, facts in self._unreleased():
             key = delivery_key(delivery)
@@ -307,16 +339,14 @@ class Rebuilder:
                 pipe.hsetnx(key, "dead_letters", facts.dead_letters)
             if facts.outcome:
                 pipe.hsetnx(key, "outcome", facts.outcome)
-                # as the delivery service does when it decides: a decided delivery's state goes
-                # in time, rebuilt or not (it stayed forever, for every delivery of the window)
-                pipe.expire(key, DECIDED_RETENTION_S)
+                # as the join does when it decides: a decided delivery's state goes in time,
+                # rebuilt or not (it stayed forever, for every delivery of the window)
+                pipe.expire(key, retention)
                 report.outcomes += 1
-            for kind, (_, ok, value) in facts.results.items():
-                pipe.hsetnx(key, f"fanin.{kind}", f"{ok}:{value}")
-                report.fanin_fields += 1
-            done = sorted((ts, kind) for kind, (ts, ok, _) in facts.results.items() if ok == "ok")
-            if done:  # newest first, as the fan-in script prepends
-                pipe.hsetnx(key, "fanin.order", "".join(f"{kind}," for _, kind in reversed(done)))
+            fields = fanin_fields(facts.results)
+            for name, value in fields.items():
+                pipe.hsetnx(key, name, value)
+            report.fanin_fields += len(facts.results)
         pipe.execute()
 
     def _write_steps(self, report: RebuildReport) -> None:
@@ -353,38 +383,38 @@ class Rebuilder:
                 state.put(delivery, {f"{step}.status": StepStatus(status).value}, pipe)
         pipe.execute()
 
-    def _write_fleet(self, report: RebuildReport) -> None:
-        script = self.client.register_script(RESTORE_BOOKING)
-        latest: dict[str, tuple[int, str]] = {}  # drone -> (scheduled at, delivery)
-        for delivery, facts in self.facts.items():
-            if facts.drone:
-                latest[facts.drone] = max(latest.get(facts.drone, (0, "")), (facts.scheduled_ms, delivery))
-        for delivery, facts in self.facts.items():
-            if not facts.drone or facts.released or facts.returned:
-                continue
-            if latest[facts.drone][1] != delivery:
-                report.bookings_superseded += 1
-                continue
-            verdict = script(keys=fleet.KEYS, args=[delivery, facts.drone])
-            text = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
-            if text == "restored":
-                report.bookings_restored += 1
-            elif text.startswith("conflict:"):
-                report.booking_conflicts.append(f"{facts.drone} for {delivery}: held by {text[9:]}")
+    def _write_holds(self, report: RebuildReport) -> None:
+        for name, pool in self.pools.items():
+            latest: dict[str, tuple[int, str]] = {}  # member -> (held since, holder)
+            for delivery, facts in self.facts.items():
+                if (hold := facts.holds.get(name)) is not None:
+                    latest[hold.member] = max(latest.get(hold.member, (0, "")), (hold.since_ms, delivery))
+            for delivery, facts in self.facts.items():
+                hold = facts.holds.get(name)
+                if hold is None or name in facts.ended:
+                    continue
+                if latest[hold.member][1] != delivery:
+                    report.bookings_superseded += 1
+                    continue
+                verdict = pool.restore(self.client, delivery, hold.member)
+                if verdict == "restored":
+                    report.bookings_restored += 1
+                elif verdict.startswith("conflict:"):
+                    report.booking_conflicts.append(f"{hold.member} for {delivery}: held by {verdict[9:]}")
 
     def _write_records(self, report: RebuildReport) -> None:
         pipe = self.client.pipeline(transaction=False)
         for delivery, facts in self.facts.items():
-            if facts.package and delivery not in self.released:
-                key = package_key(delivery)
-                for name, value in facts.package.items():
-                    pipe.hsetnx(key, name, value)
-                pipe.hsetnx(key, "status", "cancelled" if facts.cancelled else "ready")
-                pipe.expire(key, PACKAGE_RETENTION_S)
-                report.packages += 1
-            if facts.notified_drone:
-                pipe.hsetnx(NOTIFICATIONS, delivery, facts.notified_drone)
-                report.notifications += 1
+            for name, fields in facts.records.items():
+                record = self.records[name]
+                if record.released_with_delivery and delivery in self.released:
+                    continue
+                key = record.key(delivery)
+                for field_name, value in fields.items():
+                    pipe.hsetnx(key, field_name, value)
+                if record.ttl_s:
+                    pipe.expire(key, record.ttl_s)
+                report.service_records += 1
         pipe.execute()
 
     def _write_seen(self, report: RebuildReport) -> None:
@@ -407,20 +437,19 @@ class Rebuilder:
         its readers are past its terminal, by the same rule as for any other."""
         pipe = self.client.pipeline(transaction=False)
         for delivery, facts in self._unreleased():
-            if facts.terminal is not None and facts.outcome == "shipped":
+            if facts.terminal is not None:
                 topic, partition, offset = facts.terminal
                 pipe.zadd(awaiting_key(topic, partition), {delivery: offset})
                 report.awaiting_release += 1
         pipe.execute()
 
 
-def _drone_service(workflow: Workflow) -> str:
-    """The service that holds drones: the one consuming ``delivery.shipped`` to take them back
-    and producing ``drone.scheduled``."""
-    for service in workflow.services:
-        if DroneScheduled in service.outputs:
-            return service.name
-    return "drone-scheduler"
+def _event(model: type[Event], body: dict[str, Any]) -> Event | None:
+    """The event a decoded body holds, or ``None`` when it is not one (a foreign writer)."""
+    try:
+        return model.from_avro(body)
+    except ValueError:
+        return None
 
 
 def _chunks(items: list[tuple[str, str, str]], size: int) -> Iterable[list[tuple[str, str, str]]]:
@@ -440,7 +469,7 @@ def active_groups(groups: list[str]) -> dict[str, int]:
     return active
 
 
-def rebuild(workflow: Workflow, *, since_ms: int | None = None, fleet_size: int | None = None,
+def rebuild(workflow: Workflow, *, since_ms: int | None = None,
             client: redis.Redis | None = None, progress_total: Callable[[int], None] | None = None,
             progress: Progress | None = None, force: bool = False, prefix: str = "") -> RebuildReport:
     """Read the topics from ``since_ms`` (default: a week) and restore Redis, merge-only.
@@ -452,13 +481,9 @@ def rebuild(workflow: Workflow, *, since_ms: int | None = None, fleet_size: int 
         active = active_groups([s.name for s in workflow.services])
         if active:
             raise RuntimeError(f"services still consuming: {active}; stop them first (or --force)")
-    if fleet_size is None:
-        from consumers.drone_scheduler import FLEET_SIZE
-
-        fleet_size = FLEET_SIZE
     since = since_ms if since_ms is not None else now_ms() - DEFAULT_WINDOW_S * 1000
     client = client or redis.Redis.from_url(settings().redis_url, socket_timeout=10)
-    rebuilder = Rebuilder(workflow, client, fleet_size, prefix=prefix)
+    rebuilder = Rebuilder(workflow, client, prefix=prefix)
     report = RebuildReport(since_ms=since)
     # a service killed mid-transaction leaves it open until it times out: read only once
     # everything in doubt has committed or aborted, or its effects would be missed

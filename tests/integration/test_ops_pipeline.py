@@ -38,7 +38,7 @@ from choreo.runner import RECOVERY_TOPIC
 from choreo.service import retry_topic
 from choreo.state import StateTable, delivery_key
 from choreo.workflow import Workflow
-from consumers import fleet
+from consumers.drone_scheduler import fleet
 from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
 from infra.chaos import stuck_evidence
 from schemas.models import ALL_EVENTS, DroneScheduled
@@ -144,7 +144,9 @@ class IsolatedPipeline:
 
 
 @pytest.fixture()
-def isolated(stack: None, private_redis: redis.Redis, unique: str) -> Iterator[IsolatedPipeline]:
+def isolated(stack: None, private_redis: redis.Redis, unique: str,
+             monkeypatch: pytest.MonkeyPatch) -> Iterator[IsolatedPipeline]:
+    monkeypatch.setenv("DRONE_FLEET_SIZE", str(FLEET))  # what the rebuild grows the fleet to
     pipeline = IsolatedPipeline(f"t.ops.{unique}.", private_redis)
     topology.create(pipeline.flow, partitions=3)
     # outputs are declared by model (unprefixed names): create their prefixed topics too, so
@@ -163,12 +165,12 @@ def test_flushall_mid_run_then_rebuild_every_delivery_ends_once(isolated: Isolat
     ids = set(isolated.submit(200))
     wait_for(lambda: len(isolated.terminal(ids)) >= 20, timeout_s=40, interval_s=0.3, what="first deliveries")
     with pytest.raises(RuntimeError, match="still consuming"):
-        rebuild(isolated.flow, since_ms=started - 5000, fleet_size=FLEET, client=client, prefix=isolated.prefix)
+        rebuild(isolated.flow, since_ms=started - 5000, client=client, prefix=isolated.prefix)
     isolated.stop()  # pause: each instance finishes its batch, commits and leaves its group
     before = isolated.terminal(ids)
     assert 20 <= len(before) < len(ids), "the wipe must hit deliveries in flight"
     client.flushall()
-    report = rebuild(isolated.flow, since_ms=started - 5000, fleet_size=FLEET, client=client,
+    report = rebuild(isolated.flow, since_ms=started - 5000, client=client,
                      prefix=isolated.prefix)
     assert report.outcomes == len(before)
     assert report.booking_conflicts == []
@@ -181,7 +183,7 @@ def test_flushall_mid_run_then_rebuild_every_delivery_ends_once(isolated: Isolat
     assert fleet.double_bookings(client) == []
     # every drone came back: the fleet is whole again, no booking leaked
     wait_for(lambda: not (set(_bookings(client)) & ids), timeout_s=20, what="drones returned")
-    held = {k.decode(): v.decode() for k, v in client.hgetall(fleet.HELD).items()}
+    held = {k.decode(): v.decode() for k, v in client.hgetall(fleet.held_key).items()}
     assert all(_bookings(client).get(d) == drone for drone, d in held.items())
     # the rebuild handed the deliveries shipped before the wipe back to the release (its
     # record of their terminals was wiped too): once their readers are past, they are freed
@@ -209,11 +211,11 @@ def test_rebuild_restores_a_drone_only_to_its_latest_booking(isolated: IsolatedP
         publisher.publish(booking, event_id, topic=isolated.prefix + DroneScheduled.topic)
         publisher.flush(30)
         time.sleep(0.01)  # each is produced later, as the fleet script ordered the first two
-    report = rebuild(isolated.flow, since_ms=started - 5000, fleet_size=FLEET, client=isolated.client,
+    report = rebuild(isolated.flow, since_ms=started - 5000, client=isolated.client,
                      prefix=isolated.prefix)
     assert report.booking_conflicts == []
     assert (report.bookings_restored, report.bookings_superseded) == (1, 1)
-    assert isolated.client.hget(fleet.HELD, "drone-00007") == second.delivery_id.encode()
+    assert isolated.client.hget(fleet.held_key, "drone-00007") == second.delivery_id.encode()
     assert _bookings(isolated.client).get(first.delivery_id) is None
 
 
@@ -233,7 +235,7 @@ def test_rebuild_restores_a_requeued_step_at_its_attempt(isolated: IsolatedPipel
     [sent] = publisher.publish_many([Publish(request, requeue.event_id, topic=retry, envelope=requeue)])
     assert not isinstance(sent, Exception)
     publisher.flush(30)
-    report = rebuild(flow, since_ms=started - 5000, fleet_size=FLEET, client=isolated.client,
+    report = rebuild(flow, since_ms=started - 5000, client=isolated.client,
                      prefix=isolated.prefix)
     assert report.open_steps >= 1
     step = StateTable(isolated.client).steps(request.delivery_id)["drone"]
@@ -254,7 +256,7 @@ def _consuming(group: str) -> bool:
 
 
 def _bookings(client: redis.Redis) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in client.hgetall(fleet.BOOKING).items()}
+    return {k.decode(): v.decode() for k, v in client.hgetall(fleet.booking_key).items()}
 
 
 def test_trace_of_a_compensated_delivery_shows_every_hop_in_order(isolated: IsolatedPipeline,

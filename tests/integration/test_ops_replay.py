@@ -15,7 +15,7 @@ from choreo.kafka import ensure_topics
 from choreo.ops.replay import RangeSpec, committed_offsets, replay_into_service
 from choreo.publisher import Publisher
 from choreo.service import load_service
-from consumers import fleet
+from consumers.drone_scheduler import fleet
 from consumers.workflow import WORKFLOW
 from tests.factories import delivery_request
 from tests.helpers import read_topic

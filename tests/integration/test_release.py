@@ -17,11 +17,11 @@ from choreo.envelope import Envelope
 from choreo.release import Releaser, awaiting_key, released
 from choreo.kafka import admin
 from choreo.state import DEADLINE_INDEX, StateTable, delivery_key
-from consumers import fleet
-from consumers.package import package_key
+from consumers.drone_scheduler import fleet
+from consumers.package import packages
 from consumers.workflow import WORKFLOW
 from tests.factories import delivery_request
-from tests.helpers import read_topic, wait_for
+from tests.helpers import notifications, read_topic, wait_for
 from tests.pipeline import NOTIFIER, SERVICES, Pipeline, notifier_later, of, submit, wait_terminal
 
 pytestmark = pytest.mark.integration
@@ -35,15 +35,26 @@ def topics(stack: None) -> None:
 
 
 def state_keys(client: redis.Redis, delivery_id: str) -> list[str]:
-    return [k.decode() for k in client.scan_iter(match=f"*{{{delivery_id}}}*", count=1000)]
+    return sorted(k.decode() for k in client.scan_iter(match=f"*{{{delivery_id}}}*", count=1000))
+
+
+# the records services declared to outlive a delivery (the notifier's), each with a TTL
+KEPT = [r for s in WORKFLOW.services for r in s.records if not r.released_with_delivery]
+
+
+def after_release(delivery_id: str) -> list[str]:
+    """A released delivery's keys: its tombstone, and the records declared to outlive it."""
+    return sorted([delivery_key(delivery_id), *(r.key(delivery_id) for r in KEPT)])
 
 
 def test_a_shipped_delivery_leaves_only_a_tombstone(pipeline: Pipeline, redis_client: redis.Redis) -> None:
+    """... and the records a service declared to outlive it (the notifier's), each expiring."""
     ids = set(submit([delivery_request() for _ in range(100)]))
     assert set(wait_terminal(ids).values()) == {1}
     wait_for(lambda: released(redis_client, ids) == ids, timeout_s=60, what="every delivery released")
     for d in ids:
-        assert state_keys(redis_client, d) == [delivery_key(d)], d
+        assert state_keys(redis_client, d) == after_release(d), d
+        assert all(0 < redis_client.ttl(r.key(d)) <= r.ttl_s for r in KEPT)
         tomb = {k.decode(): v.decode() for k, v in redis_client.hgetall(delivery_key(d)).items()}
         assert set(tomb) == {"done", "outcome"} and tomb["outcome"] == "shipped"
         assert 0 < redis_client.ttl(delivery_key(d)) <= settings().dedupe_ttl_s
@@ -72,8 +83,8 @@ def test_a_copy_of_a_released_delivery_starts_nothing_again(pipeline: Pipeline,
         assert len(of(read_topic(topic), ids)) == 2 * len(ids), topic
     assert not of(read_topic("delivery.failed"), ids)
     for d in ids:  # refused before anything was written: no dedupe entry, no effect, no booking
-        assert state_keys(redis_client, d) == [delivery_key(d)], d
-    assert not set(redis_client.hvals(fleet.BOOKING)) & {d.encode() for d in ids}
+        assert state_keys(redis_client, d) == after_release(d), d
+    assert not set(redis_client.hvals(fleet.booking_key)) & {d.encode() for d in ids}
 
 
 def test_release_waits_for_every_reader_of_the_terminal(redis_client: redis.Redis) -> None:
@@ -90,7 +101,7 @@ def test_release_waits_for_every_reader_of_the_terminal(redis_client: redis.Redi
         # step record past the stack's hash-max-listpack-value turns it into a hash table)
         assert {redis_client.object("encoding", delivery_key(d)) for d in ids} == {b"listpack"}
         start_notifier()
-        wait_for(lambda: all(redis_client.hmget("notifications", sorted(ids))), what="notified")
+        wait_for(lambda: all(notifications(redis_client, sorted(ids))), what="notified")
         wait_for(lambda: released(redis_client, ids) == ids, timeout_s=60, what="released after it")
 
 
@@ -119,7 +130,7 @@ def test_the_release_script_keeps_an_open_step_and_is_idempotent(redis_client: r
         state.open(d, "package", 10**13, 1)
         redis_client.hset(memo_key(d), "package:x", "1")
         redis_client.hset(seen_key(d), "package:y", "1")
-        redis_client.hset(package_key(d), "status", "ready")
+        redis_client.hset(packages.key(d), "status", "ready")
     StateTable(redis_client).put(done, {"package.status": "completed", "outcome": "shipped"})
     assert releaser.release([done, open_, gone], 5) == ["released", "kept:open_step", "gone"]
     StateTable(redis_client).put(open_, {"package.status": "completed"})  # still no outcome
@@ -130,7 +141,7 @@ def test_the_release_script_keeps_an_open_step_and_is_idempotent(redis_client: r
     assert redis_client.hgetall(delivery_key(done)) == {b"done": b"5", b"outcome": b"shipped"}
     assert redis_client.ttl(delivery_key(done)) <= 60
     assert sorted(state_keys(redis_client, open_)) == sorted(
-        [delivery_key(open_), memo_key(open_), seen_key(open_), package_key(open_)])
+        [delivery_key(open_), memo_key(open_), seen_key(open_), packages.key(open_)])
     assert f"{done}|package".encode() not in redis_client.zrange(DEADLINE_INDEX, 0, -1)
     assert not redis_client.exists(delivery_key(gone))  # no tombstone for what was never there
     redis_client.zrem(DEADLINE_INDEX, f"{open_}|package")

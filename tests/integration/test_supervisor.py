@@ -33,7 +33,7 @@ from choreo.runtime_events import CompensationRecord
 from choreo.serde import Decoder, registry_client
 from choreo.service import retry_topic
 from choreo.state import DEADLINE_INDEX, StateTable
-from consumers import fleet
+from consumers.drone_scheduler import fleet
 from schemas.models import DeliveryFailed
 from tests.factories import delivery_request
 from tests.helpers import ServiceProcess, read_topic, start_group_at_end, wait_for
@@ -308,7 +308,7 @@ def test_late_answer_of_an_old_attempt_changes_nothing(world: World) -> None:
         state = world.state(d)
         assert state["drone.status"] == "completed" and int(state["drone.attempt"]) >= 2
         assert state["outcome"] == "shipped"
-    reserved = Counter(f[b"delivery"].decode() for _, f in world.redis.xrange(fleet.HISTORY)
+    reserved = Counter(f[b"delivery"].decode() for _, f in world.redis.xrange(fleet.history_key)
                        if f[b"action"] == b"reserve")
     assert all(reserved[d] == 1 for d in ids)  # the requeue did not book a second drone
 
@@ -357,7 +357,7 @@ def test_failing_step_is_requeued_with_growing_delays_then_compensated(world: Wo
         assert statuses == ["COMPENSATING", "COMPENSATED"]
         assert {rec.key for rec in log[d]} == {f"{d}|{done}".encode()}
     if failing == "package":  # the released drones are free again
-        assert world.redis.hlen(fleet.BOOKING) == 0
+        assert world.redis.hlen(fleet.booking_key) == 0
     wait_for(lambda: world.redis.zcard(DEADLINE_INDEX) == 0, timeout_s=20, what="an empty index")
 
 

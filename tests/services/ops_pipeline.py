@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from choreo.errors import Retryable
+from choreo.join import Joined, JoinFailed
 from choreo.service import Context, Service
 from choreo.workflow import Workflow
 from tests.services.routing import private_workflow, routed
@@ -48,29 +49,27 @@ def _fail_first(role: str) -> Callable[[Any, Context], None] | None:
 def build(prefix: str, batch: int = 500) -> dict[str, Service]:
     t = lambda name: prefix + name  # noqa: E731
     package = Service(t("package"), batch_size=batch)
+    package.records.append(package_rules.packages)
     package.on(t("delivery.requested"), step="package", deadline_s=30,
                produces=[PackageReady, PackageFailed])(routed(package_rules.prepare, DeliveryRequested, prefix,
                                                                 _fail_first("package")))
     package.on(t("delivery.failed"), step="cancel_package", deadline_s=30,
-               produces=[PackageCancelled])(routed(package_rules.cancel, DeliveryFailed, prefix))
+               undoes="package", confirmed_by=PackageCancelled)(routed(package_rules.cancel, DeliveryFailed, prefix))
     drone = Service(t("drone-scheduler"), batch_size=batch)
-    drone.on_start(drone_rules.seed_fleet)
+    drone.pool(drone_rules.fleet)
     drone.on(t("delivery.requested"), step="drone", deadline_s=30,
              produces=[DroneScheduled, DroneFailed])(routed(drone_rules.reserve, DeliveryRequested, prefix,
                                                               _fail_first("drone")))
     drone.on(t("delivery.failed"), step="release_drone", deadline_s=30,
-             produces=[DroneReleased])(routed(drone_rules.release, DeliveryFailed, prefix))
+             undoes="drone", confirmed_by=DroneReleased)(routed(drone_rules.release, DeliveryFailed, prefix))
     drone.on(t("delivery.shipped"))(routed(drone_rules.flight_over, DeliveryShipped, prefix))
     delivery = Service(t("delivery"), batch_size=batch)
-    for topic, model, fn in (
-        ("package.ready", PackageReady, delivery_rules.package_ready),
-        ("drone.scheduled", DroneScheduled, delivery_rules.drone_scheduled),
-        ("package.failed", PackageFailed, delivery_rules.package_failed),
-        ("drone.failed", DroneFailed, delivery_rules.drone_failed),
-    ):
-        delivery.on(t(topic), step="delivery", deadline_s=60,
-                    produces=list(delivery_rules.OUTCOMES))(routed(fn, model, prefix))
+    join = delivery.join("delivery", parts=delivery_rules.PARTS, outcomes=delivery_rules.OUTCOMES, deadline_s=60,
+                         prefix=prefix)
+    join.on_complete(routed(delivery_rules.ship, Joined, prefix))
+    join.on_failure(routed(delivery_rules.refuse, JoinFailed, prefix))
     notifier = Service(t("notifier"))
+    notifier.records.append(notifier_rules.notified)
     notifier.on(t("delivery.shipped"))(routed(notifier_rules.notify, DeliveryShipped, prefix))
     return {"package": package, "drone": drone, "delivery": delivery, "notifier": notifier}
 

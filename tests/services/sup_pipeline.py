@@ -20,15 +20,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from choreo.join import Joined, JoinFailed
 from choreo.service import Context, Service
 from choreo.workflow import Workflow
 from tests.services.routing import private_workflow, routed
 from consumers import delivery as delivery_rules
 from consumers import drone_scheduler as drone_rules
 from consumers import package as package_rules
-from schemas.models import (
-    DeliveryFailed, DeliveryRequested, DroneFailed, DroneScheduled, PackageFailed, PackageReady,
-)
+from schemas.models import DeliveryFailed, DeliveryRequested, DroneReleased, PackageCancelled
 
 MODULE = "tests.services.sup_pipeline"
 ROLES = ("package", "drone", "delivery")
@@ -53,24 +52,23 @@ def build(prefix: str, deadline_s: float, budget: int, in_process: int) -> dict[
     package = Service(t("package"), **opts)
     package.on(t("delivery.requested"), step="package", deadline_s=deadline_s)(
         routed(package_rules.prepare, DeliveryRequested, prefix, _slow_first("package")))
-    package.on(t("delivery.failed"), step="cancel_package", deadline_s=deadline_s)(
+    package.on(t("delivery.failed"), step="cancel_package", deadline_s=deadline_s, undoes="package",
+               confirmed_by=PackageCancelled)(
         routed(package_rules.cancel, DeliveryFailed, prefix))
 
     drone = Service(t("drone-scheduler"), **opts)
-    drone.on_start(drone_rules.seed_fleet)
+    drone.pool(drone_rules.fleet)
     drone.on(t("delivery.requested"), step="drone", deadline_s=deadline_s)(
         routed(drone_rules.reserve, DeliveryRequested, prefix, _slow_first("drone")))
-    drone.on(t("delivery.failed"), step="release_drone", deadline_s=deadline_s)(
+    drone.on(t("delivery.failed"), step="release_drone", deadline_s=deadline_s, undoes="drone",
+             confirmed_by=DroneReleased)(
         routed(drone_rules.release, DeliveryFailed, prefix))
 
     delivery = Service(t("delivery"), **opts)
-    for topic, model, fn in (
-        ("package.ready", PackageReady, delivery_rules.package_ready),
-        ("drone.scheduled", DroneScheduled, delivery_rules.drone_scheduled),
-        ("package.failed", PackageFailed, delivery_rules.package_failed),
-        ("drone.failed", DroneFailed, delivery_rules.drone_failed),
-    ):
-        delivery.on(t(topic), step="delivery", deadline_s=deadline_s)(routed(fn, model, prefix))
+    join = delivery.join("delivery", parts=delivery_rules.PARTS, outcomes=delivery_rules.OUTCOMES, deadline_s=deadline_s,
+                         prefix=prefix)
+    join.on_complete(routed(delivery_rules.ship, Joined, prefix))
+    join.on_failure(routed(delivery_rules.refuse, JoinFailed, prefix))
     return {"package": package, "drone": drone, "delivery": delivery}
 
 

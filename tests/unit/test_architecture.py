@@ -22,15 +22,6 @@ PACKAGES = ("choreo", "consumers", "producers", "infra", "schemas", "bench")
 ABOVE_THE_RUNTIME = ("consumers", "producers", "infra", "schemas", "bench")
 CLIENT_LIBRARIES = ("confluent_kafka", "redis", "fastavro")
 
-# being rewritten to restore state from the services' declarations instead of their modules
-RUNTIME_EXCEPTIONS = frozenset({"choreo/ops/rebuild.py"})
-# services that still hold a Redis client of their own instead of the runtime's effects
-SERVICES_ON_CLIENTS = frozenset({
-    "consumers/drone_scheduler.py", "consumers/fleet.py", "consumers/supervisor.py",
-})
-# package cycles: choreo/ops/rebuild.py imports consumers and schemas, which import choreo
-KNOWN_CYCLES = frozenset({frozenset({"choreo", "consumers", "schemas"})})
-
 
 @dataclass(frozen=True)
 class Import:
@@ -107,13 +98,13 @@ def sources(package: str) -> Iterator[Path]:
 
 def test_the_runtime_imports_nothing_above_it() -> None:
     wrong = [str(i) for path in sources("choreo") for i in imports_of(path)
-             if i.package in ABOVE_THE_RUNTIME and i.path not in RUNTIME_EXCEPTIONS]
+             if i.package in ABOVE_THE_RUNTIME]
     assert not wrong, "the runtime must not depend on what runs on it:\n" + "\n".join(wrong)
 
 
 def test_services_use_kafka_redis_and_avro_only_through_the_runtime() -> None:
     wrong = [str(i) for path in sources("consumers") for i in imports_of(path)
-             if i.package in CLIENT_LIBRARIES and i.path not in SERVICES_ON_CLIENTS]
+             if i.package in CLIENT_LIBRARIES]
     assert not wrong, "a service talks to the broker and Redis through choreo:\n" + "\n".join(wrong)
 
 
@@ -168,7 +159,7 @@ def cycles(edges: dict[tuple[str, str], list[str]]) -> list[frozenset[str]]:
 
 def test_top_level_packages_import_each_other_without_cycles() -> None:
     edges = package_graph()
-    new = [c for c in cycles(edges) if c not in KNOWN_CYCLES]
+    new = cycles(edges)
     report = [f"{a} -> {b}: {', '.join(files)}" for c in new for (a, b), files in sorted(edges.items())
               if a in c and b in c]
     assert not new, "import cycles between packages:\n" + "\n".join(report)

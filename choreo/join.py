@@ -1,0 +1,223 @@
+"""Fan-in as a primitive: a step that waits for one result of each of several parts of one
+delivery, and calls its handler exactly once, with every part or with the first failure.
+
+The parts' results are recorded in the delivery's hash (``fanin.<part>``) by one atomic
+script that also decides, exactly once, in whatever order the results arrive and on
+whichever instance reads them; a replay is told the same decision (``choreo.effects``). A
+result for a delivery already decided is recorded and ignored (``late``). A failure waits
+for every part too, so the steps to undo are known: the parts that completed, newest first.
+
+A part is named after the upstream step that produces it, so the supervisor knows what the
+join waits for (``choreo.supervision``) without being told twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Generator, Iterable, Mapping
+from dataclasses import dataclass
+from types import GeneratorType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from choreo.effects import OnceEffect, Op
+from choreo.events import Event
+from choreo.state import delivery_key
+
+if TYPE_CHECKING:
+    from choreo.service import Context, HandlerResult
+
+E = TypeVar("E", bound=Event)
+FAILED = "failed"  # a failed delivery's outcome; the join names the other one
+
+# KEYS: the delivery's hash. ARGV: part, 'ok' | 'fail', the result (JSON), retention seconds of
+# a decided delivery, the outcome of success, then every part's name in declaration order
+_RECORD = OnceEffect("join_record", """
+local part, ok, value = ARGV[1], ARGV[2], ARGV[3]
+local field = 'fanin.' .. part
+if redis.call('HEXISTS', KEYS[1], field) == 0 then
+  redis.call('HSET', KEYS[1], field, ok .. ':' .. value)
+  if ok == 'ok' then
+    redis.call('HSET', KEYS[1], 'fanin.order', part .. ',' .. (redis.call('HGET', KEYS[1], 'fanin.order') or ''))
+  end
+end
+if redis.call('HEXISTS', KEYS[1], 'outcome') == 1 then return cjson.encode({d = 'late'}) end
+local results, failed = {}, nil
+for i = 6, #ARGV do
+  local got = redis.call('HGET', KEYS[1], 'fanin.' .. ARGV[i])
+  if not got then return cjson.encode({d = 'wait'}) end
+  if string.sub(got, 1, 3) == 'ok:' then
+    results[ARGV[i]] = string.sub(got, 4)
+  elseif not failed then
+    failed = {ARGV[i], string.sub(got, 6)}
+  end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+local order = redis.call('HGET', KEYS[1], 'fanin.order') or ''
+if failed then
+  redis.call('HSET', KEYS[1], 'outcome', 'failed')
+  return cjson.encode({d = 'fail', part = failed[1], result = failed[2], order = order})
+end
+redis.call('HSET', KEYS[1], 'outcome', ARGV[5])
+return cjson.encode({d = 'complete', results = results, order = order})
+""")
+
+_REFUSE = OnceEffect("join_refuse", """
+redis.call('HSET', KEYS[1], 'outcome', 'failed')
+return 'failed'
+""")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One awaited result: the event that brings it, and the event that says it failed."""
+
+    ok: type[Event]
+    failed: type[Event] | None = None
+
+
+@dataclass(frozen=True)
+class Joined:
+    """Every part's result, typed; ``completed`` names the parts newest first."""
+
+    results: Mapping[str, Event]
+    completed: tuple[str, ...]
+
+    def of(self, part: str, model: type[E]) -> E:
+        result = self.results[part]
+        if not isinstance(result, model):
+            raise TypeError(f"part {part!r} holds a {type(result).__name__}, not a {model.__name__}")
+        return result
+
+
+@dataclass(frozen=True)
+class JoinFailed:
+    """The first part (in declaration order) that failed, its failure event, and the parts
+    that completed, newest first: the steps whose work must be undone."""
+
+    part: str
+    failure: Event
+    completed: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str  # complete | fail | wait | late
+    joined: Joined | None = None
+    failed: JoinFailed | None = None
+
+
+Outcome = Callable[[Any, "Context"], Any]
+
+
+class Join:
+    """``service.join(step, parts=..., outcomes=...)``: decorate one handler with
+    ``on_complete`` and one with ``on_failure``; the runtime subscribes to every part's
+    topics. ``outcomes`` names the events that publish the decision: the rebuild and the
+    operators' tools read a delivery's outcome from them."""
+
+    def __init__(self, step: str, parts: Mapping[str, Part], *, outcomes: Mapping[type[Event], str],
+                 retention_s: int, prefix: str = "") -> None:
+        if len(parts) < 2:
+            raise ValueError(f"join {step!r}: a join waits for two parts or more")
+        success = [name for name in outcomes.values() if name != FAILED]
+        if len(success) != 1 or FAILED not in outcomes.values():
+            raise ValueError(f"join {step!r}: name one event of success and one of {FAILED!r}")
+        self.step = step
+        self.parts = dict(parts)
+        self.outcomes = dict(outcomes)  # the events that publish the decision, and its name
+        self.outcome = success[0]
+        self.retention_s = retention_s
+        self.prefix = prefix
+        self.complete_handler: Outcome | None = None
+        self.failure_handler: Outcome | None = None
+
+    def on_complete(self, fn: Outcome) -> Outcome:
+        self.complete_handler = fn
+        return fn
+
+    def on_failure(self, fn: Outcome) -> Outcome:
+        self.failure_handler = fn
+        return fn
+
+    def topics(self) -> Iterable[tuple[str, type[Event], str, bool]]:
+        """(topic, event type, part, ok) for every event a part may bring."""
+        for name, part in self.parts.items():
+            yield self.prefix + part.ok.topic, part.ok, name, True
+            if part.failed is not None:
+                yield self.prefix + part.failed.topic, part.failed, name, False
+
+    def refuse(self, delivery_id: str) -> Op[None]:
+        """The delivery fails after all (its complete handler could not carry it out): its
+        outcome becomes ``failed``, as a failed part would have made it."""
+        return Op(_REFUSE, (delivery_key(delivery_id),), (), lambda _: None)
+
+    def record(self, delivery_id: str, part: str, ok: bool, event: Event) -> Op[Decision]:
+        """Record ``event`` as ``part``'s result and decide, at most once per input event."""
+        return Op(_RECORD, (delivery_key(delivery_id),),
+                  (part, "ok" if ok else "fail", result_text(event), self.retention_s, self.outcome,
+                   *self.parts),
+                  lambda raw: self._decision(delivery_id, raw))
+
+    def handler(self, part: str, ok: bool) -> Callable[[Any, Context], Generator[Any, Any, HandlerResult]]:
+        """The runtime's handler of one part's event: record, then call the outcome's handler
+        once the join has decided."""
+
+        def handle(event: Event, ctx: Context) -> Generator[Any, Any, HandlerResult]:
+            decision: Decision = yield self.record(ctx.delivery_id, part, ok, event)
+            if decision.kind == "complete" and self.complete_handler is not None:
+                return (yield from _call(self.complete_handler, decision.joined, ctx))
+            if decision.kind == "fail" and self.failure_handler is not None:
+                return (yield from _call(self.failure_handler, decision.failed, ctx))
+            if decision.kind == "wait":
+                ctx.keep_open()  # the step is done only when every part is in
+            elif decision.kind == "late":
+                ctx.log.info("result.late", part=part)
+            return None
+
+        handle.__name__ = f"{self.step}_{part}_{'ok' if ok else 'failed'}"
+        return handle
+
+    def _decision(self, delivery_id: str, raw: str | None) -> Decision:
+        answer = json.loads(raw or "{}")
+        kind = str(answer.get("d", ""))
+        completed = tuple(p for p in str(answer.get("order", "")).split(",") if p)
+        if kind == "complete":
+            results = answer.get("results") or {}
+            return Decision(kind, joined=Joined(
+                {name: self._event(self.parts[name].ok, delivery_id, text) for name, text in results.items()},
+                completed))
+        if kind == "fail":
+            name = str(answer["part"])
+            model = self.parts[name].failed or self.parts[name].ok
+            return Decision(kind, failed=JoinFailed(name, self._event(model, delivery_id, answer["result"]),
+                                                    completed))
+        return Decision(kind)
+
+    @staticmethod
+    def _event(model: type[E], delivery_id: str, text: str) -> E:
+        return model.model_validate({**json.loads(text), "delivery_id": delivery_id})
+
+
+def fanin_fields(results: Mapping[str, tuple[int, bool, str]]) -> dict[str, str]:
+    """The hash fields the join script writes for these results (part -> (time, ok, result)),
+    for the rebuild: a result per part, and the completed parts newest first."""
+    fields = {f"fanin.{part}": f"{'ok' if ok else 'fail'}:{text}" for part, (_, ok, text) in results.items()}
+    done = sorted((ts, part) for part, (ts, ok, _) in results.items() if ok)
+    if done:
+        fields["fanin.order"] = "".join(f"{part}," for _, part in reversed(done))
+    return fields
+
+
+def result_text(event: Event) -> str:
+    """A part's result as the join keeps it: the event's JSON less the delivery id (the key
+    says it), so a delivery's hash stays small."""
+    return event.model_dump_json(exclude={"delivery_id"})
+
+
+def _call(fn: Outcome, arg: Any, ctx: Context) -> Generator[Any, Any, HandlerResult]:
+    """A handler's result, whether it is a plain function or yields effects itself."""
+    called = fn(arg, ctx)
+    if isinstance(called, GeneratorType):
+        result: HandlerResult = yield from called
+        return result
+    return called  # type: ignore[no-any-return]
