@@ -7,13 +7,15 @@ a stack trace; errors never echo the request's values (they may be customer data
 Status codes:
   202 accepted (also for an idempotent retry of an accepted request: same delivery id)
   400 malformed JSON (syntax, bad UTF-8, nesting too deep) or a malformed Idempotency-Key
+  408 the request's head or body did not arrive in time (``choreo.http_serving``)
   409 a retry while the first request with the same Idempotency-Key is still unconfirmed
   413 body over the limit (checked on Content-Length, and while streaming chunked bodies)
   415 content type other than application/json
-  431 request head (request line and headers) over 16 KB (``producers.http_server``)
+  431 request head (request line and headers) over 16 KB (``choreo.http_serving``)
   422 invalid fields (with the field errors); Idempotency-Key reused for another request;
       a malformed delivery id in GET
-  429 admission control: too many deliveries in flight, or the backlog is past its limit
+  429 admission control: too many deliveries in flight, or the backlog is past its limit;
+      or more connections from one address than allowed (``choreo.http_serving``)
   503 this instance's producer queue is full, or the broker refused the write
   504 no broker confirmation in time (the write may still land: GET the Location)
 
@@ -43,6 +45,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from choreo.logs import get_logger
 from choreo.memory import settle_garbage_collector
@@ -288,6 +291,11 @@ def create_app(settings: IngestionSettings | None = None,
         return error(413, "payload_too_large",
                      f"request body is larger than {cfg.max_body_bytes} bytes",
                      headers={"Connection": "close"})
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, __: Exception) -> Response:
+        # the client left, or the body deadline cut it off (408 already sent): nobody reads this
+        return Response(status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: Exception) -> Response:

@@ -28,7 +28,7 @@ from urllib.parse import unquote
 import httpx
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -237,6 +237,13 @@ def _error(exc: errors.RegistryError) -> Response:
     return _json(exc.body(), exc.status)
 
 
+def refusal(status: int, code: str, message: str) -> tuple[str, bytes]:
+    """A refusal of the connection guard (``choreo.http_serving``: 408, 429, 431) in the
+    registry's error shape, where the error code of a plain HTTP answer is its status."""
+    del code
+    return CONTENT_TYPE, json.dumps(errors.RegistryError(status, status, message).body()).encode()
+
+
 class Api:
     """Binds the endpoint table to a registry, with body limits and write forwarding."""
 
@@ -262,6 +269,8 @@ class Api:
             return await self._dispatch(request)
         except errors.RegistryError as exc:
             return _error(exc)
+        except ClientDisconnect:  # gone, or cut off by the body deadline: nobody reads an answer
+            return Response(status_code=400)
         except Exception:
             log.exception("unexpected_error", method=request.method, path=request.url.path[:200])
             return _json({"error_code": 500, "message": "Internal Server Error"}, 500)

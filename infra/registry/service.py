@@ -11,9 +11,10 @@ from urllib.parse import urlparse
 import uvicorn
 
 from choreo.config import Settings
+from choreo.http_serving import HttpLimits, uvicorn_config
 from choreo.logs import get_logger
 
-from infra.registry.api import Api, BasicAuth, create_app, parse_users
+from infra.registry.api import Api, BasicAuth, create_app, parse_users, refusal
 from infra.registry.leader import LeaderElection
 from infra.registry.registry import Registry
 from infra.registry.state import State
@@ -36,6 +37,7 @@ class RegistryConfig:
     max_body: int = 1 << 20
     advertised_url: str = ""
     auth: BasicAuth | None = None  # None: no authentication (the default)
+    http: HttpLimits = HttpLimits()
 
     @classmethod
     def from_settings(cls, cfg: Settings, host: str | None = None, port: int | None = None) -> RegistryConfig:
@@ -103,5 +105,6 @@ def serve(config: RegistryConfig) -> None:
 
     app = create_app(api, startup, shutdown)
     # log_config=None: uvicorn keeps the process's logging setup instead of installing its own
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                server_header=False, timeout_graceful_shutdown=5, log_config=None)
+    uvicorn.Server(uvicorn_config(app, config.host, config.port, config.http, refusal,
+                                  log_level="warning", access_log=False, server_header=False,
+                                  timeout_graceful_shutdown=5, log_config=None)).run()

@@ -1,0 +1,264 @@
+"""Serving HTTP under uvicorn within bounds that a client cannot stretch.
+
+uvicorn bounds idle keep-alive between two requests (``timeout_keep_alive``) and the
+connections it serves (``limit_concurrency``, past which every request is answered 503),
+and nothing else: a connection that sends nothing, or sends its head a byte at a time, is
+kept for ever, so a few thousand of them shut every real client out. Its httptools
+protocol (h11 costs a third of ingestion's CPU, bench/README.md) keeps a head of any size
+too. ``GuardedHttpProtocol`` adds what is missing, for both HTTP servers of the project:
+
+* a new connection gets uvicorn's keep-alive bound as well (uvicorn arms it only after a
+  response);
+* a request's head must arrive within ``head_timeout_s`` of its first byte and its body
+  within ``body_timeout_s`` of the head's end, else 408 and the connection is closed;
+* a head past ``max_head_bytes`` is refused with 431 before the parser holds it, each
+  request's own, also when several requests come in one read (pipelining);
+* one client address holds at most ``max_connections_per_ip`` connections (429 past it).
+
+It lives in ``choreo`` because both servers import ``choreo`` already and neither may
+import the other: the schema registry is a product of its own, ingestion its client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from choreo.logs import get_logger
+
+log = get_logger(component="http")
+
+_HEAD_END = b"\r\n\r\n"
+
+ErrorBody = Callable[[int, str, str], tuple[str, bytes]]
+"""(status, code, message) -> (content type, body): a refusal in the server's own error shape."""
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one client may take of a server (SECURITY.md lists the values in force)."""
+
+    max_head_bytes: int = 16 * 1024  # the request line and headers; h11's default bound
+    head_timeout_s: float = 10.0  # from a request's first byte to the end of its head
+    body_timeout_s: float = 20.0  # from the end of the head to the end of the body
+    keep_alive_s: int = 5  # idle with no request under way (uvicorn's timeout_keep_alive)
+    max_connections: int = 2000  # uvicorn's limit_concurrency: 503 past it
+    max_connections_per_ip: int = 256
+
+
+@dataclass(frozen=True)
+class _Guard:
+    """One server's guard: its limits, its error shape, its connections per address."""
+
+    limits: HttpLimits
+    error_body: ErrorBody
+    per_ip: Counter[str] = field(default_factory=Counter)
+
+
+def _piece_ends(tail: bytes, data: bytes) -> list[int]:
+    """Where a read is cut before the parser sees it: after every CRLFCRLF (one may start in
+    ``tail``, the previous read's last bytes) and at its end. A head ends at its first
+    CRLFCRLF, so each piece holds the bytes of at most one head, which is what lets
+    ``GuardedHttpProtocol`` count a pipelined head before feeding it."""
+    straddle = (tail + data[:3]).find(_HEAD_END)
+    ends = [straddle + len(_HEAD_END) - len(tail)] if straddle >= 0 else []
+    at = data.find(_HEAD_END)
+    while at >= 0:
+        ends.append(at + len(_HEAD_END))
+        at = data.find(_HEAD_END, at + len(_HEAD_END))
+    if not ends or ends[-1] != len(data):
+        ends.append(len(data))
+    return ends
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol held to ``limits`` (see the module docstring).
+
+    ``guarded_protocol`` makes one subclass per server, with its own ``_Guard``."""
+
+    guard: ClassVar[_Guard]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = self.guard.limits
+        self._ip: str | None = None  # set while counted against the address's cap
+        self._deadline: asyncio.TimerHandle | None = None
+        self._tail = b""
+        self._head_open = False  # a request's head has begun and not ended
+        self._head_bytes = 0  # of the open head, fed so far
+        self._body_left: int | None = None  # of a Content-Length body being received
+        self._chunked = False  # a chunked body is being received
+        self._refusing = False  # a head was refused: 431 once the responses under way are out
+
+    # -- connections ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        ip = self.client[0] if self.client else ""
+        if self.guard.per_ip[ip] >= self.limits.max_connections_per_ip:
+            log.warning("http.too_many_connections", client=ip, limit=self.limits.max_connections_per_ip)
+            self._answer(429, "too_many_connections",
+                         f"more than {self.limits.max_connections_per_ip} connections from one address")
+            return
+        self.guard.per_ip[ip] += 1
+        self._ip = ip
+        # uvicorn arms its keep-alive bound only after a response: without this, a
+        # connection that never sends a request is kept for ever
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                            self.timeout_keep_alive_handler)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._ip is not None:
+            self.guard.per_ip[self._ip] -= 1
+            if not self.guard.per_ip[self._ip]:
+                del self.guard.per_ip[self._ip]
+            self._ip = None
+        self._disarm()
+        super().connection_lost(exc)
+
+    # -- reading -------------------------------------------------------------------------
+
+    @property
+    def _body_open(self) -> bool:
+        return self._chunked or self._body_left is not None
+
+    def data_received(self, data: bytes) -> None:
+        if self._ip is None or self._refusing:
+            return  # refused: nothing more is parsed
+        if self._deadline is None and not self._body_open:
+            self._arm("head", self.limits.head_timeout_s)
+        start = 0
+        for end in _piece_ends(self._tail, data):
+            part = self._head_part(end - start)
+            if self._head_bytes + part > self.limits.max_head_bytes:
+                self._refuse_head()
+                return
+            super().data_received(data[start:end])
+            if self.transport.is_closing():
+                return
+            if self._head_open:
+                self._head_bytes += part
+            start = end
+        self._tail = (self._tail + data[-3:])[-3:]
+
+    def _head_part(self, size: int) -> int:
+        """How many of the next ``size`` bytes (one piece) can belong to a head: all of them,
+        but for the rest of a body that comes first. A chunked body ends with CRLFCRLF,
+        so no head can follow it within a piece."""
+        if self._head_open:
+            return size
+        if self._chunked:
+            return 0
+        if self._body_left is not None:
+            return max(0, size - self._body_left)
+        return size
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_open = True
+        if self._deadline is None:
+            self._arm("head", self.limits.head_timeout_s)
+
+    def on_headers_complete(self) -> None:
+        self._head_open, self._head_bytes = False, 0
+        headers = dict(self.headers)
+        self._chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        length = headers.get(b"content-length", b"").strip()
+        self._body_left = int(length) if length.isdigit() and int(length) and not self._chunked else None
+        super().on_headers_complete()
+        if self._body_open and not self.pipeline:
+            self._arm("body", self.limits.body_timeout_s)
+        else:  # no body, or queued behind a response under way (reading is paused meanwhile)
+            self._disarm()
+
+    def on_body(self, body: bytes) -> None:
+        if self._body_left is not None:
+            self._body_left -= len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._body_left, self._chunked = None, False
+        self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing():
+            return
+        if self._refusing and self._idle():
+            self._answer(431, "headers_too_large",
+                         f"the request's head is larger than {self.limits.max_head_bytes} bytes")
+        elif self._body_open and self._deadline is None and not self.pipeline:
+            self._arm("body", self.limits.body_timeout_s)  # a queued request's turn has come
+
+    # -- refusing ------------------------------------------------------------------------
+
+    def _idle(self) -> bool:
+        """No response is under way or queued on this connection."""
+        return (self.cycle is None or self.cycle.response_complete) and not self.pipeline
+
+    def _refuse_head(self) -> None:
+        """431 and close; after the responses under way when requests were pipelined."""
+        log.warning("http.head_too_large", client=self._ip, limit=self.limits.max_head_bytes)
+        self._refusing = True
+        self._disarm()
+        self.flow.pause_reading()
+        if self._idle():
+            self._answer(431, "headers_too_large",
+                         f"the request's head is larger than {self.limits.max_head_bytes} bytes")
+
+    def _arm(self, phase: str, seconds: float) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._expire, phase)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self, phase: str) -> None:
+        """The head or body took too long: 408 where no response is under way, else close."""
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        log.info("http.request_timeout", phase=phase, client=self._ip)
+        cycle = self.cycle
+        message = f"the request's {phase} did not arrive in time"
+        if phase == "body" and cycle is not None and not cycle.response_started:
+            # what uvicorn does when a client leaves: the handler's receive() gets
+            # http.disconnect and whatever it sends afterwards is dropped
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self._answer(408, "request_timeout", message)
+        elif phase == "head" and self._head_open and self._idle():
+            self._answer(408, "request_timeout", message)
+        else:
+            self.transport.close()
+
+    def _answer(self, status: int, code: str, message: str) -> None:
+        content_type, body = self.guard.error_body(status, code, message)
+        self.transport.write(b"".join([
+            STATUS_LINE[status], b"content-type: ", content_type.encode(), b"\r\n",
+            b"content-length: ", str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body]))
+        self.transport.close()
+
+
+def guarded_protocol(limits: HttpLimits, error_body: ErrorBody) -> type[GuardedHttpProtocol]:
+    """The protocol class of one server (its own per-address count)."""
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"guard": _Guard(limits, error_body)})
+
+
+def uvicorn_config(app: Any, host: str, port: int, limits: HttpLimits, error_body: ErrorBody,
+                   **options: Any) -> uvicorn.Config:
+    """uvicorn's configuration held to ``limits``: uvicorn's own settings where it has them
+    (keep-alive, connection limit), the guarded protocol for the rest, on uvloop, and no
+    websockets (neither server speaks them)."""
+    return uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limits, error_body),
+                          loop="uvloop", ws="none", timeout_keep_alive=limits.keep_alive_s,
+                          limit_concurrency=limits.max_connections, **options)

@@ -1,0 +1,288 @@
+"""What one client can take of the two HTTP servers: ingestion (as ``choreo serve`` serves
+it) and the schema registry (a real process, as the stack starts it).
+
+Every test talks raw sockets on loopback. Attackers connect from their own loopback
+addresses (127.0.0.2, ...) so that the per-address cap they run into never touches the
+real client on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import re
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from choreo.http_serving import HttpLimits
+from tests.ingestion import ingestion_settings, serving
+from tests.integration.test_registry_instances import Starter, instances  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.integration
+
+LIMITS = HttpLimits()
+SLACK_S = 3.0  # scheduling on a busy two-core machine
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    url: str
+    path: str  # a GET that answers 200
+    post_path: str  # a POST whose handler reads the body
+    pid: int | None  # the server's own process, when it has one
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.url.removeprefix("http://").split(":")
+        return host, int(port)
+
+
+@pytest.fixture(params=["ingestion", "registry"])
+def server(request: pytest.FixtureRequest, stack: None, unique: str) -> Iterator[Server]:
+    if request.param == "ingestion":
+        from choreo import topology
+        from consumers.workflow import WORKFLOW
+
+        topology.create(WORKFLOW)
+        with serving(ingestion_settings(unique)) as url:
+            yield Server("ingestion", url, "/healthz", "/deliveries", None)
+    else:
+        start: Starter = request.getfixturevalue("instances")
+        proc, url = start("bounds")
+        yield Server("registry", url, "/subjects", "/subjects/slow/versions", proc.pid())
+
+
+def connect(server: Server, source: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((source, 0))
+    sock.settimeout(10)
+    sock.connect(server.address)
+    return sock
+
+
+def real_request(server: Server) -> int:
+    """A well-behaved client on 127.0.0.1: the status it gets."""
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        return client.get(server.path).status_code
+
+
+def read_until_closed(sock: socket.socket, timeout_s: float) -> tuple[bytes, float | None]:
+    """Everything the server sends until it closes, and when it closed (None: still open)."""
+    started = time.monotonic()
+    data = b""
+    sock.settimeout(0.2)
+    while time.monotonic() - started < timeout_s:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return data, time.monotonic() - started
+        if not chunk:
+            return data, time.monotonic() - started
+        data += chunk
+    return data, None
+
+
+def closed_by_server(socks: list[socket.socket], timeout_s: float) -> int:
+    """How many of ``socks`` the server closed within ``timeout_s`` (nothing is sent on them)."""
+    selector = selectors.DefaultSelector()
+    for sock in socks:
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+    closed = 0
+    deadline = time.monotonic() + timeout_s
+    try:
+        while closed < len(socks) and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=0.2):
+                ready = key.fileobj
+                assert isinstance(ready, socket.socket)
+                try:
+                    data = ready.recv(65536)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except ConnectionResetError:
+                    data = b""
+                if not data:
+                    selector.unregister(ready)
+                    closed += 1
+    finally:
+        selector.close()
+    return closed
+
+
+def trickle(sock: socket.socket, first: bytes, byte: bytes, stop: threading.Event) -> None:
+    """A slow client: ``first``, then one ``byte`` a second until the server gives up on it."""
+    try:
+        sock.sendall(first)
+        while not stop.wait(1.0):
+            sock.sendall(byte)
+    except OSError:
+        pass
+
+
+def test_idle_connections_a_slow_head_and_a_slow_body_are_cut_at_their_bounds(server: Server) -> None:
+    idle_count = 200  # under the per-address cap: only the deadlines can end them
+    stop = threading.Event()
+    with ExitStack() as stack:
+        idle = [stack.enter_context(connect(server, "127.0.0.2")) for _ in range(idle_count)]
+        slow_head = stack.enter_context(connect(server, "127.0.0.3"))
+        slow_body = stack.enter_context(connect(server, "127.0.0.3"))
+        started = time.monotonic()
+        slow = [
+            threading.Thread(target=trickle, daemon=True, args=(
+                slow_head, f"GET {server.path} HTTP/1.1\r\nHost: x\r\n".encode(), b"X-a: b\r\n", stop)),
+            threading.Thread(target=trickle, daemon=True, args=(
+                slow_body, f"POST {server.post_path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           "Content-Length: 1000\r\n\r\n{".encode(), b" ", stop)),
+        ]
+        for thread in slow:
+            thread.start()
+        stack.callback(stop.set)
+        assert real_request(server) == 200  # meanwhile, a real client is served
+
+        assert closed_by_server(idle, LIMITS.keep_alive_s + SLACK_S) == idle_count, \
+            f"idle connections outlived the {LIMITS.keep_alive_s} s keep-alive bound"
+        head_answer, head_closed = read_until_closed(
+            slow_head, LIMITS.head_timeout_s + SLACK_S - (time.monotonic() - started))
+        assert head_closed is not None, f"a head sent a byte a second outlived {LIMITS.head_timeout_s} s"
+        assert head_answer.startswith(b"HTTP/1.1 408 "), head_answer[:200]
+        body_answer, body_closed = read_until_closed(
+            slow_body, LIMITS.body_timeout_s + SLACK_S - (time.monotonic() - started))
+        assert body_closed is not None, f"a body sent a byte a second outlived {LIMITS.body_timeout_s} s"
+        assert body_answer.startswith(b"HTTP/1.1 408 "), body_answer[:200]
+        assert real_request(server) == 200
+
+
+def test_connections_past_the_per_address_cap_are_refused(server: Server) -> None:
+    cap, extra = LIMITS.max_connections_per_ip, 10
+    with ExitStack() as stack:
+        held = [stack.enter_context(connect(server, "127.0.0.4")) for _ in range(cap)]
+        refused = [stack.enter_context(connect(server, "127.0.0.4")) for _ in range(extra)]
+        for sock in refused:
+            answer, closed = read_until_closed(sock, SLACK_S)
+            assert closed is not None, "a connection past the per-address cap was kept"
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 429 "), answer[:200]
+        assert real_request(server) == 200  # another address is not affected
+        assert closed_by_server(held[:5], 0.5) == 0  # the ones under the cap were kept
+
+
+def test_two_thousand_idle_connections_do_not_shut_out_real_requests(stack: None, unique: str) -> None:
+    """The reported attack on ingestion: connections that send nothing fill uvicorn's
+    ``limit_concurrency`` (2,000), past which every request is answered 503."""
+    from choreo import topology
+    from consumers.workflow import WORKFLOW
+
+    topology.create(WORKFLOW)
+    per_address = 250
+    sources = [f"127.0.1.{n}" for n in range(1, 9)]  # 8 x 250 = 2,000
+    with serving(ingestion_settings(unique)) as url, ExitStack() as sockets:
+        server = Server("ingestion", url, "/healthz", "/deliveries", None)
+        idle = [sockets.enter_context(connect(server, source))
+                for source in sources for _ in range(per_address)]
+        deadline = time.monotonic() + LIMITS.keep_alive_s + SLACK_S
+        statuses = [real_request(server)]
+        while statuses[-1] != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            statuses.append(real_request(server))
+        assert statuses[-1] == 200, f"real requests got {statuses} while 2,000 idle connections stayed"
+        assert closed_by_server(idle, max(0.5, deadline - time.monotonic())) == len(idle)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def send_until_refused(sock: socket.socket, pieces: Callable[[], Iterator[bytes]]) -> None:
+    try:
+        for piece in pieces():
+            sock.sendall(piece)
+    except (BrokenPipeError, ConnectionResetError):  # refused part-way: the answer is read next
+        pass
+
+
+def test_an_unterminated_huge_head_is_refused_without_growing_memory(server: Server) -> None:
+    total, chunk = 21 * 1024 * 1024, 64 * 1024
+
+    def head() -> Iterator[bytes]:
+        yield f"GET {server.path} HTTP/1.1\r\nHost: x\r\nX-Junk: ".encode()
+        for _ in range(total // chunk):
+            yield b"a" * chunk
+
+    before = rss_bytes(server.pid) if server.pid else 0
+    with connect(server, "127.0.0.5") as sock:
+        sock.settimeout(30)
+        send_until_refused(sock, head)
+        answer, closed = read_until_closed(sock, 30)
+    assert closed is not None
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    if server.pid:
+        grown = rss_bytes(server.pid) - before
+        assert grown < 4 * 1024 * 1024, f"the registry grew by {grown} bytes holding a head"
+    assert real_request(server) == 200
+
+
+def test_pipelined_heads_past_the_bound_are_refused(server: Server) -> None:
+    """Several requests in one write: each head is held to the bound, not only the first."""
+    small = f"GET {server.path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    with_body = b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789"
+    big = (f"GET {server.path} HTTP/1.1\r\nHost: x\r\nX-Junk: ".encode()
+           + b"a" * (LIMITS.max_head_bytes * 3) + b"\r\n\r\n")
+    for first in (small, with_body, small + small):
+        with connect(server, "127.0.0.6") as sock:
+            sock.settimeout(10)
+            send_until_refused(sock, lambda: iter([first + big + small]))
+            answer, closed = read_until_closed(sock, 10)
+        statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
+        assert closed is not None
+        assert statuses[-1] == b"431", statuses
+        assert len(statuses) == first.count(b"HTTP/1.1") + 1, statuses  # nothing after the refusal
+
+
+def exchange(server: Server, pieces: list[bytes], responses: int) -> list[bytes]:
+    """Send ``pieces`` one write each (a pause between them, so they arrive as separate
+    reads); the statuses of the first ``responses`` answers."""
+    with connect(server, "127.0.0.7") as sock:
+        for piece in pieces:
+            sock.sendall(piece)
+            time.sleep(0.02)
+        data = b""
+        deadline = time.monotonic() + 10
+        while len(re.findall(rb"HTTP/1\.1 \d{3} ", data)) < responses and time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        statuses: list[bytes] = re.findall(rb"HTTP/1\.1 (\d{3}) ", data)
+        return statuses
+
+
+def test_requests_within_the_bounds_are_served_however_they_are_cut(server: Server) -> None:
+    """No false refusal: a head just under the bound in small writes with its CRLFCRLF
+    split between two of them, a chunked body, and a head under the bound pipelined
+    right after a large Content-Length body."""
+    padding = b"X-Pad: " + b"p" * (LIMITS.max_head_bytes - 200) + b"\r\n"
+    head = f"GET {server.path} HTTP/1.1\r\nHost: x\r\n".encode() + padding + b"\r\n"
+    pieces = [head[i:i + 1000] for i in range(0, len(head) - 1, 1000)]
+    pieces[-1:] = [head[len(head) - len(pieces[-1]):-1], head[-1:]]  # the final LF alone
+    assert b"".join(pieces) == head and pieces[-2].endswith(b"\r\n\r")
+    assert exchange(server, pieces, 1) == [b"200"]
+
+    chunked = (f"POST {server.post_path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               "Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n1\r\n}\r\n0\r\n\r\n").encode()
+    assert exchange(server, [chunked + head], 2) == [b"422", b"200"]
+
+    body = b"x" * 30_000
+    large = b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    assert exchange(server, [large + head], 2) == [b"404", b"200"]
