@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from infra.registry import avro_schema
@@ -49,10 +51,28 @@ def mode_record(subject: str | None, mode: str | None) -> Record:
     return _key({"keytype": "MODE", "subject": subject, "magic": 0}), _value(None if mode is None else {"mode": mode})
 
 
+MAX_INT = 2**31 - 1  # schema ids and versions are 32-bit, as clients hold them
+
+
+def _number(value: Any) -> int:
+    """A schema id or version as a record must hold it. JSON also holds ``1e999`` (a float:
+    infinity), ``true`` and numbers of any size; one of those taken as an id would move
+    every later id out of the 32-bit range."""
+    if type(value) is not int or not 0 < value <= MAX_INT:
+        raise ValueError("an id or version that is not a positive 32-bit integer")
+    return value
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("a string field of another type")
+    return value
+
+
 def _optional_subject(key: dict[str, Any]) -> str | None:
     """Config and mode keys name a subject, or none for the global setting."""
     subject = key.get("subject")
-    return None if subject is None else str(subject)
+    return None if subject is None else _text(subject)
 
 
 @dataclass(frozen=True)
@@ -70,6 +90,27 @@ class SubjectVersion:
     deleted: bool
 
 
+_Parsed = tuple[StoredSchema, "avro_schema.ParsedSchema | None"]
+
+
+def _parsed_schema(schema_id: int, text: str) -> _Parsed:
+    """A stored schema and its parse (None: a schema valid under older rules, which stays
+    readable by id, its identity its text)."""
+    try:
+        parsed = avro_schema.parse(text)
+    except Exception:  # the parsers raise a zoo of types; any of them means "not parsed"
+        return StoredSchema(schema_id, text, text), None
+    return StoredSchema(schema_id, text, parsed.identity), parsed
+
+
+def _put(table: MutableMapping[str | None, Any], key: str | None, value: Any) -> None:
+    """A config or mode record: set, or removed by its tombstone (None)."""
+    if value is None:
+        table.pop(key, None)
+    else:
+        table[key] = value
+
+
 class State:
     """Mutated only by ``apply`` (the log reader); read by the API under ``lock``."""
 
@@ -82,64 +123,72 @@ class State:
         self.modes: dict[str | None, str] = {}
         self.max_id = 0
         self.skipped = 0
+        self.last_skipped = ""  # why the last skipped record was skipped
         self._parsed: dict[int, avro_schema.ParsedSchema] = {}
 
     def apply(self, key: bytes | None, value: bytes | None) -> bool:
-        """Apply one record; a record we cannot understand is counted and skipped, never fatal."""
+        """Apply one record; a record we cannot understand is counted and skipped, never fatal
+        (``last_skipped`` says why). It is decoded, checked field by field and its schema
+        parsed before the lock is taken: readers never wait on a parse, and a record is
+        applied whole or not at all."""
         try:
             k = json.loads(key) if key else None
             v = json.loads(value) if value else None
             if not isinstance(k, dict) or (v is not None and not isinstance(v, dict)):
                 raise ValueError("not a registry record")
-            with self.lock:
-                self._apply(k, v)
-            return True
-        except (ValueError, TypeError, KeyError):
+            change = self._decode(k, v)
+        except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as exc:
             self.skipped += 1
+            self.last_skipped = f"{type(exc).__name__}: {str(exc)[:200]}"
             return False
+        with self.lock:
+            change()
+        return True
 
-    def _apply(self, k: dict[str, Any], v: dict[str, Any] | None) -> None:
+    def _decode(self, k: dict[str, Any], v: dict[str, Any] | None) -> Callable[[], None]:
+        """The change a record makes, once every field has been checked."""
         kind = k["keytype"]
         if kind == "SCHEMA_ID" and v is not None:
-            self._add_schema(int(v["id"]), str(v["schema"]))
-        elif kind == "SCHEMA":
-            subject, version = str(k["subject"]), int(k["version"])
-            versions = self.subjects.setdefault(subject, {})
+            return partial(self._add_schema, _parsed_schema(_number(v["id"]), _text(v["schema"])))
+        if kind == "SCHEMA":
+            subject, version = _text(k["subject"]), _number(k["version"])
             if v is None:
-                versions.pop(version, None)
-                if not versions:
-                    del self.subjects[subject]
-            else:
-                schema_id = int(v["id"])
-                if schema_id not in self.schemas and isinstance(v.get("schema"), str):
-                    self._add_schema(schema_id, v["schema"])  # records written by other registries
-                versions[version] = SubjectVersion(subject, version, schema_id, bool(v.get("deleted", False)))
-                self.max_id = max(self.max_id, schema_id)
-        elif kind == "CONFIG":
-            config_subject = _optional_subject(k)
-            if v is None:
-                self.configs.pop(config_subject, None)
-            else:
-                self.configs[config_subject] = v
-        elif kind == "MODE":
-            mode_subject = _optional_subject(k)
-            if v is None:
-                self.modes.pop(mode_subject, None)
-            else:
-                self.modes[mode_subject] = str(v["mode"])
-        else:
-            raise ValueError(f"unknown keytype {kind!r}")
+                return partial(self._drop_version, subject, version)
+            deleted = v.get("deleted", False)
+            if not isinstance(deleted, bool):
+                raise ValueError("a deleted flag that is not a boolean")
+            found = SubjectVersion(subject, version, _number(v["id"]), deleted)
+            # records written by other registries carry the text along (``schemas`` is ours
+            # to read without the lock: only this thread writes it)
+            text = v.get("schema")
+            schema = (_parsed_schema(found.schema_id, text)
+                      if isinstance(text, str) and found.schema_id not in self.schemas else None)
+            return partial(self._add_version, found, schema)
+        if kind == "CONFIG":
+            return partial(_put, self.configs, _optional_subject(k), v)
+        if kind == "MODE":
+            return partial(_put, self.modes, _optional_subject(k), None if v is None else _text(v["mode"]))
+        raise ValueError(f"unknown keytype {str(kind)[:40]!r}")
 
-    def _add_schema(self, schema_id: int, text: str) -> None:
-        try:
-            parsed = avro_schema.parse(text)
-            identity = parsed.identity
-            self._parsed[schema_id] = parsed
-        except Exception:  # a schema valid under older rules stays readable by id
-            identity = text
-        self.schemas[schema_id] = StoredSchema(schema_id, text, identity)
-        self.by_identity.setdefault(identity, schema_id)
-        self.max_id = max(self.max_id, schema_id)
+    def _add_version(self, found: SubjectVersion, schema: _Parsed | None) -> None:
+        if schema is not None and found.schema_id not in self.schemas:
+            self._add_schema(schema)
+        self.subjects.setdefault(found.subject, {})[found.version] = found
+        self.max_id = max(self.max_id, found.schema_id)
+
+    def _drop_version(self, subject: str, version: int) -> None:
+        versions = self.subjects.get(subject, {})
+        versions.pop(version, None)
+        if not versions:
+            self.subjects.pop(subject, None)
+
+    def _add_schema(self, schema: _Parsed) -> None:
+        stored, parsed = schema
+        if parsed is not None:
+            self._parsed[stored.schema_id] = parsed
+        self.schemas[stored.schema_id] = stored
+        self.by_identity.setdefault(stored.identity, stored.schema_id)
+        self.max_id = max(self.max_id, stored.schema_id)
 
     # -- queries (callers hold ``lock``) -------------------------------------------------
 

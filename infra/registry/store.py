@@ -120,8 +120,9 @@ class KafkaStore:
                 log.warning("reader_error", error=str(err))
             return
         offset = msg.offset() or 0
-        if not self.state.apply(msg.key(), msg.value()):
-            log.warning("record_skipped", offset=offset)
+        if not self.state.apply(msg.key(), msg.value()):  # malformed: skipped, the reader goes on
+            log.warning("record_skipped", offset=offset, reason=self.state.last_skipped,
+                        skipped=self.state.skipped)
         self._advance(offset + 1)
 
     def _advance(self, position: int | None) -> None:
