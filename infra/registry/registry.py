@@ -5,20 +5,28 @@ computed from a state that has read the whole log and appended as one Kafka tran
 so ids and versions derive from the log itself and concurrent registrations can never
 produce duplicates. A write that needs no record (a schema already registered) is answered
 by any instance without involving the leader.
+
+A compatibility check can take seconds (``compat``), so it never runs under a lock: it runs
+on a snapshot of what it depends on (``_Basis``), the write then verifies under the lock
+that the basis is unchanged and checks again if it is not. Every lookup keeps answering
+meanwhile, and a check is stopped at ``check_timeout_s``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import unicodedata
 from collections.abc import Callable
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, NamedTuple, TypeVar
 
 from choreo.logs import get_logger
 from infra.registry import avro_schema, errors
-from infra.registry.compat import DEFAULT_LEVEL, Level, problems, reader_writer_problems
+from infra.registry.compat import DEFAULT_LEVEL, CheckTimeout, Level, problems, reader_writer_problems
 from infra.registry.leader import LeaderElection
 from infra.registry.state import (
+    MAX_INT,
     Record,
     State,
     SubjectVersion,
@@ -32,7 +40,6 @@ from infra.registry.store import KafkaStore
 log = get_logger(component="registry")
 
 T = TypeVar("T")
-MAX_INT = 2**31 - 1
 MAX_SUBJECT_CHARS = 1024
 RESERVED_SUBJECTS = frozenset({"__GLOBAL", "__EMPTY"})
 MODES = ("READWRITE", "READONLY", "READONLY_OVERRIDE", "IMPORT")
@@ -94,11 +101,35 @@ def _optional_number(body: dict[str, Any], key: str) -> int | None:
         f"{key} must be a positive 32-bit integer")
 
 
+def _both_ways(new: avro_schema.ParsedSchema, old: avro_schema.ParsedSchema, level: Level,
+               deadline: float) -> list[str]:
+    """``new`` against one given version, in the directions ``level`` asks for."""
+    found = reader_writer_problems(reader=new, writer=old, deadline=deadline) if level.backward else []
+    if level.forward:
+        found += reader_writer_problems(reader=old, writer=new, deadline=deadline)
+    return found
+
+
+class _Basis(NamedTuple):
+    """What a registration's compatibility verdict rests on: while it is unchanged, a
+    verdict reached outside the lock still holds."""
+
+    mode: str
+    level: Level
+    versions: tuple[tuple[int, int], ...]  # (version, schema id) of the subject's live versions
+
+
+class _BasisMoved(Exception):
+    """The subject changed between a registration's check and its write."""
+
+
 class Registry:
-    def __init__(self, state: State, store: KafkaStore, election: LeaderElection) -> None:
+    def __init__(self, state: State, store: KafkaStore, election: LeaderElection,
+                 check_timeout_s: float = 2.0) -> None:
         self.state = state
         self.store = store
         self.election = election
+        self.check_timeout_s = check_timeout_s
         self._write_lock = threading.Lock()
 
     # -- shared helpers ---------------------------------------------------------------------
@@ -148,6 +179,29 @@ class Registry:
         return {"subject": sv.subject, "version": sv.version, "id": sv.schema_id,
                 "schema": self.state.schemas[sv.schema_id].text}
 
+    def _basis(self, subject: str) -> _Basis:
+        return _Basis(self._mode(subject), self._level(subject),
+                      tuple((sv.version, sv.schema_id) for sv in self._live(subject)))
+
+    def _checked(self, subject: str, check: Callable[[float], list[str]], deadline: float) -> list[str]:
+        """Run a compatibility check (never under a lock) until ``deadline``, then refuse."""
+        try:
+            return check(deadline)
+        except CheckTimeout:
+            raise errors.RegistryError(
+                errors.HTTP_CONFLICT, errors.INCOMPATIBLE_SCHEMA,
+                f'Compatibility with subject "{subject}" could not be established within '
+                f"{self.check_timeout_s:g} s: the schema is too costly to check",
+            ) from None
+
+    def _require_leader(self) -> None:
+        """Only the leader writes; elsewhere ``NotLeaderError`` names it (the API forwards)."""
+        if not self.election.is_leader():
+            self.store.drop_writer()
+            lease = self.election.current()
+            elsewhere = lease is not None and lease.url != self.election.url
+            raise errors.NotLeaderError(lease.url if lease is not None and elsewhere else None)
+
     def _write(self, compute: Callable[[], tuple[list[Record], T]]) -> T:
         """Run ``compute`` against a complete view and append its records, as the only writer.
 
@@ -155,11 +209,7 @@ class Registry:
         write: the retry re-initializes, reads the log to its end and recomputes.
         """
         for attempt in (1, 2):
-            if not self.election.is_leader():
-                self.store.drop_writer()
-                lease = self.election.current()
-                elsewhere = lease is not None and lease.url != self.election.url
-                raise errors.NotLeaderError(lease.url if lease is not None and elsewhere else None)
+            self._require_leader()
             with self._write_lock:
                 self.store.prepare_writer()
                 with self.state.lock:
@@ -225,47 +275,59 @@ class Registry:
         parsed = _schema_text(body)
         wanted_id = _optional_number(body, "id")
         wanted_version = _optional_number(body, "version")
-        with self.state.lock:
-            known = self._existing(subject, parsed, wanted_id)
-        if known is not None:
-            return {"id": known}  # already there: no write, so any instance can answer
-
-        def compute() -> tuple[list[Record], dict[str, Any]]:
-            mode = self._mode(subject)
-            if mode in READ_ONLY_MODES:
+        deadline = time.monotonic() + self.check_timeout_s
+        while True:
+            with self.state.lock:
+                known = self._existing(subject, parsed, wanted_id)
+                basis, previous = self._basis(subject), self._previous(subject)
+            if known is not None:
+                return {"id": known}  # already there: no write, so any instance can answer
+            self._require_leader()  # a follower forwards at once: the leader checks
+            if basis.mode in READ_ONLY_MODES:
                 raise errors.operation_not_permitted(f"Subject {subject} is in read-only mode")
-            if (wanted_id or wanted_version) and mode != "IMPORT":
+            if (wanted_id or wanted_version) and basis.mode != "IMPORT":
                 raise errors.operation_not_permitted(
                     "Overwriting a schema id or version is only permitted in IMPORT mode"
                 )
-            known = self._existing(subject, parsed, wanted_id)  # the log may have moved meanwhile
-            if known is not None:
-                return [], {"id": known}
-            if mode != "IMPORT":
-                found = problems(parsed, self._previous(subject), self._level(subject))
+            if basis.mode != "IMPORT":
+                found = self._checked(subject, partial(problems, parsed, previous, basis.level), deadline)
                 if found:
                     raise errors.incompatible(subject, found)
-            records: list[Record] = []
-            if wanted_id is not None:
-                schema_id = wanted_id
-                existing = self.state.schemas.get(schema_id)
-                if existing is not None and existing.identity != parsed.identity:
-                    raise errors.operation_not_permitted(f"Overwrite new schema with id {schema_id} is not permitted.")
-            else:
-                schema_id = self.state.by_identity.get(parsed.identity, 0) or self.state.max_id + 1
-            if schema_id not in self.state.schemas:
-                records.append(schema_id_record(schema_id, parsed.text))
-            all_versions = self._live(subject, include_deleted=True)
-            if wanted_version is not None:
-                version = wanted_version
-                if any(sv.version == version for sv in all_versions):
-                    raise errors.operation_not_permitted(f"Version {version} of subject {subject} already exists.")
-            else:
-                version = max((sv.version for sv in all_versions), default=0) + 1
-            records.append(version_record(subject, version, schema_id))
-            return records, {"id": schema_id}
+            try:
+                return self._write(partial(self._registration, subject, parsed, wanted_id,
+                                           wanted_version, basis))
+            except _BasisMoved:
+                if time.monotonic() > deadline:
+                    raise errors.RegistryError(
+                        errors.HTTP_CONFLICT, errors.HTTP_CONFLICT,
+                        f'Subject "{subject}" kept changing while the schema was checked; retry',
+                    ) from None
 
-        return self._write(compute)
+    def _registration(self, subject: str, parsed: avro_schema.ParsedSchema, wanted_id: int | None,
+                      wanted_version: int | None, basis: _Basis) -> tuple[list[Record], dict[str, Any]]:
+        """The records of a registration checked against ``basis``, if the log has not moved
+        it since (then the schema is not registered yet either: ``_BasisMoved``)."""
+        if self._basis(subject) != basis:
+            raise _BasisMoved()
+        records: list[Record] = []
+        if wanted_id is not None:
+            schema_id = wanted_id
+            existing = self.state.schemas.get(schema_id)
+            if existing is not None and existing.identity != parsed.identity:
+                raise errors.operation_not_permitted(f"Overwrite new schema with id {schema_id} is not permitted.")
+        else:
+            schema_id = self.state.by_identity.get(parsed.identity, 0) or self.state.max_id + 1
+        if schema_id not in self.state.schemas:
+            records.append(schema_id_record(schema_id, parsed.text))
+        all_versions = self._live(subject, include_deleted=True)
+        if wanted_version is not None:
+            version = wanted_version
+            if any(sv.version == version for sv in all_versions):
+                raise errors.operation_not_permitted(f"Version {version} of subject {subject} already exists.")
+        else:
+            version = max((sv.version for sv in all_versions), default=0) + 1
+        records.append(version_record(subject, version, schema_id))
+        return records, {"id": schema_id}
 
     def delete_subject(self, subject: str, permanent: bool) -> list[int]:
         def compute() -> tuple[list[Record], list[int]]:
@@ -349,19 +411,16 @@ class Registry:
         with self.state.lock:
             level = self._level(subject)
             previous = self._previous(subject)
-            if number is None:
-                found = problems(parsed, previous, level)
-            elif not previous and number == LATEST:
-                found = []
-            else:
-                sv = self._find(subject, number)
-                old = self.state.parsed(sv.schema_id)
-                found = []
-                if old is not None:
-                    if level.backward:
-                        found += reader_writer_problems(reader=parsed, writer=old)
-                    if level.forward:
-                        found += reader_writer_problems(reader=old, writer=parsed)
+            old = None
+            if number is not None and (previous or number != LATEST):
+                old = self.state.parsed(self._find(subject, number).schema_id)
+        deadline = time.monotonic() + self.check_timeout_s
+        if number is None:
+            found = self._checked(subject, partial(problems, parsed, previous, level), deadline)
+        elif old is None:
+            found = []
+        else:
+            found = self._checked(subject, partial(_both_ways, parsed, old, level), deadline)
         answer: dict[str, Any] = {"is_compatible": not found}
         if verbose:
             answer["messages"] = found

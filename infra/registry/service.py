@@ -38,6 +38,7 @@ class RegistryConfig:
     advertised_url: str = ""
     auth: BasicAuth | None = None  # None: no authentication (the default)
     http: HttpLimits = HttpLimits()
+    compat_timeout_s: float = 2.0  # a compatibility check's deadline (409 past it)
 
     @classmethod
     def from_settings(cls, cfg: Settings, host: str | None = None, port: int | None = None) -> RegistryConfig:
@@ -57,6 +58,7 @@ class RegistryConfig:
             max_body=int(env.get("SCHEMA_REGISTRY_MAX_BODY", str(1 << 20))),
             advertised_url=env.get("SCHEMA_REGISTRY_ADVERTISED_URL", f"http://{bind_host}:{bind_port}"),
             auth=auth_from_env(env),
+            compat_timeout_s=float(env.get("SCHEMA_REGISTRY_COMPAT_TIMEOUT_S", "2")),
         )
 
 
@@ -81,7 +83,7 @@ def build(config: RegistryConfig) -> tuple[Api, Registry]:
     instance = f"{config.advertised_url}#{uuid.uuid4().hex[:8]}"
     election = LeaderElection(config.redis_url, config.topic, instance, config.advertised_url,
                               ttl_ms=config.lease_ms, eligible=config.leader_eligible)
-    registry = Registry(state, store, election)
+    registry = Registry(state, store, election, check_timeout_s=config.compat_timeout_s)
     return Api(registry, max_body=config.max_body, auth=config.auth), registry
 
 

@@ -1,0 +1,92 @@
+"""The registry keeps answering the lookups every consumer depends on while a large schema
+is checked for compatibility, and stops a check that takes too long.
+
+Real registry processes (own port, own store topic), started as the stack starts them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.test_registry_instances import Starter, instances  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.integration
+
+CT = {"Content-Type": "application/vnd.schemaregistry.v1+json"}
+SMALL = json.dumps({"type": "record", "name": "Small", "namespace": "avail",
+                    "fields": [{"name": "id", "type": "string"}]})
+
+
+def big(fields: int, extra: bool = False) -> str:
+    """A record of ``fields`` int fields (~35 bytes each); ``extra`` adds an optional one,
+    so ``big(n, True)`` is a BACKWARD-compatible successor of ``big(n)``. avro's checker
+    takes time quadratic in the number of fields: ~1 s for 4,000 on this machine."""
+    listed: list[dict[str, Any]] = [{"name": f"f{i:05d}", "type": "int"} for i in range(fields)]
+    if extra:
+        listed.append({"name": "extra", "type": ["null", "int"], "default": None})
+    return json.dumps({"type": "record", "name": "Big", "namespace": "avail", "fields": listed})
+
+
+def test_lookups_answer_fast_while_a_large_schema_is_checked(instances: Starter) -> None:
+    _, url = instances("lock", SCHEMA_REGISTRY_COMPAT_TIMEOUT_S="60")
+    with httpx.Client(base_url=url, timeout=60) as http:
+        small_id = http.post("/subjects/small/versions", json={"schema": SMALL}, headers=CT).json()["id"]
+        assert http.post("/subjects/big/versions", json={"schema": big(4000)}, headers=CT).status_code == 200
+
+    checking = threading.Event()
+    answers: list[int] = []
+
+    def check_again_and_again(path: str, until: float) -> None:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            while time.monotonic() < until:
+                checking.set()
+                answers.append(http.post(path, json={"schema": big(4000, True)}, headers=CT).status_code)
+
+    until = time.monotonic() + 6
+    checkers = [threading.Thread(target=check_again_and_again, args=(path, until), daemon=True)
+                for path in ("/compatibility/subjects/big/versions/latest", "/compatibility/subjects/big/versions")]
+    for thread in checkers:
+        thread.start()
+    assert checking.wait(10)
+    slowest = 0.0
+    with httpx.Client(base_url=url, timeout=60) as http:
+        time.sleep(0.5)  # the first checks are under way
+        while time.monotonic() < until - 0.5:
+            started = time.monotonic()
+            assert http.get(f"/schemas/ids/{small_id}").status_code == 200
+            assert http.post("/subjects/small", json={"schema": SMALL}, headers=CT).json()["id"] == small_id
+            slowest = max(slowest, time.monotonic() - started)
+            time.sleep(0.05)
+        # a registration's own check runs outside the lock as well
+        registering = threading.Thread(target=lambda: answers.append(http.post(
+            "/subjects/big/versions", json={"schema": big(4000, True)}, headers=CT).status_code))
+        registering.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        assert http.get(f"/schemas/ids/{small_id}").status_code == 200
+        slowest = max(slowest, time.monotonic() - started)
+        registering.join(60)
+    for thread in checkers:
+        thread.join(60)
+    assert answers and set(answers) == {200}, answers
+    assert slowest < 0.5, f"a lookup took {slowest:.2f} s while a schema was being checked"
+
+
+def test_a_check_past_its_deadline_is_refused_clearly(instances: Starter) -> None:
+    _, url = instances("deadline", SCHEMA_REGISTRY_COMPAT_TIMEOUT_S="0.2")
+    with httpx.Client(base_url=url, timeout=60) as http:
+        assert http.post("/subjects/big/versions", json={"schema": big(4000)}, headers=CT).status_code == 200
+        for path in ("/subjects/big/versions", "/compatibility/subjects/big/versions/latest"):
+            started = time.monotonic()
+            refused = http.post(path, json={"schema": big(4000, True)}, headers=CT)
+            assert time.monotonic() - started < 2.0
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["error_code"] == 409
+            assert "0.2 s" in refused.json()["message"], refused.text
+        assert http.get("/subjects/big/versions").json() == [1]  # nothing was registered
