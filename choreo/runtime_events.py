@@ -1,5 +1,5 @@
-"""The runtime's own events: what a service reports on the recovery topic and what the
-supervisor writes to the compensation log.
+"""The runtime's own events: what a service reports on the recovery topic, what the
+supervisor asks a service to undo, and what it writes to the compensation log.
 
 They belong to the runtime, not to any one workflow: every service the runner hosts may
 report a step, whatever its domain, so their ``.avsc`` contracts live beside this module.
@@ -43,6 +43,26 @@ class CompensationRecord(Event):
     recorded_at: datetime
 
 
+def undo_topic(step: str) -> str:
+    """Where the undo of ``step`` is asked (one topic per compensated step: its service alone
+    reads it)."""
+    return f"undo.{step}"
+
+
+class UndoRequested(Event):
+    """The supervisor's request to undo ``step``'s work; published to ``undo_topic(step)``."""
+
+    schema_file: ClassVar[Path] = HERE / "UndoRequested.avsc"
+    topic: ClassVar[str] = "undo"  # a family of topics: see ``undo_topic``
+
+    delivery_id: str
+    step: str
+    reason: str = ""
+    requested_at: datetime
+
+
 # written by the runtime whichever services a workflow lists, so a workflow's contracts
 # (``contracts.topic_models(workflow, RUNTIME_EVENTS)``) include them
 RUNTIME_EVENTS: tuple[type[Event], ...] = (StepReport, CompensationRecord)
+# every contract of the runtime: the undo requests' topics are the compensating services' own
+RUNTIME_CONTRACTS: tuple[type[Event], ...] = (*RUNTIME_EVENTS, UndoRequested)

@@ -29,6 +29,7 @@ from choreo.events import Event
 from choreo.join import Join, Part
 from choreo.pool import Pool
 from choreo.record import Record
+from choreo.runtime_events import UndoRequested, undo_topic
 from choreo.state import check_step_name
 
 HandlerResult = Event | Iterable[Event] | None
@@ -241,26 +242,31 @@ class Service:
         return [record.key for record in self.records if record.released_with_delivery]
 
     def on(self, topic: str, *, step: str | None = None, deadline_s: float = 30.0,
-           produces: Sequence[type[Event]] = (), undoes: str = "",
-           confirmed_by: type[Event] | None = None,
+           produces: Sequence[type[Event]] = (),
            ) -> Callable[[Callable[..., HandlerOutput]], Callable[..., HandlerOutput]]:
         """Subscribe the decorated function to ``topic``; the event type is its first parameter's annotation.
 
         ``step`` makes the handler a supervised workflow step with a complete-by deadline;
         it then also consumes the step's retry topic, where the supervisor requeues it.
-        ``undoes`` makes the step the compensation of that forward step, and
-        ``confirmed_by`` the event it publishes once the work is undone: the supervisor
-        derives what to undo, and when it is undone, from these.
         """
 
         def register(fn: Callable[..., HandlerOutput]) -> Callable[..., HandlerOutput]:
-            hints = typing.get_type_hints(fn)
-            params = [p for p in fn.__code__.co_varnames[: fn.__code__.co_argcount]]
-            model = hints.get(params[0]) if params else None
-            if not (isinstance(model, type) and issubclass(model, Event)):
-                raise TypeError(f"{fn.__name__}: annotate the first parameter with an Event type")
-            self.subscribe(topic, model, fn, step=step, deadline_s=deadline_s, produces=produces,
-                           undoes=undoes, confirmed_by=confirmed_by)
+            self.subscribe(topic, _event_type(fn), fn, step=step, deadline_s=deadline_s, produces=produces)
+            return fn
+
+        return register
+
+    def undo(self, forward: str, *, step: str, confirmed_by: type[Event], deadline_s: float = 30.0,
+             prefix: str = "") -> Callable[[Callable[..., HandlerOutput]], Callable[..., HandlerOutput]]:
+        """Declare the decorated function as the compensation of step ``forward``: a step of its
+        own (``step``), run when the supervisor asks for it (an ``UndoRequested`` on
+        ``undo_topic(forward)``), whose ``confirmed_by`` event says the work is undone. The
+        supervisor derives from these what to undo, in which order (newest completed first,
+        one after another) and when each is done."""
+
+        def register(fn: Callable[..., HandlerOutput]) -> Callable[..., HandlerOutput]:
+            self.subscribe(prefix + undo_topic(forward), UndoRequested, fn, step=step, deadline_s=deadline_s,
+                           undoes=forward, confirmed_by=confirmed_by)
             return fn
 
         return register
@@ -294,6 +300,16 @@ class Service:
             triggers = (*spec.triggers, topic) if spec else (topic,)
             found[h.step] = StepSpec(h.step, self.name, triggers, h.deadline_s, h.undoes, h.confirmed_by)
         return list(found.values())
+
+
+def _event_type(fn: Callable[..., Any]) -> type[Event]:
+    """The event type a handler takes: its first parameter's annotation."""
+    hints = typing.get_type_hints(fn)
+    params = [p for p in fn.__code__.co_varnames[: fn.__code__.co_argcount]]
+    model = hints.get(params[0]) if params else None
+    if not (isinstance(model, type) and issubclass(model, Event)):
+        raise TypeError(f"{fn.__name__}: annotate the first parameter with an Event type")
+    return model
 
 
 def load_service(ref: str) -> Service:

@@ -481,8 +481,8 @@ def text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-# the hash's plain fields: these names, and ``fanin.*`` and ``fail.*`` (named as step values are)
-RESERVED_FIELDS = frozenset({"outcome", "done", "dead_letters", "fanin", "fail"})
+# the hash's plain fields: these names, and ``fanin.*``, ``fail.*`` and ``undo.*`` (named as step values are)
+RESERVED_FIELDS = frozenset({"outcome", "done", "dead_letters", "fanin", "fail", "undo"})
 
 
 def check_step_name(step: str) -> str:
@@ -495,7 +495,7 @@ def check_step_name(step: str) -> str:
 
 def is_step_record(name: str, value: str) -> bool:
     """Whether a field of a delivery's hash is a step's record (the others are plain values:
-    ``outcome``, ``fanin.*``, ``fail.*``, ``done``, ``dead_letters``; none is a JSON array)."""
+    ``outcome``, ``fanin.*``, ``fail.*``, ``undo.*``, ``done``, ``dead_letters``; none is a JSON array)."""
     return "." not in name and value.startswith("[")
 
 

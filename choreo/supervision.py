@@ -319,16 +319,33 @@ redis.call('ZADD', KEYS[2], 'LT', ARGV[4], ARGV[5])
 return 'due'
 """)
 
+# The steps of a failed delivery are undone one after another, newest completed first: its
+# ``undo.order`` lists them; the next to ask is the first still ``compensating`` (not asked
+# before its predecessor is confirmed, and never after one ended compensation_failed).
+_NEXT_UNDO = """
+local function next_undo(key)
+  for s in string.gmatch(redis.call('HGET', key, 'undo.order') or '', '[^,]+') do
+    local st = step_get(key, s, 'status')
+    if st == 'compensating' then return s end
+    if st == 'compensation_failed' then return '' end
+  end
+  return ''
+end
+"""
+
 # Recording facts seen on topics: safe on any instance (not fenced), remembered per event id
 # so an aborted-and-replayed batch is told the same answer and writes the same log records.
-MARK_COMPENSATING = OnceEffect("mark_compensating", with_steps("""
-if redis.call('EXISTS', KEYS[1]) == 0 then return '[]' end
+# ARGV: now, delivery, the failed step, the reason, then the steps to undo, newest first.
+MARK_COMPENSATING = OnceEffect("mark_compensating", with_steps(_NEXT_UNDO + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return '{}' end
 local now, delivery = tonumber(ARGV[1]), ARGV[2]
 redis.call('HSET', KEYS[1], 'fail.seen', now)
 if not redis.call('HGET', KEYS[1], 'outcome') then redis.call('HSET', KEYS[1], 'outcome', 'failed') end
 if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], delivery .. '|' .. ARGV[3]) end
+redis.call('HSETNX', KEYS[1], 'undo.reason', ARGV[4])
+redis.call('HSETNX', KEYS[1], 'undo.order', table.concat({select(5, unpack(ARGV))}, ','))
 local marked = {}
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local s = ARGV[i]
   local st = step_get(KEYS[1], s, 'status')
   if st and st ~= 'compensating' and st ~= 'compensated' and st ~= 'compensation_failed' then
@@ -337,20 +354,23 @@ for i = 4, #ARGV do
     table.insert(marked, {step = s, before = st, attempt = step_get(KEYS[1], s, 'attempt') or 1})
   end
 end
-if #marked == 0 then return '[]' end
-return cjson.encode(marked)
+local answer = {next = next_undo(KEYS[1])}
+if #marked > 0 then answer.marked = marked end
+return cjson.encode(answer)
 """))
 
 # The undo is a fact whatever order the topics are read in: a cancellation read before the
 # delivery.failed that asked for it still marks the step compensated (and that one then
-# skips it), so the two events never race each other into a wrong final state.
-MARK_COMPENSATED = OnceEffect("mark_compensated", with_steps("""
+# skips it), so the two events never race each other into a wrong final state. The answer
+# names the next step to undo, if any: 'compensated:<status before>:<attempt>:<next>:<reason>'.
+MARK_COMPENSATED = OnceEffect("mark_compensated", with_steps(_NEXT_UNDO + """
 local st = step_get(KEYS[1], ARGV[1], 'status')
 if not st then return 'ignored:none' end
 if st == 'compensated' then return 'ignored:compensated' end
 local now = tonumber(ARGV[2])
 step_set(KEYS[1], ARGV[1], {status = 'compensated', compensated_at = now, updated = now})
-return 'compensated:' .. st .. ':' .. (step_get(KEYS[1], ARGV[1], 'attempt') or 1)
+return 'compensated:' .. st .. ':' .. (step_get(KEYS[1], ARGV[1], 'attempt') or 1) .. ':' .. next_undo(KEYS[1])
+  .. ':' .. (redis.call('HGET', KEYS[1], 'undo.reason') or '')
 """))
 
 
@@ -555,10 +575,18 @@ class KeyedCompensationRecord(CompensationRecord):
         return f"{self.delivery_id}|{self.step}"
 
 
-def parse_marked(raw: str | None) -> list[dict[str, Any]]:
-    """MARK_COMPENSATING's answer (cjson encodes an empty list as ``{}``)."""
-    value = json.loads(raw or "[]")
-    return list(value) if isinstance(value, list) else []
+@dataclass(frozen=True)
+class Marked:
+    """MARK_COMPENSATING's answer: the steps it marked (step, status before, attempt) and
+    the step whose undo to ask for now ('' when none is due)."""
+
+    steps: list[dict[str, Any]]
+    next: str
+
+
+def parse_marked(raw: str | None) -> Marked:
+    value = json.loads(raw or "{}")
+    return Marked(list(value.get("marked") or []), str(value.get("next") or ""))
 
 
 def split_list(raw: str) -> list[str]:

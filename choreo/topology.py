@@ -25,12 +25,12 @@ class Topology:
 def derive(workflow: Workflow, partitions: int = DEFAULT_PARTITIONS) -> Topology:
     topo = Topology()
     for service in workflow.services:
-        for topic in service.topics:
+        for topic, handler in service.handlers.items():
             topo.consumers.setdefault(topic, set()).add(service.name)
             topo.partitions[topic] = partitions
-            if topic.startswith("retry."):
+            if topic.startswith("retry.") or handler.undoes:  # requeues and undo requests
                 topo.producers.setdefault(topic, set()).add("supervisor")
-            else:
+            if not topic.startswith("retry."):
                 topo.partitions[dlq_topic(topic)] = partitions
         for model in service.outputs:
             topo.producers.setdefault(model.topic, set()).add(service.name)

@@ -22,8 +22,6 @@ class Workflow:
     service_refs: list[str]
     # topics produced by entry points that are not services (e.g. HTTP ingestion)
     extra_producers: dict[str, str] = field(default_factory=dict)
-    # topics whose event ends a delivery: what ``choreo ops status`` counts as recent outcomes
-    terminal_topics: tuple[str, ...] = ()
 
     @cached_property
     def services(self) -> list[Service]:
@@ -58,6 +56,11 @@ class Workflow:
     @property
     def joins(self) -> list[Join]:
         return [join for s in self.services for join in s.joins]
+
+    @property
+    def terminal_topics(self) -> tuple[str, ...]:
+        """The topics whose event ends a delivery: those that publish the join's decision."""
+        return tuple(model.topic for join in self.joins for model in join.outcomes)
 
     @property
     def decider(self) -> str:

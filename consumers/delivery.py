@@ -40,7 +40,7 @@ def ship(ready: Joined, ctx: Context) -> Effects[None]:
         flight.call("depart", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:
         yield delivery.refuse(ctx.delivery_id)
-        fail(ctx, "FLIGHT_REFUSED", str(refusal), "delivery", ["drone", "package"])
+        fail(ctx, "FLIGHT_REFUSED", str(refusal), "delivery", list(ready.completed))
         return
     ctx.emit(
         DeliveryShipped(delivery_id=ctx.delivery_id, package_id=ready.of("package", PackageReady).package_id,

@@ -12,10 +12,11 @@ from datetime import UTC, datetime
 
 from choreo.errors import Retryable
 from choreo.pool import Pool
+from choreo.runtime_events import UndoRequested
 from choreo.service import Context, Effects, Service
 from consumers.agents import Agent, PermanentFailure
 from schemas.models import (
-    DeliveryFailed, DeliveryRequested, DeliveryShipped, DroneFailed, DroneReleased, DroneScheduled,
+    DeliveryRequested, DeliveryShipped, DroneFailed, DroneReleased, DroneScheduled,
 )
 
 service = Service("drone-scheduler")
@@ -59,17 +60,14 @@ def reserve(request: DeliveryRequested, ctx: Context) -> Effects[DroneScheduled 
                           scheduled_at=datetime.now(UTC))
 
 
-@service.on("delivery.failed", step="release_drone", deadline_s=30, undoes="drone",
-            confirmed_by=DroneReleased)
-def release(failure: DeliveryFailed, ctx: Context) -> Effects[DroneReleased | None]:
-    if "drone" not in failure.compensate:
-        return None
+@service.undo("drone", step="release_drone", confirmed_by=DroneReleased)
+def release(request: UndoRequested, ctx: Context) -> Effects[DroneReleased]:
     try:
         dispatch_release.call("release", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:  # compensation must be retried, then alerted on
         raise Retryable(f"release refused: {refusal}") from refusal
-    drone = yield fleet.release(failure.delivery_id)
-    return DroneReleased(delivery_id=failure.delivery_id, drone_id=drone,
+    drone = yield fleet.release(request.delivery_id)
+    return DroneReleased(delivery_id=request.delivery_id, drone_id=drone,
                          released_at=datetime.now(UTC))
 
 

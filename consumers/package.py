@@ -10,10 +10,11 @@ from datetime import UTC, datetime
 
 from choreo.envelope import derived_id
 from choreo.errors import Retryable
+from choreo.runtime_events import UndoRequested
 from choreo.service import Context, Effects, Service
 from consumers.agents import Agent, PermanentFailure
 from schemas.models import (
-    DeliveryFailed, DeliveryRequested, PackageCancelled, PackageFailed, PackageReady,
+    DeliveryRequested, PackageCancelled, PackageFailed, PackageReady,
 )
 
 service = Service("package")
@@ -44,15 +45,12 @@ def prepare(request: DeliveryRequested, ctx: Context) -> Effects[PackageReady | 
                         ready_at=datetime.now(UTC))
 
 
-@service.on("delivery.failed", step="cancel_package", deadline_s=30, undoes="package",
-            confirmed_by=PackageCancelled)
-def cancel(failure: DeliveryFailed, ctx: Context) -> Effects[PackageCancelled | None]:
-    if "package" not in failure.compensate:
-        return None
+@service.undo("package", step="cancel_package", confirmed_by=PackageCancelled)
+def cancel(request: UndoRequested, ctx: Context) -> Effects[PackageCancelled]:
     try:
         warehouse_cancel.call("cancel", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:  # compensation must be retried, then alerted on
         raise Retryable(f"cancel refused: {refusal}") from refusal
-    package_id = yield packages.update(failure.delivery_id, answer="package_id", status="cancelled")
-    return PackageCancelled(delivery_id=failure.delivery_id, package_id=package_id,
+    package_id = yield packages.update(request.delivery_id, answer="package_id", status="cancelled")
+    return PackageCancelled(delivery_id=request.delivery_id, package_id=package_id,
                             cancelled_at=datetime.now(UTC))

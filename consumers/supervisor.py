@@ -41,7 +41,7 @@ from choreo.supervision import (
     split_list,
 )
 from choreo.workflow import Workflow, load_workflow
-from choreo.runtime_events import CompensationRecord, StepReport
+from choreo.runtime_events import CompensationRecord, StepReport, UndoRequested, undo_topic
 from schemas.models import DeliveryFailed, DeliveryShipped
 
 NAME = os.environ.get("SUPERVISOR_NAME", "supervisor")  # consumer group and lease name
@@ -138,14 +138,28 @@ def on_report(report: StepReport, ctx: Context) -> None:
 @service.on(DELIVERY_FAILED, produces=[CompensationRecord])
 def on_delivery_failed(failure: DeliveryFailed, ctx: Context) -> None:
     """Whoever failed the delivery (the delivery service or us), the steps to undo are now
-    ``compensating``, and the compensation log says so."""
+    ``compensating``, the compensation log says so, and the newest completed one is asked
+    to undo its work (the others follow, one confirmation at a time)."""
+    compensable = set(load_workflow(WORKFLOW_REF).compensations())
+    reason = f"{failure.reason}: {failure.detail}"[:500]
     raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), DEADLINE_INDEX],
-                   args=[now_ms(), failure.delivery_id, failure.failed_step, *failure.compensate])
-    for marked in parse_marked(raw):
-        _record(ctx, failure.delivery_id, str(marked["step"]), "COMPENSATING",
-                int(marked["attempt"]), f"{failure.reason}: {failure.detail}")
-        ctx.log.info("compensation.requested", step=marked["step"], was=marked["before"],
+                   args=[now_ms(), failure.delivery_id, failure.failed_step, reason,
+                         *(step for step in failure.compensate if step in compensable)])
+    marked = parse_marked(raw)
+    for step in marked.steps:
+        _record(ctx, failure.delivery_id, str(step["step"]), "COMPENSATING", int(step["attempt"]), reason)
+        ctx.log.info("compensation.requested", step=step["step"], was=step["before"],
                      reason=failure.reason)
+    _ask_undo(ctx, failure.delivery_id, marked.next, reason)
+
+
+def _ask_undo(ctx: Context, delivery_id: str, step: str, reason: str) -> None:
+    """Ask ``step``'s service to undo its work (its id is stable: asked twice, it runs once)."""
+    if not step:
+        return
+    ctx.emit(UndoRequested(delivery_id=delivery_id, step=step, reason=reason, requested_at=datetime.now(UTC)),
+             topic=topic(undo_topic(step)), event_id=derived_id(delivery_id, "undo", step))
+    ctx.log.info("compensation.undo_asked", step=step)
 
 
 def _undone(ctx: Context, delivery_id: str, step: str) -> None:
@@ -153,7 +167,7 @@ def _undone(ctx: Context, delivery_id: str, step: str) -> None:
     verdict, _, rest = raw.partition(":")
     if verdict != "compensated":
         return
-    before, _, attempt = rest.partition(":")
+    before, attempt, following, reason = (rest.split(":", 3) + ["", "", ""])[:4]
     if before not in ("compensating", "compensation_failed"):
         # the undo was read before the delivery.failed that asked for it (another topic, maybe
         # another instance): log the request too, first, so the compacted log ends COMPENSATED
@@ -163,6 +177,7 @@ def _undone(ctx: Context, delivery_id: str, step: str) -> None:
         ctx.log.warning("compensation.recovered", step=step)  # the alert may be closed
     else:
         ctx.log.info("compensation.done", step=step, was=before)
+    _ask_undo(ctx, delivery_id, following, reason)
 
 
 def _on_undone(step: str) -> Callable[[Event, Context], None]:

@@ -15,5 +15,4 @@ WORKFLOW = Workflow(
         "consumers.supervisor:service",
     ],
     extra_producers={"delivery.requested": "ingestion"},
-    terminal_topics=("delivery.shipped", "delivery.failed"),
 )

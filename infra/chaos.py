@@ -81,7 +81,6 @@ HOST = "127.0.0.1"
 COPY_HEADER = "chaos.copy"
 SESSION_TIMEOUT_S = 10.0  # the runner's consumer session.timeout.ms
 TERMINAL = ("delivery.shipped", "delivery.failed")
-UNDO_TOPICS = {"package": "package.cancelled", "drone": "drone.released"}
 DUPLICATED = ("delivery.requested", "package.ready", "drone.scheduled", "package.failed",
               "drone.failed")
 INTERNAL_TOPICS = ("__consumer_offsets", "__transaction_state", "_schemas")
@@ -544,11 +543,11 @@ class Tracker(threading.Thread):
 
         decode = BodyDecoder()
         consumer = reader(log_level=0)
-        topics = [*TERMINAL, *UNDO_TOPICS.values()]
+        undo_of = undo_topics()
+        topics = [*TERMINAL, *undo_of]
         meta = consumer.list_topics(timeout=10)
         consumer.assign([TopicPartition(t, p, OFFSET_BEGINNING)
                          for t in topics for p in meta.topics[t].partitions])
-        undo_of = {t: step for step, t in UNDO_TOPICS.items()}
         try:
             while not self.stop_flag.is_set():
                 for msg in consumer.consume(1000, 0.2):
@@ -839,13 +838,20 @@ class Findings:
     examples: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
 
 
+def undo_topics() -> dict[str, str]:
+    """The topic whose event confirms each undo -> the step it undoes (the declarations')."""
+    from consumers.workflow import WORKFLOW
+
+    return {confirmed.topic: forward for forward, (_, confirmed) in WORKFLOW.compensations().items()}
+
+
 def read_everything() -> Findings:
     from choreo.ops.records import BodyDecoder, existing_topics, read, reader, resolve
 
     found = Findings()
     decode = BodyDecoder()
     consumer = reader(log_level=0)
-    undo_of = {t: step for step, t in UNDO_TOPICS.items()}
+    undo_of = undo_topics()
     try:
         topics = sorted(t for t in existing_topics(consumer) if t not in INTERNAL_TOPICS)
         spans = [s for t in topics for s in resolve(consumer, t)]

@@ -19,6 +19,7 @@ from typing import Any
 
 from choreo.errors import Retryable
 from choreo.join import Joined, JoinFailed
+from choreo.runtime_events import UndoRequested
 from choreo.service import Context, Service
 from choreo.workflow import Workflow
 from tests.services.routing import private_workflow, routed
@@ -53,15 +54,15 @@ def build(prefix: str, batch: int = 500) -> dict[str, Service]:
     package.on(t("delivery.requested"), step="package", deadline_s=30,
                produces=[PackageReady, PackageFailed])(routed(package_rules.prepare, DeliveryRequested, prefix,
                                                                 _fail_first("package")))
-    package.on(t("delivery.failed"), step="cancel_package", deadline_s=30,
-               undoes="package", confirmed_by=PackageCancelled)(routed(package_rules.cancel, DeliveryFailed, prefix))
+    package.undo("package", step="cancel_package", confirmed_by=PackageCancelled,
+                 prefix=prefix)(routed(package_rules.cancel, UndoRequested, prefix))
     drone = Service(t("drone-scheduler"), batch_size=batch)
     drone.pool(drone_rules.fleet)
     drone.on(t("delivery.requested"), step="drone", deadline_s=30,
              produces=[DroneScheduled, DroneFailed])(routed(drone_rules.reserve, DeliveryRequested, prefix,
                                                               _fail_first("drone")))
-    drone.on(t("delivery.failed"), step="release_drone", deadline_s=30,
-             undoes="drone", confirmed_by=DroneReleased)(routed(drone_rules.release, DeliveryFailed, prefix))
+    drone.undo("drone", step="release_drone", confirmed_by=DroneReleased,
+               prefix=prefix)(routed(drone_rules.release, UndoRequested, prefix))
     drone.on(t("delivery.shipped"))(routed(drone_rules.flight_over, DeliveryShipped, prefix))
     delivery = Service(t("delivery"), batch_size=batch)
     join = delivery.join("delivery", parts=delivery_rules.PARTS, outcomes=delivery_rules.OUTCOMES, deadline_s=60,

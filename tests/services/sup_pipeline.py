@@ -27,7 +27,8 @@ from tests.services.routing import private_workflow, routed
 from consumers import delivery as delivery_rules
 from consumers import drone_scheduler as drone_rules
 from consumers import package as package_rules
-from schemas.models import DeliveryFailed, DeliveryRequested, DroneReleased, PackageCancelled
+from choreo.runtime_events import UndoRequested
+from schemas.models import DeliveryRequested, DroneReleased, PackageCancelled
 
 MODULE = "tests.services.sup_pipeline"
 ROLES = ("package", "drone", "delivery")
@@ -52,17 +53,15 @@ def build(prefix: str, deadline_s: float, budget: int, in_process: int) -> dict[
     package = Service(t("package"), **opts)
     package.on(t("delivery.requested"), step="package", deadline_s=deadline_s)(
         routed(package_rules.prepare, DeliveryRequested, prefix, _slow_first("package")))
-    package.on(t("delivery.failed"), step="cancel_package", deadline_s=deadline_s, undoes="package",
-               confirmed_by=PackageCancelled)(
-        routed(package_rules.cancel, DeliveryFailed, prefix))
+    package.undo("package", step="cancel_package", deadline_s=deadline_s, confirmed_by=PackageCancelled,
+                 prefix=prefix)(routed(package_rules.cancel, UndoRequested, prefix))
 
     drone = Service(t("drone-scheduler"), **opts)
     drone.pool(drone_rules.fleet)
     drone.on(t("delivery.requested"), step="drone", deadline_s=deadline_s)(
         routed(drone_rules.reserve, DeliveryRequested, prefix, _slow_first("drone")))
-    drone.on(t("delivery.failed"), step="release_drone", deadline_s=deadline_s, undoes="drone",
-             confirmed_by=DroneReleased)(
-        routed(drone_rules.release, DeliveryFailed, prefix))
+    drone.undo("drone", step="release_drone", deadline_s=deadline_s, confirmed_by=DroneReleased,
+               prefix=prefix)(routed(drone_rules.release, UndoRequested, prefix))
 
     delivery = Service(t("delivery"), **opts)
     join = delivery.join("delivery", parts=delivery_rules.PARTS, outcomes=delivery_rules.OUTCOMES, deadline_s=deadline_s,

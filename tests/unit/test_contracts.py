@@ -12,12 +12,12 @@ import fastavro
 import pytest
 from pydantic import BaseModel
 
-from choreo.runtime_events import RUNTIME_EVENTS
+from choreo.runtime_events import RUNTIME_CONTRACTS
 from schemas.models import ALL_EVENTS, DeliveryRequested, Location
 
 REPO = Path(__file__).resolve().parents[2]
 # every contract directory with the models mirroring it: the domain's and the runtime's own
-CONTRACTS = {REPO / "schemas": ALL_EVENTS, REPO / "choreo": RUNTIME_EVENTS}
+CONTRACTS = {REPO / "schemas": ALL_EVENTS, REPO / "choreo": RUNTIME_CONTRACTS}
 
 
 def _nullable(avro_type: Any) -> bool:
@@ -37,7 +37,7 @@ def _check_record(model: type[BaseModel], schema: dict[str, Any]) -> None:
         assert avro.get("doc"), f"{schema['name']}.{name} is undocumented"
 
 
-@pytest.mark.parametrize("model", ALL_EVENTS + RUNTIME_EVENTS, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("model", ALL_EVENTS + RUNTIME_CONTRACTS, ids=lambda m: m.__name__)
 def test_model_matches_contract(model: Any) -> None:
     schema = json.loads(model.schema_file.read_text())
     assert schema["name"] == model.__name__

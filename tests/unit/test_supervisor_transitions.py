@@ -355,8 +355,9 @@ def test_budget_spent_fails_the_delivery_once_with_compensations_newest_first(
     assert again.kind == "fail" and again.data["again"] == 1
     # seen: marked compensating, and nothing left in the index
     raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), DEADLINE_INDEX],
-                                [1_000_060, d, "drone", "package"], 60)
-    assert [m["step"] for m in parse_marked(raw)] == ["package"]
+                                [1_000_060, d, "drone", "DEADLINE_MISSED", "package"], 60)
+    assert [m["step"] for m in parse_marked(raw).steps] == ["package"]
+    assert parse_marked(raw).next == "package"
     assert _fields(client, d)["package.status"] == "compensating"
     assert client.zscore(DEADLINE_INDEX, index_member(d, "drone")) is None
 
@@ -416,14 +417,46 @@ def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis
     d = _new(client, "package")
     StateTable(client).put(d, {"package.status": "completed"})
     assert MARK_COMPENSATED.run(client, d, "t:1", [delivery_key(d)], ["package", 5], 60) \
-        == "compensated:completed:1"
+        == "compensated:completed:1::"
     raw = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), DEADLINE_INDEX],
-                                [6, d, "drone", "package"], 60)
-    assert parse_marked(raw) == []
+                                [6, d, "drone", "FAILED", "package"], 60)
+    assert parse_marked(raw).steps == [] and parse_marked(raw).next == ""
     assert _fields(client, d)["package.status"] == "compensated"
     # a replay of either is told the same answer
     assert MARK_COMPENSATED.run(client, d, "t:1", [delivery_key(d)], ["package", 5], 60) \
-        == "compensated:completed:1"
+        == "compensated:completed:1::"
+
+
+def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.Redis) -> None:
+    d = _new(client, "package", "customs", "drone")
+    StateTable(client).put(d, {"package.status": "completed", "customs.status": "completed",
+                               "drone.status": "completed"})
+
+    def undone(step: str, memo: str) -> str:
+        answer = MARK_COMPENSATED.run(client, d, memo, [delivery_key(d)], [step, 7], 60) or ""
+        return answer.split(":")[3]
+
+    raw = MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), DEADLINE_INDEX],
+                                [5, d, "delivery", "FLIGHT_REFUSED: no", "drone", "customs", "package"], 60)
+    assert [m["step"] for m in parse_marked(raw).steps] == ["drone", "customs", "package"]
+    assert parse_marked(raw).next == "drone"  # only the newest: the others wait for it
+    assert undone("drone", "t:1") == "customs"
+    assert undone("customs", "t:2") == "package"
+    assert undone("package", "t:3") == ""
+    assert {_fields(client, d)[f"{s}.status"] for s in ("drone", "customs", "package")} == {"compensated"}
+    assert client.hget(delivery_key(d), "undo.reason") == b"FLIGHT_REFUSED: no"
+
+
+def test_an_undo_that_failed_for_good_stops_the_chain(client: redis.Redis) -> None:
+    d = _new(client, "package", "drone")
+    StateTable(client).put(d, {"package.status": "completed", "drone.status": "completed"})
+    MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), DEADLINE_INDEX],
+                          [5, d, "delivery", "r", "drone", "package"], 60)
+    StateTable(client).put(d, {"drone.status": "compensation_failed"})
+    raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), DEADLINE_INDEX],
+                                [6, d, "delivery", "r", "drone", "package"], 60)
+    assert parse_marked(raw).next == ""  # package is never asked: the alert is raised on drone
+    assert _fields(client, d)["package.status"] == "compensating"
 
 
 def test_reports_make_the_current_attempt_due_and_ignore_stale_ones(client: redis.Redis) -> None:
