@@ -1,0 +1,165 @@
+"""The supervisor's rules that need no Redis: the policies it derives from the services'
+declarations, and what its recording handlers log once the state table has answered
+(``ctx.once``, scripted by ``choreo.testing``). The scans and the reports need Redis
+itself: the integration tests cover them."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from choreo.envelope import derived_id
+from choreo.events import Event
+from choreo.release import awaiting_key
+from choreo.service import deadline_scale
+from choreo.supervision import COMPENSATION, FORWARD
+from choreo.runtime_events import CompensationRecord, StepReport, UndoRequested, undo_topic
+from choreo.testing import HarnessError, Outcome, run
+from consumers import supervisor
+from consumers.workflow import WORKFLOW
+from schemas.models import DeliveryFailed, DeliveryShipped, DroneReleased, PackageCancelled
+
+NOW = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def ms(seconds: float) -> int:
+    return int(seconds * deadline_scale() * 1000)
+
+
+def test_each_step_gets_its_role_service_budget_and_deadline_from_the_declarations() -> None:
+    policies = supervisor.policies_of(WORKFLOW)
+    got = {name: (p.role, p.service, p.budget, p.deadline_ms, p.target, p.waits_for)
+           for name, p in policies.steps.items()}
+    assert got == {
+        "package": (FORWARD, "package", 10, ms(30), "", ()),
+        "drone": (FORWARD, "drone-scheduler", 10, ms(30), "", ()),
+        "delivery": (FORWARD, "delivery", 10, ms(60), "", ("package", "drone")),
+        "cancel_package": (COMPENSATION, "package", 10, ms(30), "package", ()),
+        "release_drone": (COMPENSATION, "drone-scheduler", 10, ms(30), "drone", ()),
+    }
+
+
+def test_the_steps_to_undo_and_the_decider_come_from_the_workflow() -> None:
+    policies = supervisor.policies_of(WORKFLOW)
+    assert set(policies.compensable) == {"package", "drone"}
+    assert policies.decider == "delivery"
+    expected: dict[str, tuple[str, type[Event]]] = {"package": ("cancel_package", PackageCancelled),
+                                                     "drone": ("release_drone", DroneReleased)}
+    assert WORKFLOW.compensations() == expected
+
+
+def failure(reason: str, failed_step: str, compensate: list[str]) -> DeliveryFailed:
+    return DeliveryFailed(delivery_id="d-1", reason=reason, detail="it broke", failed_step=failed_step,
+                          compensate=compensate, failed_at=NOW)
+
+
+def log_of(outcome: Outcome) -> list[tuple[str, str, int]]:
+    """The compensation log records emitted: (step, status, attempt)."""
+    return [(e.step, e.status, e.attempt) for e in outcome.events if isinstance(e, CompensationRecord)]
+
+
+def undos_of(outcome: Outcome) -> list[tuple[str, str, str, str]]:
+    """The undo requests emitted: (topic, step, reason, event id)."""
+    return [(e.topic, e.event.step, e.event.reason, e.event_id) for e in outcome.emitted
+            if isinstance(e.event, UndoRequested)]
+
+
+def test_a_failed_delivery_marks_its_steps_logs_them_and_asks_the_newest_to_undo() -> None:
+    marked = json.dumps({"next": "drone", "marked": [{"step": "drone", "before": "completed", "attempt": 1},
+                                                     {"step": "package", "before": "completed", "attempt": 2}]})
+    outcome = run(supervisor.service, failure("FLIGHT_REFUSED", "delivery", ["drone", "package"]),
+                  topic=supervisor.DELIVERY_FAILED, answers={"mark_compensating": marked})
+
+    [mark] = outcome.effects
+    assert mark.name == "mark_compensating"
+    # after the time: the delivery, the failed step, the reason, then the steps to undo newest first
+    assert mark.args[1:] == ("d-1", "delivery", "FLIGHT_REFUSED: it broke", "drone", "package")
+    assert log_of(outcome) == [("drone", "COMPENSATING", 1), ("package", "COMPENSATING", 2)]
+    assert [e.event.key for e in outcome.emitted[:2]] == ["d-1|drone", "d-1|package"]  # one per step
+    assert [e.event_id for e in outcome.emitted[:2]] == [
+        derived_id("d-1", "drone", "COMPENSATING"), derived_id("d-1", "package", "COMPENSATING")]
+    assert undos_of(outcome) == [(supervisor.topic(undo_topic("drone")), "drone", "FLIGHT_REFUSED: it broke",
+                                  derived_id("d-1", "undo", "drone"))]
+
+
+def test_only_declared_compensations_are_marked() -> None:
+    outcome = run(supervisor.service, failure("X", "delivery", ["delivery", "drone", "unknown"]),
+                  topic=supervisor.DELIVERY_FAILED, answers={"mark_compensating": "{}"})
+    assert outcome.effects[0].args[4:] == ("drone",)
+
+
+@pytest.mark.parametrize("answer", ["{}", '{"next": ""}'])
+def test_nothing_marked_and_nothing_due_emits_nothing(answer: str) -> None:
+    outcome = run(supervisor.service, failure("NO_DRONE_FITS", "drone", ["package"]),
+                  topic=supervisor.DELIVERY_FAILED, answers={"mark_compensating": answer})
+    assert outcome.emitted == []
+
+
+def test_a_failure_seen_again_asks_again_for_the_undo_still_due() -> None:
+    outcome = run(supervisor.service, failure("NO_DRONE_FITS", "drone", ["package"]),
+                  topic=supervisor.DELIVERY_FAILED, answers={"mark_compensating": '{"next": "package"}'})
+    assert log_of(outcome) == []
+    assert [step for _, step, _, _ in undos_of(outcome)] == ["package"]
+
+
+def cancelled() -> PackageCancelled:
+    return PackageCancelled(delivery_id="d-1", package_id="p-1", cancelled_at=NOW)
+
+
+def test_a_confirmed_undo_logs_the_step_compensated_and_asks_the_next() -> None:
+    outcome = run(supervisor.service, cancelled(), topic=supervisor.topic("package.cancelled"),
+                  answers={"mark_compensated": "compensated:compensating:3:drone:FLIGHT_REFUSED: a: b"})
+    assert outcome.effects[0].args[0] == "package"
+    assert log_of(outcome) == [("package", "COMPENSATED", 3)]
+    assert outcome.emitted[0].event_id == derived_id("d-1", "package", "COMPENSATED")
+    assert undos_of(outcome) == [(supervisor.topic(undo_topic("drone")), "drone", "FLIGHT_REFUSED: a: b",
+                                  derived_id("d-1", "undo", "drone"))]
+
+
+def test_the_last_confirmed_undo_asks_for_nothing_more() -> None:
+    outcome = run(supervisor.service, cancelled(), topic=supervisor.topic("package.cancelled"),
+                  answers={"mark_compensated": "compensated:compensating:1::"})
+    assert log_of(outcome) == [("package", "COMPENSATED", 1)]
+    assert undos_of(outcome) == []
+
+
+def test_an_undo_seen_before_its_request_logs_the_request_first() -> None:
+    outcome = run(supervisor.service, cancelled(), topic=supervisor.topic("package.cancelled"),
+                  answers={"mark_compensated": "compensated:completed:1::"})
+    assert log_of(outcome) == [("package", "COMPENSATING", 1), ("package", "COMPENSATED", 1)]
+
+
+def test_an_undo_after_its_alert_says_the_alert_may_close() -> None:
+    outcome = run(supervisor.service, cancelled(), topic=supervisor.topic("package.cancelled"),
+                  answers={"mark_compensated": "compensated:compensation_failed:2::"})
+    assert log_of(outcome) == [("package", "COMPENSATED", 2)]
+    assert [(log.level, log.event) for log in outcome.logs] == [("warning", "compensation.recovered")]
+
+
+def test_an_undo_already_logged_logs_nothing() -> None:
+    released = DroneReleased(delivery_id="d-1", drone_id="drone-7", released_at=NOW)
+    outcome = run(supervisor.service, released, topic=supervisor.topic("drone.released"),
+                  answers={"mark_compensated": "ignored:compensated"})
+    assert outcome.effects[0].args[0] == "drone"
+    assert outcome.emitted == []
+
+
+def test_a_shipment_awaits_the_release_of_its_delivery_at_its_position() -> None:
+    shipped = DeliveryShipped(delivery_id="d-1", package_id="p-1", drone_id="drone-7", shipped_at=NOW)
+    outcome = run(supervisor.service, shipped, topic=supervisor.SHIPPED, partition=3, offset=42,
+                  answers={"await_release": "awaiting"})
+    [awaiting] = outcome.effects
+    assert (awaiting.name, awaiting.keys, awaiting.args) == (
+        "await_release", (awaiting_key(supervisor.SHIPPED, 3),), (42, "d-1"))
+    assert outcome.emitted == []
+
+
+def test_a_report_needs_the_state_table_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(supervisor, "_runtime", None)
+    report = StepReport(delivery_id="d-1", step="drone", kind="FAILED", attempt=1, service="drone-scheduler",
+                        source_topic="delivery.requested", source_event_id="e-1", error="boom",
+                        reported_at=NOW)
+    with pytest.raises(HarnessError, match="ctx.redis"):
+        run(supervisor.service, report, topic="recovery")
