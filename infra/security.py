@@ -156,6 +156,8 @@ def derive_policy(workflow: Workflow, topo: Topology | None = None, *,
             for topic in step.triggers:
                 acls.append(Acl(supervisor.name, "topic", topic, "READ"))
                 acls.append(Acl(supervisor.name, "topic", _retry(step.service, topic), "READ"))
+        for _, confirmed_by in workflow.compensations().values():  # what proves an undo done
+            acls.append(Acl(supervisor.name, "topic", confirmed_by.topic, "READ"))
     for topic, producer in workflow.extra_producers.items():
         acls.append(Acl(producer, "topic", topic, "WRITE"))
         acls.append(Acl(producer, "topic", RECOVERY_TOPIC, "WRITE"))

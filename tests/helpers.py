@@ -75,6 +75,7 @@ class Record:
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]]
+    timestamp_ms: int = 0  # the producer's create time
 
     @property
     def envelope(self) -> Envelope | None:
@@ -111,7 +112,7 @@ def read_topic(topic: str, timeout_s: float = 10.0) -> list[Record]:
                         done.add(tp.partition)
                 continue
             records.append(Record(topic, msg.partition(), msg.offset(), msg.key(), msg.value(),
-                                  list(msg.headers() or [])))
+                                  list(msg.headers() or []), msg.timestamp()[1]))
             if msg.offset() + 1 >= ends[msg.partition()]:
                 done.add(msg.partition())
         return records
