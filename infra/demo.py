@@ -38,10 +38,11 @@ from infra.process import ManagedProcess, StackError
 from infra.services import ingestion_process, pipeline_specs, service_process
 from schemas.models import DeliveryFailed
 
-WATCHED = ["delivery.requested", "package.ready", "package.failed", "drone.scheduled",
-           "drone.failed", "delivery.shipped", "delivery.failed", "package.cancelled",
-           "drone.released", "recovery", "retry.package.delivery.requested",
-           "retry.drone-scheduler.delivery.requested"]
+# every topic of the workflow but dead letters and the compacted log: a delivery's timeline
+_TOPOLOGY = topology.derive(WORKFLOW)
+WATCHED = sorted(t for t in _TOPOLOGY.partitions if not t.endswith(".dlq") and t not in _TOPOLOGY.configs)
+# the event that confirms each undo -> the step it undoes (the services' declarations)
+UNDONE_BY = {confirmed.topic: forward for forward, (_, confirmed) in WORKFLOW.compensations().items()}
 
 
 @dataclass
@@ -107,15 +108,13 @@ class Observer:
                     seen = self.deliveries[delivery]
                     seen.timeline.append((now, topic, env.producer if env else "?",
                                           env.attempt if env else 0))
-                    if topic in ("delivery.shipped", "delivery.failed"):
+                    if topic in WORKFLOW.terminal_topics:
                         seen.terminal.append(topic)
                         seen.terminal_at = seen.terminal_at or now
                     if msg.topic() == "delivery.failed":
                         seen.compensate = list(self.failed(msg.value()).compensate)
-                    if msg.topic() == "package.cancelled":
-                        seen.compensated.add("package")
-                    if msg.topic() == "drone.released":
-                        seen.compensated.add("drone")
+                    if topic in UNDONE_BY:
+                        seen.compensated.add(UNDONE_BY[topic])
 
 
 def _start_services(env: dict[str, str], timeout_s: float = 60.0) -> list[ManagedProcess]:
