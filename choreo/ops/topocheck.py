@@ -14,7 +14,7 @@ The services' own declarations are the only input (``choreo.topology.derive``); 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from choreo.events import Event
@@ -64,17 +64,23 @@ def cycles(workflow: Workflow, topo: Topology) -> list[list[str]]:
         for producer in topo.producers.get(topic, ()):
             if producer in names:
                 edges[producer] |= consumers & names
+    return strongly_connected(edges)
+
+
+def strongly_connected(edges: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The groups of nodes that reach each other (Tarjan), each sorted: those of more than one
+    node, and a node with an edge to itself."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
     groups: list[list[str]] = []
 
-    def visit(node: str) -> None:  # Tarjan
+    def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
-        for nxt in sorted(edges[node]):
+        for nxt in sorted(edges.get(node, ())):
             if nxt not in index:
                 visit(nxt)
                 low[node] = min(low[node], low[nxt])
@@ -88,10 +94,10 @@ def cycles(workflow: Workflow, topo: Topology) -> list[list[str]]:
                 group.append(member)
                 if member == node:
                     break
-            if len(group) > 1 or node in edges[node]:
+            if len(group) > 1 or node in edges.get(node, ()):
                 groups.append(sorted(group))
 
-    for name in sorted(names):
+    for name in sorted(edges):
         if name not in index:
             visit(name)
     return groups

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from choreo.ops.topocheck import strongly_connected
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("choreo", "consumers", "producers", "infra", "schemas", "bench")
 ABOVE_THE_RUNTIME = ("consumers", "producers", "infra", "schemas", "bench")
@@ -123,38 +125,11 @@ def package_graph() -> dict[tuple[str, str], list[str]]:
 
 
 def cycles(edges: dict[tuple[str, str], list[str]]) -> list[frozenset[str]]:
-    """The strongly connected components of more than one package (Tarjan)."""
+    """The groups of packages that import each other (``strongly_connected``)."""
     graph: dict[str, list[str]] = {p: [] for p in PACKAGES}
     for a, b in edges:
         graph[a].append(b)
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[frozenset[str]] = []
-
-    def connect(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        for nxt in graph[node]:
-            if nxt not in index:
-                connect(nxt)
-                low[node] = min(low[node], low[nxt])
-            elif nxt in stack:
-                low[node] = min(low[node], index[nxt])
-        if low[node] == index[node]:
-            component = set()
-            while True:
-                member = stack.pop()
-                component.add(member)
-                if member == node:
-                    break
-            if len(component) > 1:
-                found.append(frozenset(component))
-
-    for node in graph:
-        if node not in index:
-            connect(node)
-    return found
+    return [frozenset(group) for group in strongly_connected(graph)]
 
 
 def test_top_level_packages_import_each_other_without_cycles() -> None:
