@@ -210,7 +210,9 @@ def _note(record: Rec, body: dict[str, Any] | str) -> str:
     if record.header("redrive.from"):
         return f"redriven from {record.header('redrive.from')}"
     if isinstance(body, dict):
-        for name in ("status", "reason", "kind", "drone_id", "package_id"):
+        # what a person looks for first: a verdict, else what the step produced (its id)
+        produced = [n for n in body if n.endswith("_id") and n not in ("delivery_id", "source_event_id")]
+        for name in ("status", "reason", "kind", *produced):
             if body.get(name):
                 extra = f" ({body['step']})" if body.get("step") and name != "step" else ""
                 return f"{name}={body[name]}{extra}"
