@@ -88,7 +88,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.limits = self.guard.limits
         self._ip: str | None = None  # set while counted against the address's cap
-        self._deadline: asyncio.TimerHandle | None = None
+        self._phase = "head"  # what is being waited for: "head" or "body"
+        self._deadline: float | None = None  # when that wait ends (loop time); None: no wait
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._tail = b""
         self._head_open = False  # a request's head has begun and not ended
         self._head_bytes = 0  # of the open head, fed so far
@@ -119,7 +122,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if not self.guard.per_ip[self._ip]:
                 del self.guard.per_ip[self._ip]
             self._ip = None
-        self._disarm()
+        if self._timer is not None:
+            self._timer.cancel()
         super().connection_lost(exc)
 
     # -- reading -------------------------------------------------------------------------
@@ -214,17 +218,30 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                          f"the request's head is larger than {self.limits.max_head_bytes} bytes")
 
     def _arm(self, phase: str, seconds: float) -> None:
-        self._disarm()
-        self._deadline = self.loop.call_later(seconds, self._expire, phase)
+        """Start waiting for ``phase``. The timer is lazy: one already pending that fires no
+        later stays and re-arms itself when it fires early, so a request on a kept-alive
+        connection costs no timer of its own."""
+        self._phase, self._deadline = phase, self.loop.time() + seconds
+        if self._timer is None or self._timer_at > self._deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_at = self.loop.call_at(self._deadline, self._tick), self._deadline
 
     def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._deadline = None
+
+    def _tick(self) -> None:
+        self._timer = None
+        if self._deadline is None:
+            return
+        if self.loop.time() < self._deadline:
+            self._timer, self._timer_at = self.loop.call_at(self._deadline, self._tick), self._deadline
+            return
+        self._deadline = None
+        self._expire(self._phase)
 
     def _expire(self, phase: str) -> None:
         """The head or body took too long: 408 where no response is under way, else close."""
-        self._deadline = None
         if self.transport.is_closing():
             return
         log.info("http.request_timeout", phase=phase, client=self._ip)

@@ -286,3 +286,36 @@ def test_requests_within_the_bounds_are_served_however_they_are_cut(server: Serv
     body = b"x" * 30_000
     large = b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
     assert exchange(server, [large + head], 2) == [b"404", b"200"]
+
+
+def test_a_slow_head_on_a_kept_alive_connection_is_cut_too(server: Server) -> None:
+    """The head's clock starts again for each request of a connection, from its first byte."""
+    stop = threading.Event()
+    with connect(server, "127.0.0.8") as sock:
+        request = f"GET {server.path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        assert exchange_on(sock, request) == b"200"
+        time.sleep(LIMITS.keep_alive_s / 2)  # idle, within the keep-alive bound
+        started = time.monotonic()
+        slow = threading.Thread(target=trickle, daemon=True, args=(
+            sock, f"GET {server.path} HTTP/1.1\r\n".encode(), b"X-a: b\r\n", stop))
+        slow.start()
+        try:
+            answer, closed = read_until_closed(sock, LIMITS.head_timeout_s + SLACK_S)
+        finally:
+            stop.set()
+        assert closed is not None and closed >= LIMITS.head_timeout_s - 1, closed
+        assert time.monotonic() - started >= LIMITS.head_timeout_s - 1
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+
+
+def exchange_on(sock: socket.socket, request: bytes) -> bytes:
+    """One request on an open connection: the status of its answer (read whole)."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head.split(b" ")[1]
