@@ -260,23 +260,26 @@ def _bookings(client: redis.Redis) -> dict[str, str]:
 
 
 def test_trace_of_a_compensated_delivery_shows_every_hop_in_order(isolated: IsolatedPipeline,
-                                                                  tmp_path: Path) -> None:
+                                                                  tmp_path: Path, unique: str) -> None:
     isolated.env = {"AGENT_DISPATCH_PERMANENT_RATE": "1.0"}  # every drone booking is refused
+    ensure_topics({isolated.prefix + "compensation.log": 3}, config={"cleanup.policy": "compact"})
     isolated.start()
+    isolated.supervise(f"sup-ops-{unique}")  # it asks for the undo
     ids = isolated.submit(3)
     target = ids[0]
     wait_for(lambda: any(r.key == target.encode() for r in read_topic(isolated.prefix + "package.cancelled")),
              timeout_s=45, interval_s=0.5, what="the package to be cancelled")
-    # the test pipeline declares its outputs by model (unprefixed): name its undo topics
-    undo = [isolated.prefix + t for t in ("package.cancelled", "drone.released")]
+    # the test pipeline declares its outputs by model (unprefixed) and runs no supervisor among
+    # its services: name the topics only those read
+    undo = [isolated.prefix + t for t in ("delivery.failed", "package.cancelled", "drone.released")]
     found = trace(target, isolated.flow, redis_client=isolated.client, extra_topics=undo)
     assert found.found_start_by in STARTS
     topics = [h.topic.removeprefix(isolated.prefix) for h in found.hops]
     assert topics[0] == "delivery.requested"
     assert set(topics) == {"delivery.requested", "package.ready", "drone.failed", "delivery.failed",
-                           "package.cancelled"}
+                           "undo.package", "package.cancelled"}
     assert topics.index("delivery.failed") > max(topics.index("package.ready"), topics.index("drone.failed"))
-    assert topics.index("package.cancelled") > topics.index("delivery.failed")
+    assert topics.index("package.cancelled") > topics.index("undo.package") > topics.index("delivery.failed")
     shown: set[str] = set()
     for hop in found.hops:  # every hop's cause was shown before it
         assert not hop.causation_id or hop.causation_id in shown, hop
@@ -292,7 +295,8 @@ def test_trace_of_a_compensated_delivery_shows_every_hop_in_order(isolated: Isol
     out = tmp_path / "stuck.json"
     evidence = stuck_evidence([target], isolated.client, isolated.flow, out)[target]
     told = [line.split()[1].split("[")[0].removeprefix(isolated.prefix) for line in evidence["hops"]]
-    assert told[0] == "delivery.requested" and set(told) == set(topics) - {"package.cancelled"}
+    assert told[0] == "delivery.requested"
+    assert set(told) == set(topics) - {"delivery.failed", "package.cancelled"}
     assert evidence["state"]["package.status"] == found.state["package.status"]
     assert set(evidence["deadlines"]) <= {s.name for s in isolated.flow.steps}
     assert "package" in evidence["deadlines"]
