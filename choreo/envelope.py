@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, replace
 from collections.abc import Mapping, Sequence
 
+from choreo.errors import DeadLetterReason
+
 ID_NAMESPACE = uuid.UUID("6f1c1a52-5b7e-4c33-9a55-3c3f0d2a9e10")
 _NAMESPACE_BYTES = ID_NAMESPACE.bytes
 
@@ -27,6 +29,11 @@ H_HOPS = "hops"
 H_EVENT_TYPE = "event_type"
 H_PRODUCER = "producer"
 H_PRODUCED_AT = "produced_at_ms"
+
+# The highest attempt an envelope may carry. Retry budgets are a few dozen at most; a
+# forged huge attempt would outrank every supervisor token, and past 2**31 it no longer
+# fits the Avro ``int`` of a recovery report, so the event could never be reported.
+MAX_ATTEMPT = 1000
 
 HeaderList = list[tuple[str, str | bytes | None]]
 Headers = Sequence[tuple[str, bytes | str | None]] | Mapping[str, bytes | str | None]
@@ -117,7 +124,14 @@ class Envelope:
 
     @classmethod
     def from_headers(cls, headers: Headers | None) -> Envelope | None:
-        """The envelope in ``headers``, or None when the event id or correlation id is missing."""
+        """The envelope in ``headers``, or None when they carry no usable one (``parse``)."""
+        parsed = cls.parse(headers)
+        return parsed if isinstance(parsed, Envelope) else None
+
+    @classmethod
+    def parse(cls, headers: Headers | None) -> Envelope | Unusable:
+        """The envelope in ``headers``, or why they carry no usable one: the runtime
+        dead-letters the event with that reason."""
         values: dict[str, str] = {}
         for name, raw in pairs(headers):
             if raw is None:
@@ -125,9 +139,9 @@ class Envelope:
             try:
                 values[name] = raw.decode() if isinstance(raw, bytes) else raw
             except UnicodeDecodeError:
-                return None
+                return Unusable(DeadLetterReason.MISSING_HEADERS, f"header {name[:50]!r} is not UTF-8")
         if not values.get(H_EVENT_ID) or not values.get(H_CORRELATION_ID):
-            return None
+            return Unusable(DeadLetterReason.MISSING_HEADERS, "no event_id / correlation_id headers")
         try:
             envelope = cls(
                 event_id=values[H_EVENT_ID][:200],
@@ -142,11 +156,23 @@ class Envelope:
                 produced_at_ms=int(values.get(H_PRODUCED_AT, "0")),
             )
         except ValueError:
-            return None
+            return Unusable(DeadLetterReason.MISSING_HEADERS, "a counter header is not an integer")
         # forged counters would slip past the hop limit or outrank a supervisor's token
         if envelope.hops < 0 or envelope.attempt < 1 or envelope.deadline_ms < 0:
-            return None
+            return Unusable(DeadLetterReason.MISSING_HEADERS,
+                            "negative hops or deadline, or an attempt below 1")
+        if envelope.attempt > MAX_ATTEMPT:
+            return Unusable(DeadLetterReason.ATTEMPT_LIMIT,
+                            f"attempt {envelope.attempt} > limit {MAX_ATTEMPT}")
         return envelope
+
+
+@dataclass(frozen=True)
+class Unusable:
+    """Why a record's headers carry no usable envelope: the dead letter's reason and text."""
+
+    reason: DeadLetterReason
+    detail: str
 
 
 def pairs(headers: Headers | None) -> Sequence[tuple[str, bytes | str | None]]:

@@ -14,6 +14,7 @@ class DeadLetterReason(StrEnum):
     INVALID_PAYLOAD = "INVALID_PAYLOAD"  # decoded, but fails validation
     MISSING_HEADERS = "MISSING_HEADERS"  # no usable envelope
     HOP_LIMIT = "HOP_LIMIT"  # event-storm guard
+    ATTEMPT_LIMIT = "ATTEMPT_LIMIT"  # an attempt past choreo.envelope.MAX_ATTEMPT (forged)
     REJECTED = "REJECTED"  # the handler said it can never succeed
     OVERSIZED = "OVERSIZED"  # larger than the service accepts
 

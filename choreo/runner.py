@@ -32,7 +32,7 @@ from choreo import metrics
 from choreo.kafka import transactional_consumer_config, transactional_producer_config
 from choreo.config import settings
 from choreo.dedupe import Deduper, Seen
-from choreo.envelope import Envelope, HeaderList, pairs, derived_id, now_ms
+from choreo.envelope import Envelope, HeaderList, Unusable, pairs, derived_id, now_ms
 from choreo.errors import DeadLetterReason, DeliveryReleased, Rejected, Retryable
 from choreo.events import Event
 from choreo.logs import get_logger
@@ -250,11 +250,11 @@ class Runner:
         self._dead_lettered.clear()
         clock = PhaseClock(self.service.name)
         try:
-            envelopes = [Envelope.from_headers(m.headers()) for m in batch]  # read once per message
-            seen = self._seen(batch, envelopes)
+            parsed = [Envelope.parse(m.headers()) for m in batch]  # read once per message
+            seen = self._seen(batch, [e if isinstance(e, Envelope) else None for e in parsed])
             clock.lap("dedupe")
             self.producer.begin_transaction()
-            work = [w for m, e, s in zip(batch, envelopes, seen)
+            work = [w for m, e, s in zip(batch, parsed, seen)
                     if (w := self._prepare(m, e, s)) is not None]
             clock.lap("decode")
             self._begin_all(work)
@@ -353,16 +353,15 @@ class Runner:
 
     # -- one message -------------------------------------------------------------------
 
-    def _prepare(self, message: Message, envelope: Envelope | None, seen: Seen) -> Work | None:
+    def _prepare(self, message: Message, envelope: Envelope | Unusable, seen: Seen) -> Work | None:
         """Decode and guard one message; what can never succeed is dead-lettered here."""
         topic = message.topic() or ""
         metrics.child(metrics.EVENTS_IN, self.service.name, topic).inc()
         if seen is not Seen.FRESH:
             metrics.IGNORED.labels(self.service.name, topic, seen.value).inc()
             return None
-        if envelope is None:
-            self._dead_letter(message, DeadLetterReason.MISSING_HEADERS,
-                              "no event_id / correlation_id headers")
+        if isinstance(envelope, Unusable):
+            self._dead_letter(message, envelope.reason, envelope.detail)
             return None
         if envelope.hops > self.service.max_hops:
             self._dead_letter(message, DeadLetterReason.HOP_LIMIT,

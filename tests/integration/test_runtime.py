@@ -17,12 +17,12 @@ from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from choreo.config import settings
-from choreo.envelope import Envelope, now_ms
+from choreo.envelope import MAX_ATTEMPT, Envelope, now_ms
 from choreo.kafka import ensure_topics
 from choreo.publisher import Publisher
 from choreo.serde import Encoder, registry_client
 from choreo.state import Begin, StateTable, StepStatus
-from schemas.models import DeliveryShipped, PackageFailed
+from schemas.models import DeliveryRequested, DeliveryShipped, PackageFailed
 from tests.factories import delivery_request
 from tests.helpers import ServiceProcess, free_port, read_topic, wait_for
 
@@ -251,3 +251,27 @@ def test_sigterm_commits_and_leaves_the_group(services: list[ServiceProcess], pr
     committed = sum(tp.offset for tp in offsets[f"probe-{topic}"].result(10).topic_partitions
                     if tp.topic == topic and tp.offset > 0)
     assert committed == len(ids)  # everything handled was committed before leaving
+
+
+def test_an_attempt_past_the_bound_is_dead_lettered(services: list[ServiceProcess], probe_topic: str) -> None:
+    """A forged huge ``attempt`` header would outrank every supervisor token (and no longer
+    fit a recovery report): such an event is dead-lettered as ATTEMPT_LIMIT, unrun."""
+    topic = probe_topic
+    encoder = Encoder(DeliveryRequested, topic, registry_client())
+    producer = _raw_producer()
+    forged = {}
+    for attempt in (MAX_ATTEMPT + 1, 10**15):
+        request = delivery_request(weight_kg=1.0)
+        envelope = Envelope.first(str(uuid.uuid4()), request.delivery_id, "DeliveryRequested", "test")
+        producer.produce(topic, key=request.key.encode(), value=encoder(request),
+                         headers=envelope.with_attempt(attempt).to_headers())
+        forged[request.delivery_id] = attempt
+    producer.flush(10)
+    [good] = _publish([delivery_request(weight_kg=1.0)], topic)
+    services.append(ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic}).start())
+    dlq = wait_for(lambda: len(r := read_topic(f"{topic}.dlq")) >= 2 and r, what="2 dead letters")
+    assert {r.key.decode(): (r.header("dlq.reason"), r.header("dlq.error")) for r in dlq if r.key} == {
+        delivery_id: ("ATTEMPT_LIMIT", f"attempt {attempt} > limit {MAX_ATTEMPT}")
+        for delivery_id, attempt in forged.items()}
+    out = wait_for(lambda: read_topic(f"{topic}.out"), what="the good event's output")
+    assert [r.envelope.causation_id for r in out if r.envelope] == [good]

@@ -27,7 +27,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from choreo.envelope import Envelope
+from choreo.envelope import MAX_ATTEMPT, Envelope
 from choreo.errors import DeadLetterReason
 from choreo.serde import MAX_VALUE_BYTES, DecodeFailure, Decoder, RegistryUnavailable
 from producers.ingestion import create_app
@@ -179,7 +179,7 @@ def test_any_headers_give_an_envelope_or_none(headers: list[tuple[str, bytes | s
 
 @settings(max_examples=200, deadline=None)
 @given(st.text(min_size=1, max_size=200).filter(str.strip), st.text(min_size=1, max_size=200).filter(str.strip),
-       st.integers(1, 10**6), st.integers(0, 1000))
+       st.integers(1, MAX_ATTEMPT), st.integers(0, 1000))
 def test_envelopes_survive_their_own_headers(event_id: str, correlation_id: str, attempt: int, hops: int) -> None:
     env = Envelope(event_id=event_id, correlation_id=correlation_id, attempt=attempt, hops=hops)
     assert Envelope.from_headers(env.to_headers()) == env
@@ -189,6 +189,7 @@ def test_forged_counters_are_refused() -> None:
     base = [("event_id", b"e"), ("correlation_id", b"d")]
     assert Envelope.from_headers([*base, ("hops", b"-1000000")]) is None
     assert Envelope.from_headers([*base, ("attempt", b"0")]) is None
+    assert Envelope.from_headers([*base, ("attempt", str(MAX_ATTEMPT + 1).encode())]) is None
 
 
 # -- the HTTP body -------------------------------------------------------------------------
