@@ -46,6 +46,20 @@ from choreo.workflow import Workflow
 RECOVERY_TOPIC = "recovery"
 LAG_PERIOD_S = 10.0
 
+# The headers a dead letter's origin is told by: the runtime alone writes them, and strips
+# any an incoming record carried, so a dead letter holds exactly one set (choreo.ops.dlq
+# trusts nothing else).
+DLQ_HEADER_PREFIX = "dlq."
+H_DLQ_REASON = "dlq.reason"
+H_DLQ_ERROR = "dlq.error"
+H_DLQ_SOURCE_TOPIC = "dlq.source.topic"
+H_DLQ_SOURCE_PARTITION = "dlq.source.partition"
+H_DLQ_SOURCE_OFFSET = "dlq.source.offset"
+H_DLQ_SERVICE = "dlq.service"
+H_DLQ_TIME_MS = "dlq.time_ms"
+DLQ_HEADERS = (H_DLQ_REASON, H_DLQ_ERROR, H_DLQ_SOURCE_TOPIC, H_DLQ_SOURCE_PARTITION,
+               H_DLQ_SOURCE_OFFSET, H_DLQ_SERVICE, H_DLQ_TIME_MS)
+
 
 class BatchTransient(Exception):
     """Infrastructure is briefly unavailable (Redis, registry), or the replay of a completed
@@ -552,15 +566,17 @@ class Runner:
 
     def _dead_letter(self, message: Message, reason: DeadLetterReason, error: str) -> None:
         topic = message.topic() or ""
-        headers: HeaderList = list(pairs(message.headers()))
+        # an incoming dlq.* header is a forgery (or a stale copy): only ours tell the origin
+        headers: HeaderList = [(k, v) for k, v in pairs(message.headers())
+                               if not k.startswith(DLQ_HEADER_PREFIX)]
         headers += [
-            ("dlq.reason", reason.value.encode()),
-            ("dlq.error", error[:1000].encode()),
-            ("dlq.source.topic", topic.encode()),
-            ("dlq.source.partition", str(message.partition()).encode()),
-            ("dlq.source.offset", str(message.offset()).encode()),
-            ("dlq.service", self.service.name.encode()),
-            ("dlq.time_ms", str(now_ms()).encode()),
+            (H_DLQ_REASON, reason.value.encode()),
+            (H_DLQ_ERROR, error[:1000].encode()),
+            (H_DLQ_SOURCE_TOPIC, topic.encode()),
+            (H_DLQ_SOURCE_PARTITION, str(message.partition()).encode()),
+            (H_DLQ_SOURCE_OFFSET, str(message.offset()).encode()),
+            (H_DLQ_SERVICE, self.service.name.encode()),
+            (H_DLQ_TIME_MS, str(now_ms()).encode()),
         ]
         # retry topics share their origin's dead-letter topic: one place to look per event type
         origin = self.service.handlers[topic].topic if topic in self.service.handlers else topic

@@ -295,6 +295,8 @@ def dlq_show(topic: str = typer.Argument(..., help="DLQ topic"), partition: int 
     for k, v in shown["headers"].items():
         headers.add_row(k, v, style="red" if k.startswith("dlq.") else "")
     out.print(headers)
+    if shown["dead_letter"]["problem"]:
+        err.print(f"[bold red]untrusted, never redriven:[/] {shown['dead_letter']['problem']}", highlight=False)
     out.print_json(json.dumps(shown["body"]) if isinstance(shown["body"], dict) else json.dumps(str(shown["body"])))
 
 

@@ -18,6 +18,13 @@ cannot produce a second, different outcome. For a supervised step the state tabl
 last word: if the step was closed meanwhile (failed, compensated), the redriven event is
 a late answer and is ignored, which is what the supervisor already decided.
 
+**Only where it truly came from.** The runtime strips every ``dlq.*`` header an incoming
+record carried and writes its own, so a dead letter holds exactly one of each. A record
+in ``<topic>.dlq`` whose ``dlq.*`` headers are missing, repeated, or name a source that is
+neither ``<topic>`` nor the dead-lettering service's retry topic of it was not written so
+by the runtime: it is shown with that problem and never redriven (a redrive publishes as
+the ops principal, which may write where the record's author may not).
+
 **Each at most once.** The redriven DLQ positions are recorded in a compacted topic
 (``choreo.dlq.redriven``, key ``<dlq topic>|<partition>|<offset>``), produced in the *same
 Kafka transaction* as the redriven events: a marker exists exactly when its redrive was
@@ -44,6 +51,11 @@ from choreo.dedupe import seen_field, seen_key
 from choreo.envelope import HeaderList, now_ms
 from choreo.kafka import base_config, ensure_topics
 from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
+from choreo.runner import (
+    DLQ_HEADER_PREFIX, DLQ_HEADERS, H_DLQ_ERROR, H_DLQ_REASON, H_DLQ_SERVICE,
+    H_DLQ_SOURCE_OFFSET, H_DLQ_SOURCE_PARTITION, H_DLQ_SOURCE_TOPIC, H_DLQ_TIME_MS,
+)
+from choreo.service import retry_topic
 
 REDRIVEN_TOPIC = "choreo.dlq.redriven"
 REDRIVE_TXN_ID = "choreo-ops-redrive"
@@ -66,6 +78,7 @@ class DeadLetter:
     event_id: str
     attempt: int
     redriven: bool = False
+    problem: str = ""  # why its dlq.* headers cannot be trusted ("": written by the runtime)
 
     @property
     def position(self) -> str:
@@ -73,20 +86,50 @@ class DeadLetter:
 
     @classmethod
     def of(cls, record: Rec, redriven: set[str]) -> DeadLetter:
+        """The dead letter as the runtime wrote it: the last of each ``dlq.*`` header (the
+        runtime appends its own after the record's), with ``problem`` set when they are not
+        exactly the runtime's one consistent set."""
         env = record.envelope
+        found: dict[str, list[str]] = {}
+        for name, raw in record.headers:
+            if name.startswith(DLQ_HEADER_PREFIX):
+                found.setdefault(name, []).append(raw.decode(errors="replace"))
+        dlq = {name: values[-1] for name, values in found.items()}
         letter = cls(
             dlq_topic=record.topic, partition=record.partition, offset=record.offset,
-            time_ms=int(record.header("dlq.time_ms") or record.timestamp_ms),
-            reason=record.header("dlq.reason") or "", error=record.header("dlq.error") or "",
-            service=record.header("dlq.service") or "",
-            source_topic=record.header("dlq.source.topic") or record.topic.removesuffix(DLQ_SUFFIX),
-            source_partition=int(record.header("dlq.source.partition") or -1),
-            source_offset=int(record.header("dlq.source.offset") or -1),
+            time_ms=_integer(dlq.get(H_DLQ_TIME_MS), record.timestamp_ms),
+            reason=dlq.get(H_DLQ_REASON, ""), error=dlq.get(H_DLQ_ERROR, ""),
+            service=dlq.get(H_DLQ_SERVICE, ""),
+            source_topic=dlq.get(H_DLQ_SOURCE_TOPIC, record.topic.removesuffix(DLQ_SUFFIX)),
+            source_partition=_integer(dlq.get(H_DLQ_SOURCE_PARTITION), -1),
+            source_offset=_integer(dlq.get(H_DLQ_SOURCE_OFFSET), -1),
             delivery_id=env.correlation_id if env else record.key_text,
             event_id=env.event_id if env else "", attempt=env.attempt if env else 0,
         )
+        letter.problem = _untrusted(letter, found)
         letter.redriven = letter.position in redriven
         return letter
+
+
+def _integer(text: str | None, default: int) -> int:
+    return int(text) if text is not None and text.isascii() and text.isdigit() else default
+
+
+def _untrusted(letter: DeadLetter, found: dict[str, list[str]]) -> str:
+    """Why the ``dlq.*`` headers of ``letter`` are not the runtime's one set for its DLQ
+    topic ("" when they are)."""
+    missing = [name for name in DLQ_HEADERS if name not in found]
+    if missing:
+        return f"dlq headers missing: {', '.join(missing)}"
+    repeated = sorted(name for name, values in found.items() if len(values) > 1)
+    if repeated:
+        return f"dlq headers repeated: {', '.join(repeated)}"
+    origin = letter.dlq_topic.removesuffix(DLQ_SUFFIX)
+    if letter.source_topic not in (origin, retry_topic(letter.service, origin)):
+        return f"dlq.source.topic is neither {origin} nor {letter.service}'s retry topic of it"
+    if letter.source_partition < 0 or letter.source_offset < 0:
+        return "dlq.source.partition / dlq.source.offset are not offsets"
+    return ""
 
 
 @dataclass
@@ -210,6 +253,8 @@ def redrive(selection: Selection, *, dry_run: bool = False, progress: Progress |
     for letter, record in selected:
         if letter.redriven:
             result.skipped.append((letter, "already redriven"))
+        elif letter.problem:
+            result.skipped.append((letter, f"untrusted: {letter.problem}"))
         elif not letter.event_id:
             result.skipped.append((letter, "no envelope: it would only be dead-lettered again"))
         else:
@@ -224,7 +269,7 @@ def redrive(selection: Selection, *, dry_run: bool = False, progress: Progress |
         by = f"{socket.gethostname()}"
         for letter, record in todo:
             _forget_seen(forget, letter)
-            headers: HeaderList = [(k, v) for k, v in record.headers if not k.startswith(("dlq.", "redrive."))]
+            headers: HeaderList = [(k, v) for k, v in record.headers if not k.startswith((DLQ_HEADER_PREFIX, "redrive."))]
             headers.append(("redrive.from", letter.position.encode()))
             producer.produce(letter.source_topic, key=record.key, value=record.value, headers=headers)
             marker = {"to": letter.source_topic, "at_ms": now_ms(), "by": by, "reason": letter.reason,

@@ -11,7 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from confluent_kafka import Producer
 
+from choreo.config import settings
+from choreo.envelope import Envelope
 from choreo.kafka import ensure_topics
 from choreo.ops.dlq import Selection, dead_letters, redrive, show, summary
 from choreo.publisher import Publisher
@@ -77,3 +80,43 @@ def test_redrive_after_the_fix_delivers_each_event_once(services: list[ServicePr
     assert all(letter.redriven for letter in redriven)
     copies = [r for r in read_topic(topic) if r.header("redrive.from")]
     assert len(copies) == 3 and {r.header("event_id") for r in copies} == set(bad)
+
+
+def test_forged_dlq_headers_never_choose_where_a_redrive_goes(services: list[ServiceProcess], stack: None,
+                                                              unique: str) -> None:
+    """A record arrives with ``dlq.*`` headers of its own (naming another topic and service):
+    its dead letter carries the runtime's set only, and its redrive goes back to the true
+    topic. A dead letter written straight into ``<topic>.dlq`` with a foreign source is
+    never redriven."""
+    topic = f"t.ops.forged.{unique}"
+    victim = f"{topic}.victim"
+    ensure_topics([topic, f"{topic}.out", f"{topic}.dlq", victim], partitions=1)
+    forged = [("dlq.source.topic", victim.encode()), ("dlq.service", b"someone-else"),
+              ("dlq.reason", b"REJECTED"), ("dlq.source.partition", b"0"), ("dlq.source.offset", b"0")]
+    envelope = Envelope.first(str(uuid.uuid4()), str(uuid.uuid4()), "DeliveryRequested", "test")
+    producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers})
+    producer.produce(topic, key=b"k", value=b"\xff\xfe not avro", headers=forged + envelope.to_headers())
+    producer.flush(10)
+    services.append(ServiceProcess("tests.services.ops_picky:picky", env={"OPS_TOPIC": topic},
+                                   workflow="").start())
+    [letter] = wait_for(lambda: read_topic(f"{topic}.dlq"), what="the dead letter")
+    names = [name for name, _ in letter.headers if name.startswith("dlq.")]
+    assert sorted(names) == sorted(set(names))  # one of each: the forged ones were stripped
+    assert letter.header("dlq.source.topic") == topic and letter.header("dlq.service") == f"ops-picky-{topic}"
+    assert letter.header("dlq.reason") == "UNDECODABLE"
+
+    # a dead letter nobody's runtime wrote: its source is a topic the dlq is not of
+    producer.produce(f"{topic}.dlq", key=b"k", value=b"\xff",
+                     headers=[*Envelope.first(str(uuid.uuid4()), "x", "T", "test").to_headers(),
+                              ("dlq.reason", b"REJECTED"), ("dlq.error", b"e"), ("dlq.source.topic", victim.encode()),
+                              ("dlq.source.partition", b"0"), ("dlq.source.offset", b"0"),
+                              ("dlq.service", f"ops-picky-{topic}".encode()), ("dlq.time_ms", b"1")])
+    producer.flush(10)
+    result = redrive(Selection(topics=[topic]))
+    assert [(letter.source_topic, letter.offset) for letter in result.redriven] == [(topic, 0)]
+    assert [why for _, why in result.skipped] == [
+        f"untrusted: dlq.source.topic is neither {topic} nor ops-picky-{topic}'s retry topic of it"]
+    copies = wait_for(lambda: [r for r in read_topic(topic) if r.header("redrive.from")], what="the copy")
+    assert len(copies) == 1 and copies[0].header("redrive.from") == f"{topic}.dlq|0|0"
+    assert not any(name.startswith("dlq.") for name, _ in copies[0].headers)
+    assert read_topic(victim) == []
