@@ -122,13 +122,19 @@ def run_service(
     workflow: str = typer.Option("consumers.workflow:WORKFLOW",
                                  help="module:attr of the Workflow whose steps outputs open ('' for none)"),
 ) -> None:
-    """Run one instance of a service until SIGTERM."""
+    """Run one instance of a service until SIGTERM, after creating the topics it declares
+    that do not exist yet (a new subscriber needs no manual step)."""
+    from choreo import topology
     from choreo.runner import Runner, RunnerOptions
     from choreo.service import load_service
 
+    service = load_service(ref)
     flow = _load_workflow(workflow)
-    Runner(load_service(ref), RunnerOptions(instance=instance, metrics_port=metrics_port),
-           workflow=flow).run()
+    try:
+        topology.ensure_service(service, flow)
+    except topology.TopicsMissing as exc:
+        fail(str(exc))
+    Runner(service, RunnerOptions(instance=instance, metrics_port=metrics_port), workflow=flow).run()
 
 
 def _load_workflow(ref: str) -> "Workflow | None":
