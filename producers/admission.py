@@ -5,8 +5,11 @@ arrives. So the submit path enforces three bounds, each checked in O(1) per requ
 
 * **deliveries in flight** (accepted, not yet terminal), across every ingestion instance:
   a Redis sorted set of delivery ids scored by accept time. One Lua script admits a
-  delivery only while the set is under the cap (count and add are atomic, so concurrent
-  instances cannot overshoot). Terminal deliveries leave the set lazily: a background
+  delivery only while the set is under the cap and its owner holds less than its share of
+  the cap (``INGESTION_OWNER_SHARE``: one owner cannot take every place and leave the
+  others 429s); count and add are atomic, so concurrent instances cannot overshoot either
+  bound. Each owner's count is a field of a hash next to the set, kept in step with it by
+  the same scripts that add and remove its members. Terminal deliveries leave the set lazily: a background
   trimmer reads the ``outcome`` the delivery service writes into the state hash, for the
   oldest page and one rotating page per tick (bounded work, never a full scan per request).
   An entry older than ``inflight_max_age_s`` without an outcome is dropped from the count
@@ -28,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import redis
@@ -48,22 +52,63 @@ from producers.settings import IngestionSettings
 MISSING_STATE_GRACE_S = 60.0
 MAX_RETRY_AFTER_S = 30
 
-# ARGV: now ms, cap, delivery ids. Admits the ids in order while the set is under the cap
-# (one already in the set counts as admitted: a retry); returns {how many, set size}.
+# Verdicts of the admission script, per delivery.
+ADMITTED, PAST_CAP, PAST_OWNER_SHARE = 0, 1, 2
+
+# KEYS: the in-flight set, each owner's count (hash), each delivery's owner (hash).
+# ARGV: now ms, cap, an owner's cap, then (delivery id, owner) pairs. Admits each in order
+# while the set is under the cap and its owner under its own (one already in the set is
+# admitted: a retry); returns {set size, {verdict per pair}}.
 _ADMIT = """
 local n = redis.call('ZCARD', KEYS[1])
-local cap = tonumber(ARGV[2])
-local admitted = 0
-for i = 3, #ARGV do
-  if not redis.call('ZSCORE', KEYS[1], ARGV[i]) then
-    if n >= cap then break end
-    redis.call('ZADD', KEYS[1], ARGV[1], ARGV[i])
-    n = n + 1
+local cap, owner_cap = tonumber(ARGV[2]), tonumber(ARGV[3])
+local verdicts = {}
+for i = 4, #ARGV, 2 do
+  local id, owner, verdict = ARGV[i], ARGV[i + 1], 0
+  if not redis.call('ZSCORE', KEYS[1], id) then
+    if n >= cap then
+      verdict = 1
+    elseif (tonumber(redis.call('HGET', KEYS[2], owner)) or 0) >= owner_cap then
+      verdict = 2
+    else
+      redis.call('ZADD', KEYS[1], ARGV[1], id)
+      redis.call('HINCRBY', KEYS[2], owner, 1)
+      redis.call('HSET', KEYS[3], id, owner)
+      n = n + 1
+    end
   end
-  admitted = admitted + 1
+  verdicts[#verdicts + 1] = verdict
 end
-return {admitted, n}
+return {n, verdicts}
 """
+
+# KEYS: as _ADMIT's. ARGV: delivery ids leaving the set; their owners' counts go down with
+# them. Returns how many were in the set.
+_REMOVE = """
+local gone = 0
+for i = 1, #ARGV do
+  if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
+    gone = gone + 1
+    local owner = redis.call('HGET', KEYS[3], ARGV[i])
+    if owner then
+      redis.call('HDEL', KEYS[3], ARGV[i])
+      if redis.call('HINCRBY', KEYS[2], owner, -1) <= 0 then redis.call('HDEL', KEYS[2], owner) end
+    end
+  end
+end
+return gone
+"""
+
+
+def inflight_keys(key: str) -> list[str]:
+    """The in-flight set and the two hashes kept in step with it (owner counts, owners)."""
+    return [key, f"{key}:owners", f"{key}:owner_of"]
+
+
+def owner_cap(cap: int, share: float) -> int:
+    """An owner's places: ``share`` of the cap, rounded down (exact: 0.29 of 100 is 29), at
+    least one."""
+    return max(1, math.floor(Fraction(str(share)) * cap))
 
 
 def lag_groups(workflow: Workflow, topic: str, configured: str = "") -> list[str]:
@@ -78,26 +123,33 @@ class InFlight:
     """The cap on deliveries accepted and not yet terminal, shared by all instances."""
 
     def __init__(self, client: redis.Redis, key: str, cap: int, max_age_s: float,
-                 page: int) -> None:
+                 page: int, owner_cap: int) -> None:
         self.client = client
         self.key = key
+        self.keys = inflight_keys(key)
         self.cap = cap
+        self.owner_cap = owner_cap
         self.max_age_ms = int(max_age_s * 1000)
         self.page = page
         self._admit = client.register_script(_ADMIT)
+        self._remove = client.register_script(_REMOVE)
         self._cursor = 0
         self.log = get_logger(component="admission")
 
-    def admit(self, delivery_ids: Sequence[str], now_ms: int) -> tuple[int, int]:
-        """Reserve places for ``delivery_ids`` in order, as far as the cap allows
-        (idempotent): how many of them got one, and the set's size after."""
-        admitted, count = self._admit(keys=[self.key], args=[now_ms, self.cap, *delivery_ids])
-        return int(admitted), int(count)
+    def admit(self, items: Sequence[tuple[str, str]], now_ms: int) -> tuple[list[int], int]:
+        """Reserve places for (delivery id, owner) ``items`` in order, within the cap and each
+        owner's share (idempotent): a verdict per item (``ADMITTED``, ``PAST_CAP``,
+        ``PAST_OWNER_SHARE``) and the set's size after."""
+        args: list[str | int] = [now_ms, self.cap, self.owner_cap]
+        for delivery_id, owner in items:
+            args += [delivery_id, owner]
+        count, verdicts = self._admit(keys=self.keys, args=args)
+        return [int(v) for v in verdicts], int(count)
 
     def release(self, delivery_ids: Sequence[str]) -> None:
         """Give the places back: the deliveries were never accepted."""
         if delivery_ids:
-            self.client.zrem(self.key, *delivery_ids)
+            self._remove(keys=self.keys, args=list(delivery_ids))
 
     def count(self) -> int:
         return int(self.client.zcard(self.key))
@@ -130,7 +182,7 @@ class InFlight:
             self.log.warning("in-flight entries expired without an outcome",
                              count=len(expired), delivery_ids=expired[:20])
         if done or expired:
-            self.client.zrem(self.key, *done, *expired)
+            self.release([*done, *expired])
         return len(done) + len(expired)
 
 
@@ -206,7 +258,8 @@ class Admission:
                  clock_ms: Callable[[], int] | None = None) -> None:
         self.cfg = cfg
         self.inflight = InFlight(client, cfg.inflight_key, cfg.max_in_flight,
-                                 cfg.inflight_max_age_s, cfg.trim_page)
+                                 cfg.inflight_max_age_s, cfg.trim_page,
+                                 owner_cap(cfg.max_in_flight, cfg.owner_share))
         self.groups = lag_groups(workflow, topic, cfg.lag_groups)
         self.meter = LagMeter(admin or kafka_admin(), topic, self.groups)
         self.backlog = Backlog()
@@ -236,18 +289,28 @@ class Admission:
                                    max(self.cfg.retry_after_s, min(MAX_RETRY_AFTER_S, wait)))
         self._open("backlog")
 
-    def reserve(self, delivery_ids: Sequence[str]) -> tuple[int, AdmissionRefused | None]:
-        """Take places in flight for ``delivery_ids``, in order, while the cap allows (atomic
-        across instances): how many got one, and the refusal for the rest (None: all did)."""
-        admitted, count = self.inflight.admit(delivery_ids, self._clock_ms())
+    def reserve(self, items: Sequence[tuple[str, str]]) -> list[AdmissionRefused | None]:
+        """Take places in flight for (delivery id, owner) ``items``, in order, within the cap
+        and each owner's share (atomic across instances): None for each that got one, else
+        its refusal. One owner past its share does not refuse the others' items."""
+        verdicts, count = self.inflight.admit(items, self._clock_ms())
         metrics.INFLIGHT.set(count)
-        if admitted < len(delivery_ids):
-            self._refusing("in_flight", f"{count} deliveries in flight, cap {self.cfg.max_in_flight}")
-            return admitted, AdmissionRefused(
-                "in_flight", f"{count} deliveries in flight (cap {self.cfg.max_in_flight})",
-                self.cfg.retry_after_s)
-        self._open("in_flight")
-        return admitted, None
+        cap, share = self.cfg.max_in_flight, self.inflight.owner_cap
+        refusals: dict[int, AdmissionRefused | None] = {ADMITTED: None}
+        if PAST_CAP in verdicts:
+            self._refusing("in_flight", f"{count} deliveries in flight, cap {cap}")
+            refusals[PAST_CAP] = AdmissionRefused(
+                "in_flight", f"{count} deliveries in flight (cap {cap})", self.cfg.retry_after_s)
+        else:
+            self._open("in_flight")
+        if PAST_OWNER_SHARE in verdicts:
+            self._refusing("owner_share", f"an owner holds its {share} places of the cap {cap}")
+            refusals[PAST_OWNER_SHARE] = AdmissionRefused(
+                "owner_share", f"this owner has {share} deliveries in flight, its share of the cap "
+                f"({self.cfg.owner_share} of {cap})", self.cfg.retry_after_s)
+        else:
+            self._open("owner_share")
+        return [refusals[verdict] for verdict in verdicts]
 
     def release(self, delivery_ids: Sequence[str]) -> None:
         try:

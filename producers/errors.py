@@ -10,6 +10,7 @@ class AdmissionRefused(Exception):
     """The pipeline is past a limit; nothing was published. Retry after ``retry_after_s``.
 
     ``reason`` is ``in_flight`` (too many deliveries accepted and not finished),
+    ``owner_share`` (this owner holds its share of that cap, ``INGESTION_OWNER_SHARE``),
     ``backlog`` (the step consumers lag too far behind) or ``producer_queue`` (this
     process has too many publishes awaiting the broker's confirmation).
     ``accepted`` (here and on the other errors a batch submit raises) lists the ids it had

@@ -22,6 +22,9 @@ class IngestionSettings(BaseSettings):
     url: str = Field("http://127.0.0.1:8000", alias="INGESTION_URL")
     # Admission control: deliveries accepted and not yet terminal, across all instances.
     max_in_flight: int = Field(10_000, ge=1, alias="INGESTION_MAX_IN_FLIGHT")
+    # The most of that cap one owner may hold (a fraction of it, rounded down, at least one
+    # place): one owner flooding the door leaves the others room.
+    owner_share: float = Field(0.5, gt=0, le=1, alias="INGESTION_OWNER_SHARE")
     # Admission control: consumer lag on delivery.requested of the slowest step consumer
     # (0 disables the check).
     max_backlog: int = Field(20_000, ge=0, alias="INGESTION_MAX_BACKLOG")

@@ -23,6 +23,7 @@ import hmac
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -232,7 +233,8 @@ class Submitter:
         Each request's result, in order, is its Submission or the error that refused it
         (``InvalidRequest``, ``AdmissionRefused``, ``StoreUnavailable``,
         ``DeliveryPublishError``), and nothing was accepted for a refused one. Places in
-        flight go to the requests in order: past the cap the rest are refused. No
+        flight go to the requests in order: past the cap the rest are refused, past its
+        owner's share an owner's. No
         idempotency keys or owner checks here: those go through ``submit``.
         """
         results: list[Submission | SubmitError | None] = [None] * len(data)
@@ -286,45 +288,50 @@ class Submitter:
             return [failure] * len(items)
 
     def _admit_and_publish(self, items: list[_Item]) -> list[Submission | SubmitError]:
-        """Admit the items in order, publish the admitted ones; a refused or failed item
-        leaves nothing behind (its place, its idempotency claim, its owner record)."""
+        """Admit the items, publish the admitted ones; a refused or failed item leaves
+        nothing behind (its place, its idempotency claim, its owner record)."""
         try:
-            admitted, refusal = self._admit([item.delivery_id for item in items])
+            refusals = self._admit(items)
         except redis.RedisError:  # the script may have run, only its reply lost: undo it all
             self.admission.release([item.delivery_id for item in items])
             self._leave_nothing(items)
             raise
+        admitted = [item for item, refusal in zip(items, refusals) if refusal is None]
         try:
-            published = self._publish(items[:admitted])
+            published = iter(self._publish(admitted))
         except BaseException:  # raised before anything was produced (Publisher.publish_many)
-            self.admission.release([item.delivery_id for item in items[:admitted]])
+            self.admission.release([item.delivery_id for item in admitted])
             self._leave_nothing(items)
             raise
-        failed = [item for item, result in zip(items, published) if not isinstance(result, Submission)]
+        results = [refusal if refusal is not None else next(published) for refusal in refusals]
+        failed = [item for item, refusal, result in zip(items, refusals, results)
+                  if refusal is None and not isinstance(result, Submission)]
         self.admission.release([item.delivery_id for item in failed])
-        self._leave_nothing([*failed, *items[admitted:]])
-        return [*published, *([refusal] * (len(items) - admitted) if refusal else [])]
+        self._leave_nothing([*failed, *(item for item, refusal in zip(items, refusals) if refusal)])
+        return results
 
-    def _admit(self, delivery_ids: list[str]) -> tuple[int, AdmissionRefused | None]:
-        """How many of ``delivery_ids`` (in order) got a place, and the refusal of the rest."""
+    def _admit(self, items: list[_Item]) -> list[AdmissionRefused | None]:
+        """Each item's refusal, None for those that got a place: the producer queue's room
+        goes to the first ones, the backlog refuses all, then the in-flight cap and each
+        owner's share of it (``Admission.reserve``)."""
         with self._pending_lock:
             pending = self._pending
-        room = self.cfg.max_pending - pending
-        refusal: AdmissionRefused | None = None
-        if room < len(delivery_ids):
-            refusal = AdmissionRefused("producer_queue", f"{pending} publishes await the broker's "
-                                       "confirmation", self.cfg.retry_after_s, status=503)
-        admitted = 0
+        room = max(0, self.cfg.max_pending - pending)
+        refusals: list[AdmissionRefused | None] = [None] * len(items)
+        if room < len(items):
+            queue_full = AdmissionRefused("producer_queue", f"{pending} publishes await the broker's "
+                                          "confirmation", self.cfg.retry_after_s, status=503)
+            refusals[room:] = [queue_full] * (len(items) - room)
         try:
-            if room > 0 and delivery_ids:
+            if room > 0 and items:
                 self.admission.check_backlog()
-                admitted, in_flight = self.admission.reserve(delivery_ids[:room])
-                refusal = in_flight or refusal
+                refusals[:room] = self.admission.reserve(
+                    [(item.delivery_id, item.request.owner_id) for item in items[:room]])
         except AdmissionRefused as backlog:
-            refusal = backlog
-        if refusal is not None:
-            metrics.REFUSED.labels(refusal.reason).inc(len(delivery_ids) - admitted)
-        return admitted, refusal
+            refusals = [backlog] * len(items)
+        for reason, count in Counter(r.reason for r in refusals if r is not None).items():
+            metrics.REFUSED.labels(reason).inc(count)
+        return refusals
 
     def _publish(self, items: list[_Item]) -> list[Submission | SubmitError]:
         """Hand the admitted items to the producer; each resolves on its broker report."""

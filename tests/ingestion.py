@@ -16,6 +16,7 @@ from confluent_kafka import Consumer, TopicPartition
 from choreo.config import settings
 from choreo.envelope import header_value
 from choreo.serde import Decoder, registry_client
+from producers.admission import inflight_keys
 from producers.http_server import server_config
 from producers.ingestion import create_app
 from producers.settings import IngestionSettings
@@ -27,9 +28,10 @@ TOPIC = DeliveryRequested.topic
 
 
 def ingestion_settings(unique: str, **overrides: Any) -> IngestionSettings:
-    """Isolated from other tests: its own in-flight set; backlog off unless asked for."""
+    """Isolated from other tests: its own in-flight set; backlog and the owners' shares of
+    the in-flight cap off unless asked for (most tests submit as one owner)."""
     values: dict[str, Any] = {"INGESTION_INFLIGHT_KEY": f"test:inflight:{unique}",
-                              "INGESTION_MAX_BACKLOG": 0}
+                              "INGESTION_MAX_BACKLOG": 0, "INGESTION_OWNER_SHARE": 1}
     values.update(overrides)
     return IngestionSettings(**values)
 
@@ -50,7 +52,7 @@ def serving(cfg: IngestionSettings, cleanup: bool = True,
         server.should_exit = True
         thread.join(30)
         if cleanup:
-            redis.Redis.from_url(settings().redis_url).delete(cfg.inflight_key)
+            redis.Redis.from_url(settings().redis_url).delete(*inflight_keys(cfg.inflight_key))
 
 
 def end_offsets() -> dict[int, int]:

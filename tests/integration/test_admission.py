@@ -5,6 +5,8 @@ opens again once the service is back and has caught up."""
 from __future__ import annotations
 
 import signal
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -93,3 +95,23 @@ def test_a_stopped_service_closes_the_door_and_nothing_accepted_is_lost(
     late = reopened.json()["delivery_id"]
     assert wait_terminal({late}, timeout_s=60)[late] == 1
     assert terminal_counts(set(accepted)) == counts  # and none of them ended a second time
+
+
+def test_one_owner_cannot_take_the_whole_in_flight_cap(stack: None, unique: str) -> None:
+    """One owner floods the door at once: it gets exactly its share of the cap, then 429
+    ``owner_share``; another owner is still let in."""
+    cap, share = 10, 0.5
+    cfg = ingestion_settings(unique, INGESTION_MAX_IN_FLIGHT=cap, INGESTION_OWNER_SHARE=share)
+    flooder, other = f"flood-{unique}", f"other-{unique}"
+    with serving(cfg) as url, httpx.Client(base_url=url, timeout=40) as client:
+        with ThreadPoolExecutor(16) as pool:
+            flood = list(pool.map(lambda _: client.post("/deliveries", json=request_body(owner_id=flooder)),
+                                  range(16)))
+        codes = Counter(r.status_code for r in flood)
+        assert codes == {202: int(cap * share), 429: 16 - int(cap * share)}, runs([r.status_code for r in flood])
+        assert {r.json()["reason"] for r in flood if r.status_code == 429} == {"owner_share"}
+        assert all(r.headers["Retry-After"] for r in flood if r.status_code == 429)
+        others = [client.post("/deliveries", json=request_body(owner_id=other)) for _ in range(int(cap * share))]
+        assert [r.status_code for r in others] == [202] * int(cap * share), [r.text for r in others]
+        past_cap = client.post("/deliveries", json=request_body(owner_id=f"third-{unique}"))
+        assert past_cap.status_code == 429 and past_cap.json()["reason"] == "in_flight"

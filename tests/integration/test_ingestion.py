@@ -629,7 +629,7 @@ def test_a_store_failure_while_admitting_leaves_no_claim_and_no_owner_record(
     try:
         with pytest.raises(StoreUnavailable):
             submitter.submit(body, key, owner=owner)
-        refused_id = failures[0][0]
+        [(refused_id, _)] = failures[0]
         assert not redis_client.exists(idempotency_redis_key(owner, key))  # its claim freed
         assert not redis_client.zscore(cfg.inflight_key, refused_id)  # its place given back
         assert redis_client.get(owner_redis_key(refused_id)) is None  # no owner record
