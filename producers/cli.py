@@ -16,6 +16,7 @@ errors go to stderr.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import sys
 import time
@@ -38,6 +39,7 @@ err = Console(stderr=True)
 
 EXIT_REJECTED_LINES = 1
 EXIT_STOPPED = 3
+EXIT_INSECURE = 2  # serve: a non-loopback address without owner tokens or --insecure
 WINDOW = 500  # submissions awaited together (confirmation is per broker round trip)
 
 
@@ -252,20 +254,42 @@ def _emit_one(owner: str | None, pickup: str | None, dropoff: str | None, size: 
                 waited += exc.retry_after_s
 
 
+def loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (a name other than
+    ``localhost`` is not trusted to be)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 @app.command("serve")
 def serve(
     host: str | None = typer.Option(None, help="default: the host of INGESTION_URL"),
     port: int | None = typer.Option(None, help="default: the port of INGESTION_URL"),
     limit_concurrency: int = typer.Option(2000, help="connections served at once; more get 503"),
     log_level: str = typer.Option("warning", help="uvicorn's own log level"),
+    insecure: bool = typer.Option(False, "--insecure",
+                                  help="serve a non-loopback address without owner tokens"),
 ) -> None:
-    """Serve the ingestion HTTP endpoint with uvicorn (SIGTERM drains and flushes)."""
+    """Serve the ingestion HTTP endpoint with uvicorn (SIGTERM drains and flushes).
+
+    Without owner tokens anyone who reaches the port submits for any owner and reads any
+    delivery: a non-loopback address is refused unless ``--insecure`` says so."""
     from producers.http_server import run_http
     from producers.ingestion import create_app
 
     cfg = IngestionSettings()
-    run_http(create_app(cfg, settle_gc=True), host or cfg.host, port or cfg.port,
-             limit_concurrency, log_level)
+    bind = host or cfg.host
+    if not cfg.auth_enabled and not loopback(bind):
+        if not insecure:
+            err.print(f"[bold red]refused:[/] {bind} is not a loopback address and no owner tokens are "
+                      "set (INGESTION_TOKENS_FILE); set them, or pass --insecure", highlight=False)
+            raise typer.Exit(EXIT_INSECURE)
+        err.print(f"[bold yellow]warning:[/] serving {bind} without owner tokens (--insecure)", highlight=False)
+    run_http(create_app(cfg, settle_gc=True), bind, port or cfg.port, limit_concurrency, log_level)
 
 
 def main() -> None:

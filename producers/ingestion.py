@@ -14,9 +14,11 @@ Status codes:
   431 request head (request line and headers) over 16 KB (``choreo.http_serving``)
   422 invalid fields (with the field errors); Idempotency-Key reused for another request;
       a malformed delivery id in GET
-  429 admission control: too many deliveries in flight, or the backlog is past its limit;
-      or more connections from one address than allowed (``choreo.http_serving``)
-  503 this instance's producer queue is full, or the broker refused the write
+  429 admission control: too many deliveries in flight, this owner's share of them, or the
+      backlog is past its limit; or more connections from one address than allowed
+      (``choreo.http_serving``)
+  503 this instance's producer queue is full, or the broker refused the write (a generic
+      message: the cause is logged, never answered)
   504 no broker confirmation in time (the write may still land: GET the Location)
 
 Owner tokens (on when ``INGESTION_TOKENS`` or ``INGESTION_TOKENS_FILE`` is set): every
@@ -24,6 +26,9 @@ Owner tokens (on when ``INGESTION_TOKENS`` or ``INGESTION_TOKENS_FILE`` is set):
   401 no token, or an unknown one (``WWW-Authenticate: Bearer``)
   403 a POST for another ``owner_id`` than the token's
   404 GET of another owner's delivery (indistinguishable from an unknown delivery)
+``/metrics``, ``/docs`` and ``/openapi.json`` need a valid token too (401 without);
+``/readyz`` without one answers its status code and ``status`` only (probes keep working),
+its checks and figures go to token holders; ``/healthz`` stays open.
 Tokens are kept only as SHA-256 digests and compared in constant time; neither they nor
 the request's fields are ever logged.
 """
@@ -142,6 +147,30 @@ def error(status: int, code: str, message: str, headers: Mapping[str, str] | Non
     """The one error shape: ``{"error": code, "message": ..., ...}``."""
     return JSONResponse({"error": code, "message": message, **extra}, status_code=status,
                         headers=headers)
+
+
+class TokenHolders:
+    """In token mode, what tells how the service runs (metrics, readiness figures, the API's
+    own documents) is for token holders only: every path but the probes' needs a valid
+    token. ``/deliveries`` and ``/readyz`` check it themselves (the owner it names; the
+    probe's bare answer)."""
+
+    OPEN = ("/healthz", "/readyz")
+    SELF_CHECKED = "/deliveries"
+
+    def __init__(self, app: ASGIApp, tokens: OwnerTokens, refuse: Callable[[], Response]) -> None:
+        self.app = app
+        self.tokens = tokens
+        self.refuse = refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope.get("path", "")
+        if scope["type"] == "http" and path not in self.OPEN and not path.startswith(self.SELF_CHECKED):
+            header = dict(scope.get("headers") or []).get(b"authorization")
+            if self.tokens.owner(header.decode("latin-1") if header is not None else None) is None:
+                await self.refuse()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyTooLarge(Exception):
@@ -285,6 +314,9 @@ def create_app(settings: IngestionSettings | None = None,
         return error(401, "unauthorized", "a valid owner token is required (Authorization: Bearer)",
                      headers={"WWW-Authenticate": 'Bearer realm="deliveries"'})
 
+    if tokens is not None:
+        app.add_middleware(TokenHolders, tokens=tokens, refuse=unauthorized)
+
     @app.exception_handler(BodyTooLarge)
     async def _too_large(_: Request, __: Exception) -> Response:
         metrics.REJECTED.labels("too_large").inc()
@@ -353,15 +385,23 @@ def create_app(settings: IngestionSettings | None = None,
             return error(409, "request_in_progress", str(exc), headers={"Retry-After": "1"},
                          delivery_id=exc.delivery_id)
         except AdmissionRefused as exc:
-            return error(exc.status, "overloaded" if exc.status == 429 else "unavailable",
-                         exc.detail, headers={"Retry-After": str(exc.retry_after_s)},
-                         reason=exc.reason, retry_after_s=exc.retry_after_s)
+            retry = {"Retry-After": str(exc.retry_after_s)}
+            if exc.status == 429:
+                return error(429, "overloaded", exc.detail, headers=retry, reason=exc.reason,
+                             retry_after_s=exc.retry_after_s)
+            log.warning("request.unavailable", reason=exc.reason, detail=exc.detail)
+            return error(exc.status, "unavailable", "this instance cannot take the request now; retry",
+                         headers=retry, reason=exc.reason, retry_after_s=exc.retry_after_s)
         except PublishTimeout as exc:
             return error(504, "confirmation_timeout", exc.detail, delivery_id=exc.delivery_id,
                          headers={"Location": f"/deliveries/{exc.delivery_id}"})
         except PublishError as exc:
+            # its text may name a broker, a store or a serializer's complaint: types only
+            log.warning("request.publish_failed", error_type=type(exc).__name__,
+                        cause=type(exc.__cause__).__name__ if exc.__cause__ else "",
+                        delivery_id=getattr(exc, "delivery_id", ""))
             return error(503, "publish_failed", "the request could not be stored; retry",
-                         headers={"Retry-After": "1"}, detail=str(exc)[:300])
+                         headers={"Retry-After": "1"})
         headers = {"Location": f"/deliveries/{accepted.delivery_id}"}
         if accepted.replayed:
             headers["Idempotent-Replayed"] = "true"
@@ -396,9 +436,10 @@ def create_app(settings: IngestionSettings | None = None,
         sub = sub_of(request)
         checks = sub.ready()
         ok = all(checks.values())
-        return JSONResponse({"status": "ready" if ok else "not_ready", "checks": checks,
-                             **sub.admission.snapshot(), "pending": sub.pending},
-                            status_code=200 if ok else 503)
+        status: dict[str, Any] = {"status": "ready" if ok else "not_ready"}
+        if tokens is None or tokens.owner(request.headers.get("authorization")) is not None:
+            status |= {"checks": checks, **sub.admission.snapshot(), "pending": sub.pending}
+        return JSONResponse(status, status_code=200 if ok else 503)
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def prometheus() -> Response:

@@ -7,7 +7,10 @@ debug logging on; its log file is then searched for every token and every custom
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,12 +23,12 @@ from choreo.config import settings
 from choreo.envelope import Envelope
 from choreo.kafka import ensure_topics
 from choreo.serde import Encoder, registry_client
-from infra.process import ManagedProcess
+from infra.process import ManagedProcess, port_in_use
 from infra.security import write_private
 from infra.services import ingestion_process
 from schemas.models import Location
 from tests.factories import delivery_request, request_body
-from tests.helpers import ServiceProcess, read_topic, wait_for
+from tests.helpers import REPO, ServiceProcess, free_port, read_topic, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -161,3 +164,34 @@ def test_dead_letter_headers_and_service_logs_hold_no_customer_data(stack: None,
     log = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))
     assert "event.dead_lettered" in log
     assert ADDRESS not in log and owner not in log
+
+
+def test_metrics_docs_and_readiness_figures_need_a_token(ingestion: Ingestion) -> None:
+    with httpx.Client(base_url=ingestion.url, timeout=30) as http:
+        for path in ("/metrics", "/docs", "/openapi.json"):
+            assert http.get(path).status_code == 401, path
+            assert http.get(path, headers=bearer("not-a-token-at-all-123456")).status_code == 401, path
+            assert http.get(path, headers=bearer(ALICE_TOKEN)).status_code == 200, path
+        # the probe still gets its answer, the figures only with a token
+        bare = http.get("/readyz")
+        assert bare.status_code == 200 and bare.json() == {"status": "ready"}
+        full = http.get("/readyz", headers=bearer(ALICE_TOKEN)).json()
+        assert full["status"] == "ready" and {"checks", "groups", "pending"} <= set(full)
+
+
+def test_serve_refuses_a_public_address_without_tokens_unless_insecure(stack: None) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INGESTION_TOKENS")}
+    port = free_port()
+    argv = [sys.executable, "-m", "producers.cli", "serve", "--host", "0.0.0.0", "--port", str(port)]
+    refused = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--insecure" in refused.stderr, refused.stderr
+    assert not port_in_use("127.0.0.1", port)
+    insecure = subprocess.Popen([*argv, "--insecure"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: port_in_use("127.0.0.1", port), 60, 0.2, "the --insecure server")
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+    finally:
+        insecure.terminate()
+        _, stderr = insecure.communicate(timeout=40)
+    assert "without owner tokens" in stderr
