@@ -159,8 +159,7 @@ def derive_policy(workflow: Workflow, topo: Topology | None = None, *,
         for _, confirmed_by in workflow.compensations().values():  # what proves an undo done
             acls.append(Acl(supervisor.name, "topic", confirmed_by.topic, "READ"))
     for topic, producer in workflow.extra_producers.items():
-        acls.append(Acl(producer, "topic", topic, "WRITE"))
-        acls.append(Acl(producer, "topic", RECOVERY_TOPIC, "WRITE"))
+        acls.append(Acl(producer, "topic", topic, "WRITE"))  # only that: it runs no step to report
         for group in sorted(topo.consumers.get(topic, ())):  # admission: lag of these groups
             acls.append(Acl(producer, "group", group, "DESCRIBE"))
     # the registry's own store

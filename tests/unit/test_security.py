@@ -46,7 +46,7 @@ def test_each_service_reads_exactly_its_inputs_and_writes_its_outputs_dlqs_and_r
 
 def test_no_service_may_write_another_services_output_or_read_foreign_groups() -> None:
     assert "delivery.shipped" not in ops_of("package").get("WRITE", set())
-    assert ops_of("ingestion")["WRITE"] == {"delivery.requested", "recovery"}
+    assert ops_of("ingestion")["WRITE"] == {"delivery.requested"}
     assert "package" not in ops_of("delivery", "group")["READ"]
     for acl in derive_policy(WORKFLOW).acls:
         assert acl.user != "admin"  # the super user needs no ACLs
