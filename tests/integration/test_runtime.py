@@ -124,7 +124,7 @@ def test_poison_messages_are_dead_lettered_while_good_ones_flow(
         "UNDECODABLE": 3, "UNKNOWN_SCHEMA": 1, "INCOMPATIBLE_SCHEMA": 1, "INVALID_PAYLOAD": 1,
         "MISSING_HEADERS": 1, "HOP_LIMIT": 1, "REJECTED": 2,
     }
-    assert any("yields ctx.effect(...) only" in (r.header("dlq.error") or "") for r in dlq)
+    assert any("yields typed operations or ctx.effect(...) only" in (r.header("dlq.error") or "") for r in dlq)
     for record in dlq:
         assert record.header("dlq.source.topic") == topic
         assert record.header("dlq.service") == f"probe-{topic}"
