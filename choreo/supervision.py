@@ -575,6 +575,12 @@ class KeyedCompensationRecord(CompensationRecord):
         return f"{self.delivery_id}|{self.step}"
 
 
+def undo_fields(order: Iterable[str], reason: str) -> dict[str, str]:
+    """The fields MARK_COMPENSATING keeps of a failure (the undo order, newest first, and
+    its reason), for the rebuild."""
+    return {"undo.order": ",".join(order), "undo.reason": reason[:500]}
+
+
 @dataclass(frozen=True)
 class Marked:
     """MARK_COMPENSATING's answer: the steps it marked (step, status before, attempt) and

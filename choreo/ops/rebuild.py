@@ -69,7 +69,7 @@ from choreo.dedupe import seen_field, seen_key
 from choreo.envelope import now_ms
 from choreo.kafka import admin
 from choreo.events import Event
-from choreo.join import Join, fanin_fields, result_text
+from choreo.join import FAILED, Join, fanin_fields, result_text
 from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
 from choreo.pool import Pool
 from choreo.record import Record, RebuildRule
@@ -77,6 +77,7 @@ from choreo.runner import RECOVERY_TOPIC, dlq_topic
 from choreo.release import awaiting_key, released
 from choreo.runtime_events import CompensationRecord
 from choreo.state import Source, StateTable, StepStatus, delivery_key
+from choreo.supervision import undo_fields
 from choreo.workflow import Workflow
 
 READY_KEY = "choreo:state:ready"
@@ -105,6 +106,7 @@ class Hold:
 class DeliveryFacts:
     results: dict[str, tuple[int, bool, str]] = field(default_factory=dict)  # part -> (ts, ok, result)
     outcome: str = ""
+    undo: dict[str, str] = field(default_factory=dict)  # the failure's undo order and reason
     holds: dict[str, Hold] = field(default_factory=dict)  # pool -> this delivery's hold
     ended: set[str] = field(default_factory=set)  # pools whose hold of it ended (in any order)
     records: dict[str, dict[str, str]] = field(default_factory=dict)  # record name -> fields
@@ -200,6 +202,7 @@ class Rebuilder:
         self.joins = {join.step: join for join in workflow.joins}
         self.records = {record.name: record for s in workflow.services for record in s.records}
         self.pools = {pool.name: pool for s in workflow.services for pool in s.pools}
+        self.compensable = set(workflow.compensations())
 
     def topics(self, present: dict[str, int]) -> list[str]:
         wanted = set(self.handlers) | set(self.canonical)
@@ -287,6 +290,10 @@ class Rebuilder:
         if declared.outcome is not None:
             join, outcome = declared.outcome
             facts.outcome = facts.outcome or outcome
+            if outcome == FAILED and not facts.undo:
+                # the order the supervisor asks the undos in, as it recorded it on reading this
+                facts.undo = undo_fields((s for s in body.get("compensate") or () if s in self.compensable),
+                                         f"{body.get('reason', '')}: {body.get('detail', '')}")
             if outcome == join.outcome and facts.terminal is None:
                 facts.terminal = (r.topic, r.partition, r.offset)
         for pool, _ in declared.holds:
@@ -337,6 +344,8 @@ class Rebuilder:
             key = delivery_key(delivery)
             if facts.dead_letters:
                 pipe.hsetnx(key, "dead_letters", facts.dead_letters)
+            for name, value in facts.undo.items():
+                pipe.hsetnx(key, name, value)
             if facts.outcome:
                 pipe.hsetnx(key, "outcome", facts.outcome)
                 # as the join does when it decides: a decided delivery's state goes in time,

@@ -159,6 +159,15 @@ def test_a_refused_flight_undoes_three_steps_newest_first_one_after_another(cust
         state = StateTable(customs.redis).fields(d)
         assert all(state[f"{step}.status"] == "compensated" for step in order)
     assert customs.redis.hget(clearances.key(ids[0]), "status") == b"revoked"
+    # Redis lost: the rebuild restores the order the undos are asked in, so a confirmation
+    # read after it still asks for the next one
+    customs.stop()
+    wait_for(lambda: not _consuming(), timeout_s=60, what="the groups empty")
+    customs.redis.flushdb()
+    rebuild(WORKFLOW, since_ms=min(r.timestamp_ms for recs in by_delivery("delivery.requested", ids).values()
+                                   for r in recs) - 5000, client=customs.redis)
+    for d in ids:
+        assert customs.redis.hget(f"dl:{{{d}}}", "undo.order") == ",".join(failed[d]["compensate"]).encode()
 
 
 def test_rebuild_after_flushall_restores_the_customs_state(customs: Customs) -> None:

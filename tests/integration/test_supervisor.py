@@ -323,7 +323,7 @@ def test_failing_step_is_requeued_with_growing_delays_then_compensated(world: Wo
     supervisor = world.supervisor()
     ids = world.publish(2)
     failed = wait_for(lambda: (r := world.by_delivery("delivery.failed")) and set(ids) <= set(r) and r,
-                      timeout_s=45, what="the deliveries failed by the supervisor")
+                      timeout_s=90, what="the deliveries failed by the supervisor")
     done, undo = ("package", "package.cancelled") if failing == "drone" else ("drone", "drone.released")
     wait_for(lambda: all(world.state(d).get(f"{done}.status") == "compensated" for d in ids),
              timeout_s=30, what=f"{done} compensated")
