@@ -17,6 +17,7 @@ from infra.chaos import app as chaos_app
 from infra.process import StackError
 from infra.registry.cli import app as registry_app
 from choreo.ops.cli import app as ops_app
+from choreo.workflow import load_workflow
 from producers import cli as ingestion_cli
 
 if TYPE_CHECKING:
@@ -138,16 +139,8 @@ def run_service(
 
 
 def _load_workflow(ref: str) -> "Workflow | None":
-    import importlib
-
-    from choreo.workflow import Workflow
-
-    if not ref:
-        return None
-    module, _, attr = ref.partition(":")
-    flow = getattr(importlib.import_module(module), attr)
-    assert isinstance(flow, Workflow)
-    return flow
+    """The workflow ``ref`` names; none for an empty ``ref`` (a service run on its own)."""
+    return load_workflow(ref) if ref else None
 
 
 @app.command("topics")
@@ -158,9 +151,7 @@ def create_topics(
     """Create every topic the workflow's services declare (idempotent), and check the topology."""
     from choreo import topology
 
-    flow = _load_workflow(workflow)
-    assert flow is not None
-    topo = topology.create(flow, partitions)
+    topo = topology.create(load_workflow(workflow), partitions)
     found = topology.problems(topo)
     for problem in found:
         console.print(f"[red]topology:[/] {problem}")
@@ -184,9 +175,7 @@ def _contract_models(workflow: str) -> "dict[str, type[Event]]":
     from choreo import contracts
     from choreo.runtime_events import RUNTIME_EVENTS
 
-    flow = _load_workflow(workflow)
-    assert flow is not None
-    return contracts.topic_models(flow, RUNTIME_EVENTS)
+    return contracts.topic_models(load_workflow(workflow), RUNTIME_EVENTS)
 
 
 @schemas_app.command("register")
