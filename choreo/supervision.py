@@ -141,6 +141,7 @@ class Policies:
     steps: dict[str, StepPolicy]
     compensable: tuple[str, ...]  # forward steps that have a compensation, i.e. side effects
     decider: str = ""  # the step whose completion makes a delivery's ``outcome`` final
+    retention_s: int = 0  # how long a decided delivery's state stays (the decider's), 0: no expiry
 
     def of(self, step: str) -> StepPolicy:
         return self.steps.get(step) or StepPolicy(step, UNKNOWN, 0, 0)
@@ -277,6 +278,8 @@ if tries >= tonumber(ARGV[5]) then
   if status ~= 'failed' then reason = 'DEADLINE_MISSED' end
   redis.call('HSET', KEYS[1], 'outcome', 'failed', 'fail.by', 'supervisor', 'fail.step', step,
              'fail.reason', reason, 'fail.detail', detail, 'fail.compensate', compensate, 'fail.at', now)
+  -- decided: its state goes in time, as the decider's own decisions do
+  if tonumber(ARGV[16]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[16]) end
   set({status = 'failed', attempt = attempt + 1, updated = now})
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[9]), member)
   return cjson.encode({a = 'fail', again = 0, reason = reason, detail = detail, compensate = compensate,
@@ -487,7 +490,8 @@ class Scanner:
                 args=[fence, step, member, now_ms, budget, policy.deadline_ms,
                       int(cfg.backoff_base_s * 1000), int(cfg.backoff_max_s * 1000),
                       int(cfg.confirm_s * 1000), policy.role, policy.target, compensable,
-                      policies.decider, int(cfg.park_s * 1000), ",".join(policy.waits_for)],
+                      policies.decider, int(cfg.park_s * 1000), ",".join(policy.waits_for),
+                      policies.retention_s],
                 client=pipe,
             )
             stats.keys.add(delivery_key(delivery_id))

@@ -95,7 +95,9 @@ def policies_of(flow: Workflow) -> Policies:
         )
         for spec in flow.steps
     }
-    return Policies(steps, compensable=tuple(f for f in undo if f in steps), decider=flow.decider)
+    retention = max((join.retention_s for join in flow.joins if join.step == flow.decider), default=0)
+    return Policies(steps, compensable=tuple(f for f in undo if f in steps), decider=flow.decider,
+                    retention_s=retention)
 
 
 def _rt(ctx: Context) -> _Runtime:

@@ -33,7 +33,7 @@ POLICIES = Policies(
                                waits_for=("package", "drone")),
         "cancel_package": StepPolicy("cancel_package", COMPENSATION, BUDGET, DEADLINE, "package", "package"),
     },
-    compensable=("package", "drone"), decider="delivery",
+    compensable=("package", "drone"), decider="delivery", retention_s=3600,
 )
 SETTINGS = SupervisorSettings(backoff_base_s=0.1, backoff_max_s=10, confirm_s=5)
 
@@ -346,6 +346,7 @@ def test_budget_spent_fails_the_delivery_once_with_compensations_newest_first(
     table.finish(d, "drone", 1, 1_000_040, StepStatus.FAILED, "dispatch timed out")
     fail = _scan(client, lease, 1_000_050)[(d, "drone")]
     assert fail.kind == "fail" and fail.data["compensate"] == "package" and not fail.data["again"]
+    assert 0 < client.ttl(delivery_key(d)) <= 3600  # decided: it goes in time, as the join's do
     assert "dispatch timed out" in fail.data["detail"]
     f = _fields(client, d)
     assert f["outcome"] == "failed" and f["fail.by"] == "supervisor" and f["drone.status"] == "failed"
