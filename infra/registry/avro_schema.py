@@ -6,6 +6,10 @@ aliases and docs, so a v2 that only adds a default (a real, compatibility-releva
 would collapse onto v1's id. The normalized form keeps every attribute but removes what
 carries no meaning: whitespace, key order, ``{"type": "int"}`` versus ``"int"``, and
 namespaces (names are fully qualified instead), so equivalent spellings get one id.
+
+A schema whose decoding work is not bounded by the value's size (``choreo.avro_bounds``:
+arrays whose items can take no bytes, recursive types, too large or too deep) is refused like
+an invalid one: every consumer of the subject would decode with it.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from typing import Any
 import avro.schema
 import fastavro
 
+from choreo import avro_bounds
+from choreo.avro_bounds import PRIMITIVES, fullname, namespace_of
 from infra.registry import errors
 
-PRIMITIVES = frozenset({"null", "boolean", "int", "long", "float", "double", "bytes", "string"})
 NAMED = frozenset({"record", "error", "enum", "fixed"})
 
 
@@ -32,20 +37,10 @@ class ParsedSchema:
     avro: avro.schema.Schema = field(compare=False, repr=False)
 
 
-def _fullname(name: str, namespace: str | None) -> str:
-    if "." in name or not namespace:
-        return name
-    return f"{namespace}.{name}"
-
-
-def _namespace_of(fullname: str) -> str | None:
-    return fullname.rsplit(".", 1)[0] if "." in fullname else None
-
-
 def normalize(node: Any, namespace: str | None = None) -> Any:
     """The meaning-preserving normal form described in the module docstring."""
     if isinstance(node, str):
-        return node if node in PRIMITIVES else _fullname(node, namespace)
+        return node if node in PRIMITIVES else fullname(node, namespace)
     if isinstance(node, list):
         return [normalize(branch, namespace) for branch in node]
     if not isinstance(node, dict):
@@ -61,11 +56,11 @@ def normalize(node: Any, namespace: str | None = None) -> Any:
     if kind in NAMED and isinstance(node.get("name"), str):
         explicit = node.get("namespace")
         # an explicit namespace wins, and an explicit "" means "no namespace" (the spec's rule)
-        full = _fullname(node["name"], explicit if isinstance(explicit, str) else namespace)
+        full = fullname(node["name"], explicit if isinstance(explicit, str) else namespace)
         out["name"] = full
-        namespace = _namespace_of(full)
+        namespace = namespace_of(full)
         if isinstance(node.get("aliases"), list):
-            out["aliases"] = [_fullname(a, namespace) if isinstance(a, str) else a for a in node["aliases"]]
+            out["aliases"] = [fullname(a, namespace) if isinstance(a, str) else a for a in node["aliases"]]
     elif "namespace" in node:
         out["namespace"] = node["namespace"]
     if kind in ("record", "error") and isinstance(node.get("fields"), list):
@@ -89,7 +84,11 @@ def parse(text: Any) -> ParsedSchema:
     if not isinstance(text, str) or not text.strip():
         raise errors.invalid_schema("Empty schema")
     try:
+        avro_bounds.check_size(text)
         document = json.loads(text)
+        avro_bounds.check(document)
+    except avro_bounds.UnboundedSchema as exc:
+        raise errors.invalid_schema(f"the schema cannot be decoded in bounded work: {exc}") from None
     except (ValueError, RecursionError) as exc:
         raise errors.invalid_schema(f"the schema is not valid JSON ({exc.__class__.__name__})") from None
     try:
