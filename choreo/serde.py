@@ -5,13 +5,17 @@ Confluent-compatible registry works; decoding reads the writer schema through th
 client and resolves it with fastavro (``Decoder``). This module adds what a pipeline needs
 on top: the handler's schema as the reader schema, pydantic validation, and a
 classification of every decoding failure into a dead-letter reason (permanent) or a
-transient error (retry: e.g. the registry is briefly unreachable).
+transient error (retry: e.g. the registry is briefly unreachable). A writer schema is input
+too: one not registered under the topic's subject, or one that would let a few bytes demand
+unbounded decoding work (``choreo.avro_bounds``), dead-letters its records.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import time
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from confluent_kafka.schema_registry import SchemaRegistryClient
@@ -22,15 +26,21 @@ from fastavro import parse_schema, schemaless_reader
 from fastavro.read import SchemaResolutionError
 from pydantic import ValidationError
 
+from choreo import avro_bounds
 from choreo.config import settings
 from choreo.errors import DeadLetterReason
 from choreo.events import Event
+from choreo.logs import get_logger
 
 E = TypeVar("E", bound=Event)
+T = TypeVar("T")
+log = get_logger(component="serde")
 
 MAGIC_BYTE = 0
 MAX_VALUE_BYTES = 512 * 1024
 MAX_WRITER_SCHEMAS = 1000  # parsed writer schemas a decoder keeps (one per version it met)
+MAX_REFUSED_SCHEMAS = 1000  # refused schema ids a decoder remembers (the oldest is forgotten first)
+REFUSAL_TTL_S = 5.0  # how long a refusal stands before the registry is asked again
 
 
 class DecodeFailure(Exception):
@@ -89,15 +99,22 @@ class Decoder(Generic[E]):
     its tags for data-contract rules, which this pipeline does not use. That was 31 µs of
     a 33 µs decode, and a delivery is decoded seven times (bench/README.md, "Decoding
     without the rule machinery").
-    A writer schema with references to other subjects, or with data-contract rules, is
-    dead-lettered as incompatible.
+    A writer schema is dead-lettered as incompatible when its id is not registered under the
+    topic's subject ``<topic>-value`` (a soft-deleted version still counts: records written
+    before the delete stay readable), when decoding with it is not bounded by the value's
+    size (``avro_bounds``), and when it has references to other subjects or data-contract
+    rules. A refusal (these, or an unknown id) is remembered for ``REFUSAL_TTL_S``, so a
+    flood of such records costs a registry round trip per id and period, not per record; not
+    for good, as a registry instance that lags may not know yet of an id the subject just got.
     """
 
     def __init__(self, model: type[E], topic: str, client: SchemaRegistryClient) -> None:
         self.model = model
+        self.subject = f"{topic}-value"
         self._client = client
         self._reader = parse_schema(json.loads(model.avro_schema()))
         self._writers: dict[int, Any] = {}  # schema id → parsed writer schema
+        self._refused: dict[int, tuple[float, DeadLetterReason, str]] = {}  # id → (until, reason, why)
 
     def __call__(self, value: bytes | None) -> E:
         if value is None:
@@ -129,9 +146,63 @@ class Decoder(Generic[E]):
             ) from exc
 
     def _writer(self, schema_id: int) -> Any:
-        """The writer schema of ``schema_id``, parsed; remembered for the process."""
+        """The writer schema of ``schema_id``, parsed; remembered for the process, a refusal
+        for ``REFUSAL_TTL_S``."""
+        refused = self._refused.get(schema_id)
+        if refused is not None and refused[0] > time.monotonic():
+            raise DecodeFailure(refused[1], refused[2])
         try:
-            schema = self._client.get_schema(schema_id)
+            writer = self._admit(schema_id)
+        except DecodeFailure as exc:
+            self._refuse(schema_id, exc)
+            raise
+        self._refused.pop(schema_id, None)
+        if len(self._writers) < MAX_WRITER_SCHEMAS:
+            self._writers[schema_id] = writer
+        return writer
+
+    def _admit(self, schema_id: int) -> Any:
+        """Ask the registry about ``schema_id`` and parse its schema, or say why not."""
+        subjects = self._ask(schema_id, lambda: self._client.get_subjects_by_schema_id(schema_id, deleted=True))
+        if self.subject not in subjects:
+            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                                f"schema id {schema_id} is not registered under {self.subject}")
+        schema = self._ask(schema_id, lambda: self._client.get_schema(schema_id))
+        if (schema.schema_type or "AVRO") != "AVRO" or schema.references:
+            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                                f"schema id {schema_id} is not a self-contained Avro schema")
+        if schema.rule_set is not None:  # e.g. encrypted fields: read as they are, they would pass
+            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                                f"schema id {schema_id} has data-contract rules this decoder does not apply")
+        text = schema.schema_str or ""
+        try:
+            avro_bounds.check_size(text)
+            document = json.loads(text)
+            avro_bounds.check(document)
+            return parse_schema(document)
+        except avro_bounds.UnboundedSchema as exc:
+            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                                f"schema id {schema_id} cannot be decoded in bounded work: {exc}") from exc
+        except Exception as exc:  # the registry holds it, but it is no Avro schema we can read
+            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                                f"schema id {schema_id}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+
+    def _refuse(self, schema_id: int, failure: DecodeFailure) -> None:
+        """Remember a refusal (the oldest goes first when full); the failure itself is not
+        kept, its traceback would hold the frames."""
+        log.warning("writer_schema_refused", subject=self.subject, schema_id=schema_id,
+                    reason=failure.reason.value, why=str(failure))
+        self._refused.pop(schema_id, None)
+        if len(self._refused) >= MAX_REFUSED_SCHEMAS:
+            del self._refused[next(iter(self._refused))]
+        self._refused[schema_id] = (time.monotonic() + REFUSAL_TTL_S, failure.reason, str(failure))
+
+    @staticmethod
+    def _ask(schema_id: int, call: Callable[[], T]) -> T:
+        """One registry call about ``schema_id``: an unknown id condemns the event, anything
+        else that goes wrong is the registry being unavailable (retried)."""
+        try:
+            return call()
         except SchemaRegistryError as exc:
             # only the registry's own "schema not found" condemns the event: any other 404 (a
             # wrong URL, a proxy, another server on the port) must not dead-letter good events
@@ -148,20 +219,6 @@ class Decoder(Generic[E]):
             raise DecodeFailure(
                 DeadLetterReason.UNDECODABLE, f"schema id {schema_id}: {type(exc).__name__}: {str(exc)[:300]}"
             ) from exc
-        if (schema.schema_type or "AVRO") != "AVRO" or schema.references:
-            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
-                                f"schema id {schema_id} is not a self-contained Avro schema")
-        if schema.rule_set is not None:  # e.g. encrypted fields: read as they are, they would pass
-            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
-                                f"schema id {schema_id} has data-contract rules this decoder does not apply")
-        try:
-            writer = parse_schema(json.loads(schema.schema_str or ""))
-        except Exception as exc:  # the registry holds it, but it is no Avro schema we can read
-            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
-                                f"schema id {schema_id}: {type(exc).__name__}: {str(exc)[:300]}") from exc
-        if len(self._writers) < MAX_WRITER_SCHEMAS:
-            self._writers[schema_id] = writer
-        return writer
 
 
 def _is_transport_error(exc: BaseException) -> bool:

@@ -3,8 +3,10 @@ and the ingestion HTTP body.
 
 * ``choreo.serde.Decoder``: whatever the bytes, it returns a valid event or raises
   ``DecodeFailure`` (dead-letter, with a reason) or ``RegistryUnavailable`` (retry), never
-  anything else, which would crash a consumer or abort its batch forever. The registry is
-  an in-memory stand-in for ``SchemaRegistryClient`` (the decoder and fastavro run
+  anything else, which would crash a consumer or abort its batch forever. Whatever writer
+  schema the registry holds for the subject, too (random ones, hostile ones: arrays of
+  zero-size items, maps of them, recursion), and in bounded time. The registry is an
+  in-memory stand-in for ``SchemaRegistryClient`` (the decoder and fastavro run
   unchanged), so this needs no stack; the integration tests decode through the real registry.
 * ``Envelope.from_headers``: any header list or mapping gives an envelope or None.
 * ``POST /deliveries``: any JSON (and any bytes) gives a clear 4xx or a 202, never a 500.
@@ -12,9 +14,14 @@ and the ingestion HTTP body.
 
 from __future__ import annotations
 
+import gc
 import io
 import json
+import multiprocessing
+import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
+from multiprocessing.pool import Pool
 from typing import Any
 
 import fastavro
@@ -27,6 +34,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from choreo import avro_bounds, serde
 from choreo.envelope import MAX_ATTEMPT, Envelope
 from choreo.errors import DeadLetterReason
 from choreo.serde import MAX_VALUE_BYTES, DecodeFailure, Decoder, RegistryUnavailable
@@ -36,29 +44,62 @@ from producers.settings import IngestionSettings
 from producers.submit import Accepted
 from schemas.models import DeliveryRequested, PackageReady
 
+SUBJECT = "package.ready-value"  # the decoder's topic is package.ready
 OURS, OTHER, FLAKY = 1, 2, 3  # schema ids the stand-in registry knows (FLAKY: it is "down")
 MISROUTED = 9  # a 404 that is not the registry's "schema not found" (a wrong URL, a proxy)
 PROTOBUF, WITH_REFERENCES, NOT_AVRO, WITH_RULES = 5, 6, 7, 8  # schemas a decoder cannot read
+FOREIGN = 10  # our own schema, but registered under another subject only
+HOSTILE = 11  # a BACKWARD-compatible v2 whose new field is an array of nulls
+
+
+def with_fields(*extra: dict[str, Any]) -> str:
+    """PackageReady's schema with ``extra`` fields after its own: a v2 of the contract."""
+    schema = json.loads(PackageReady.avro_schema())
+    schema["fields"] += list(extra)
+    return json.dumps(schema)
 
 
 class StandInRegistry(SchemaRegistryClient):
-    """Answers schema-by-id from memory; unknown ids are a 404, as a real registry says."""
+    """Answers schema-by-id and its subjects from memory; unknown ids are a 404, as a real
+    registry says. Every schema is under ``SUBJECT``, except ``FOREIGN``."""
 
     def __init__(self) -> None:
         super().__init__({"url": "http://127.0.0.1:9"})  # never contacted
-        self.schemas = {OURS: PackageReady.avro_schema(), OTHER: DeliveryRequested.avro_schema()}
+        self.schemas = {OURS: PackageReady.avro_schema(), OTHER: DeliveryRequested.avro_schema(),
+                        FOREIGN: PackageReady.avro_schema(),
+                        HOSTILE: with_fields({"name": "x", "type": {"type": "array", "items": "null"},
+                                              "default": []})}
         self.asked: list[int] = []
+        self.asked_subjects: list[int] = []
+
+    def register(self, schema: str) -> int:
+        """A new id for ``schema`` under ``SUBJECT`` (the fuzz's writer schemas)."""
+        schema_id = max(100, *self.schemas) + 1
+        self.schemas[schema_id] = schema
+        return schema_id
 
     def get_associations_by_resource_name(self, *args: Any, **kwargs: Any) -> Any:
         raise SchemaRegistryError(404, 40401, "no association")
 
-    def get_schema(self, schema_id: int, subject_name: str | None = None,  # type: ignore[override]
-                   fmt: str | None = None) -> Schema:
-        self.asked.append(schema_id)
+    def get_subjects_by_schema_id(self, schema_id: int, subject_name: str | None = None,
+                                  deleted: bool = False, offset: int = 0, limit: int = -1) -> list[str]:
+        self.asked_subjects.append(schema_id)
+        self._known(schema_id)
+        return ["other-value"] if schema_id == FOREIGN else [SUBJECT]
+
+    def _known(self, schema_id: int) -> None:
+        """Raise what the registry answers for an id it cannot give."""
         if schema_id == FLAKY:
             raise SchemaRegistryError(503, 50003, "registry unavailable")
         if schema_id == MISROUTED:
             raise SchemaRegistryError(404, 404, "HTTP 404 Not Found")
+        if schema_id not in self.schemas and schema_id not in (PROTOBUF, WITH_REFERENCES, NOT_AVRO, WITH_RULES):
+            raise SchemaRegistryError(404, 40403, "Schema not found")
+
+    def get_schema(self, schema_id: int, subject_name: str | None = None,  # type: ignore[override]
+                   fmt: str | None = None) -> Schema:
+        self.asked.append(schema_id)
+        self._known(schema_id)
         if schema_id == PROTOBUF:
             return Schema('syntax = "proto3"; message M {}', "PROTOBUF")
         if schema_id == WITH_REFERENCES:
@@ -70,9 +111,7 @@ class StandInRegistry(SchemaRegistryClient):
             rule = Rule("encrypt-address", None, RuleKind.TRANSFORM, RuleMode.WRITEREAD, "ENCRYPT",
                         ["PII"], None, None, None, None, False)
             return Schema(PackageReady.avro_schema(), "AVRO", rule_set=RuleSet(None, [rule]))
-        if schema_id in self.schemas:
-            return Schema(self.schemas[schema_id], "AVRO")
-        raise SchemaRegistryError(404, 40403, "Schema not found")
+        return Schema(self.schemas[schema_id], "AVRO")
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +197,213 @@ def test_the_wire_format_checks_name_their_reason(decoder: Decoder[PackageReady]
         assert isinstance(outcome, DecodeFailure), (value[:12] if value else value, outcome)
         assert outcome.reason is reason, (value[:12] if value else value, outcome.reason, str(outcome))
     assert decoder(framed(OURS, avro(GOOD))) == GOOD
+
+
+# -- writer schemas ----------------------------------------------------------------------
+
+def varint(n: int) -> bytes:
+    """An Avro long, which is how an array or map block declares its count."""
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, "long", n)
+    return out.getvalue()
+
+
+LEAVES = (st.sampled_from(["null", "boolean", "int", "long", "float", "double", "bytes", "string",
+                           {"type": "bytes", "logicalType": "decimal", "precision": 10}])
+          | st.integers(0, 3).map(lambda n: {"type": "fixed", "name": "?", "size": n})
+          | st.just({"type": "enum", "name": "?", "symbols": ["A", "B"]})
+          | st.integers(0, 7).map(lambda k: {"ref": k}))  # a use of a named type (see ``named``)
+TYPES = st.recursive(LEAVES, lambda inner: (
+    inner.map(lambda t: {"type": "array", "items": t})
+    | inner.map(lambda t: {"type": "map", "values": t})
+    | st.lists(inner, min_size=1, max_size=3)  # a union
+    | st.lists(inner, max_size=4).map(lambda ts: {
+        "type": "record", "name": "?", "fields": [{"name": f"f{i}", "type": t} for i, t in enumerate(ts)]})
+), max_leaves=10)
+
+
+def named(node: Any, names: list[str]) -> Any:
+    """``node`` with its named types called T1, T2, ... and each ``{"ref": k}`` a use of one of
+    ``names``: those defined before it, or a record around it (recursion)."""
+    if isinstance(node, list):
+        return [named(branch, names) for branch in node]
+    if not isinstance(node, dict):
+        return node
+    if "ref" in node:
+        return names[node["ref"] % len(names)]
+    out = dict(node)
+    if out.get("name") == "?":
+        out["name"] = f"T{len(names)}"
+        names.append(out["name"])
+    if "fields" in out:
+        out["fields"] = [{**f, "type": named(f["type"], names)} for f in out["fields"]]
+    for key in ("items", "values"):
+        if key in out:
+            out[key] = named(out[key], names)
+    return out
+
+
+@st.composite
+def writer_schemas(draw: st.DrawFn) -> str:
+    """Half of them a v2 of the contract, new fields of random types after its own (it
+    resolves, and the new fields are skipped), half any shape at all."""
+    if draw(st.booleans()):
+        return json.dumps(named(draw(TYPES), ["string"]))
+    schema = json.loads(PackageReady.avro_schema())
+    names = [schema["name"]]
+    schema["fields"] += [{"name": f"x{i}", "type": named(extra, names)}
+                         for i, extra in enumerate(draw(st.lists(TYPES, min_size=1, max_size=3)))]
+    return json.dumps(schema)
+
+
+COUNTS = st.sampled_from([0, 1, 10**7, 2**62, 2**63 - 1, -(2**62)]) | st.integers(-(2**63), 2**63 - 1)
+BODIES = st.tuples(st.sampled_from([b"", avro(GOOD)]),  # the contract's own fields, or not
+                   st.lists(COUNTS.map(varint) | st.binary(max_size=8), max_size=5).map(b"".join)
+                   ).map(b"".join).filter(bool)  # a bare header is refused unread
+
+
+DECODE_BUDGET_S = 0.2  # CPU time one decode of these small values may take
+NEVER_S = 10.0  # a decode still running after this never ends
+Outcome = tuple[str, str, float]  # ("event" | reason | "unexpected", its text, CPU seconds)
+_open_registry: tuple[StandInRegistry, Decoder[PackageReady]] | None = None
+
+
+def decode_in_worker(schema: str, body: bytes) -> Outcome:
+    """Register ``schema`` under the subject (as a registry without our checks would take
+    it) and decode ``body`` with it, in the worker process; garbage collection paused, as a
+    collection of a big heap can take longer than a decode may."""
+    global _open_registry
+    if _open_registry is None:
+        registry = StandInRegistry()
+        _open_registry = registry, Decoder(PackageReady, "package.ready", registry)
+    registry, decoder = _open_registry
+    value = framed(registry.register(schema), body)
+    gc.disable()
+    started = time.thread_time()
+    try:
+        event = decoder(value)
+        found = ("event", repr(event))
+    except DecodeFailure as exc:
+        found = (exc.reason.value, str(exc))
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+        found = ("unexpected", repr(exc))
+    finally:
+        spent = time.thread_time() - started
+        gc.enable()
+    return (*found, spent)
+
+
+class Worker:
+    """Decodes in a process of its own: a decode that never ends loops in fastavro's Cython
+    code holding the GIL, where no timeout of the test's process (hypothesis's deadline,
+    pytest-timeout) ever gets to run. Killed then, and started again for the next one."""
+
+    def __init__(self) -> None:
+        self._pool: Pool | None = None
+
+    def decode(self, schema: str, body: bytes) -> Outcome | None:
+        """The outcome, or None when the decode did not end within ``NEVER_S``."""
+        if self._pool is None:
+            self._pool = multiprocessing.get_context("spawn").Pool(1)
+        try:
+            outcome: Outcome = self._pool.apply_async(decode_in_worker, (schema, body)).get(NEVER_S)
+            return outcome
+        except multiprocessing.TimeoutError:
+            self.close()
+            return None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[Worker]:
+    running = Worker()
+    running.decode(PackageReady.avro_schema(), avro(GOOD))  # started before any example's clock runs
+    yield running
+    running.close()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(writer_schemas(), BODIES)
+def test_any_writer_schema_and_body_give_an_event_or_a_dead_letter_in_bounded_time(
+        worker: Worker, schema: str, body: bytes) -> None:
+    """The time bound is on the decode's own CPU time (``DECODE_BUDGET_S``), not the test's
+    wall clock: a deadline on that would also count the round trip to the worker and
+    whatever else the machine runs."""
+    outcome = worker.decode(schema, body)
+    assert outcome is not None, f"the decode did not end within {NEVER_S} s"
+    kind, text, spent = outcome
+    assert kind == "event" or kind in DeadLetterReason.__members__, text
+    assert spent < DECODE_BUDGET_S, f"{spent:.2f} s of CPU: {text}"
+    try:
+        avro_bounds.check(json.loads(schema))
+    except avro_bounds.UnboundedSchema:
+        assert kind == DeadLetterReason.INCOMPATIBLE_SCHEMA.value and "bounded work" in text, text
+
+
+NULLS = {"type": "record", "name": "Nulls", "fields": [{"name": f"z{i}", "type": "null"} for i in range(8)]}
+
+
+@pytest.mark.parametrize("field, why", [
+    ({"name": "x", "type": {"type": "array", "items": "null"}, "default": []}, "zero bytes"),
+    ({"name": "x", "type": {"type": "map", "values": NULLS}, "default": {}}, "steps per byte"),
+    ({"name": "next", "type": ["null", "PackageReady"], "default": None}, "contains itself"),
+    ({"name": "d", "type": ["null", {"type": "bytes", "logicalType": "decimal", "precision": 9}],
+      "default": None}, "decimal on bytes"),
+], ids=["array-of-nulls", "map-of-null-records", "recursive", "bytes-decimal"])
+def test_a_hostile_v2_of_the_contract_is_dead_lettered_at_once(worker: Worker, field: dict[str, Any],
+                                                               why: str) -> None:
+    """Each new field has a default, so each v2 is BACKWARD-compatible; the value declares
+    2^62 items after the contract's own fields, which fastavro would skip one by one."""
+    outcome = worker.decode(with_fields(field), avro(GOOD) + varint(2**62))
+    assert outcome is not None, f"the decode did not end within {NEVER_S} s"
+    kind, text, spent = outcome
+    assert kind == DeadLetterReason.INCOMPATIBLE_SCHEMA.value, text
+    assert "cannot be decoded in bounded work" in text and why in text, text
+    assert spent < DECODE_BUDGET_S
+
+
+def test_a_v2_with_an_ordinary_array_stops_at_the_end_of_the_value() -> None:
+    registry = StandInRegistry()
+    decoder = Decoder(PackageReady, "package.ready", registry)
+    v2 = registry.register(with_fields({"name": "tags", "type": {"type": "array", "items": "string"},
+                                        "default": []}))
+    assert decoder(framed(v2, avro(GOOD) + varint(0))) == GOOD
+    outcome = decode_or_classify(decoder, framed(v2, avro(GOOD) + varint(2**62) + b"\x02a" * 100))
+    assert isinstance(outcome, DecodeFailure) and outcome.reason is DeadLetterReason.UNDECODABLE
+
+
+def test_an_id_registered_under_another_subject_is_dead_lettered() -> None:
+    registry = StandInRegistry()
+    decoder = Decoder(PackageReady, "package.ready", registry)
+    outcome = decode_or_classify(decoder, framed(FOREIGN, avro(GOOD)))
+    assert isinstance(outcome, DecodeFailure) and outcome.reason is DeadLetterReason.INCOMPATIBLE_SCHEMA
+    assert str(outcome) == f"schema id {FOREIGN} is not registered under {SUBJECT}"
+    assert registry.asked == []  # refused before its schema is fetched
+    assert decoder(framed(OURS, avro(GOOD))) == GOOD  # the same schema and bytes, under our id
+
+
+def test_refusals_are_remembered_for_a_while_and_only_so_many(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serde, "MAX_REFUSED_SCHEMAS", 2)
+    registry = StandInRegistry()
+    decoder = Decoder(PackageReady, "package.ready", registry)
+
+    def decode(*ids: int) -> None:
+        for schema_id in ids:
+            assert isinstance(decode_or_classify(decoder, framed(schema_id, avro(GOOD))), DecodeFailure)
+
+    decode(FOREIGN, 4242, FOREIGN, 4242, 4242)
+    assert registry.asked_subjects == [FOREIGN, 4242]  # one question per refused id
+    decode(HOSTILE, FOREIGN)  # HOSTILE's refusal pushes out the oldest one, FOREIGN's
+    assert registry.asked_subjects == [FOREIGN, 4242, HOSTILE, FOREIGN]
+    monkeypatch.setattr(serde, "REFUSAL_TTL_S", 0.0)
+    registry.asked_subjects.clear()
+    decode(4243, 4243)  # a refusal that has expired is asked about again
+    assert registry.asked_subjects == [4243, 4243]
 
 
 # -- the envelope ------------------------------------------------------------------------
