@@ -1,0 +1,148 @@
+"""Hostile writer schemas on the real stack: the registry refuses them, and a service that
+meets one anyway (held by a registry without our checks, or registered under another
+subject) dead-letters its records and goes on.
+
+Each test runs a registry process of its own on a private store topic (the code under test,
+started as the stack starts its own), so records can be put into that store directly, the
+way a Confluent registry without these checks would have written them; the probe service
+(``tests/services/probe.py``) is pointed at it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+from typing import Any
+
+import fastavro
+import httpx
+import pytest
+from confluent_kafka import Producer
+
+from choreo.config import settings
+from choreo.envelope import Envelope
+from choreo.serde import Encoder, registry_client
+from schemas.models import DeliveryRequested
+from tests.factories import delivery_request
+from tests.helpers import Record, ServiceProcess, read_topic, wait_for
+from tests.integration.test_registry_instances import Starter, instances  # noqa: F401 (fixture)
+from tests.integration.test_runtime import probe_topic, services  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.integration
+
+CT = {"Content-Type": "application/vnd.schemaregistry.v1+json"}
+V1 = DeliveryRequested.avro_schema()
+NULLS = {"name": "x", "type": {"type": "array", "items": "null"}, "default": []}
+DEAD_LETTER_WITHIN_S = 45.0  # the probe's start and group join included
+
+
+def v2(*fields: dict[str, Any]) -> str:
+    """The contract with ``fields`` added after its own: each has a default, so the v2 is
+    BACKWARD-compatible with it."""
+    schema = json.loads(V1)
+    schema["fields"] += list(fields)
+    return json.dumps(schema)
+
+
+def varint(n: int) -> bytes:
+    """An Avro long, which is how an array block declares its count."""
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, "long", n)
+    return out.getvalue()
+
+
+class Probe:
+    """The probe service on ``topic``, with its events encoded through the registry at ``url``."""
+
+    def __init__(self, topic: str, url: str, running: list[ServiceProcess]) -> None:
+        self.topic = topic
+        self.url = url
+        self.running = running
+        self.encoder = Encoder(DeliveryRequested, topic, registry_client(url))
+        self.producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers, "acks": "all"})
+
+    def produce(self, value: bytes, event_id: str | None = None) -> str:
+        event_id = event_id or str(uuid.uuid4())
+        headers = Envelope.first(event_id, f"d-{event_id}", "DeliveryRequested", "hostile-test").to_headers()
+        self.producer.produce(self.topic, key=event_id.encode(), value=value, headers=headers)
+        assert self.producer.flush(10) == 0
+        return event_id
+
+    def start(self) -> float:
+        self.running.append(ServiceProcess("tests.services.probe:service",
+                                           env={"PROBE_TOPIC": self.topic, "SCHEMA_REGISTRY_URL": self.url}).start())
+        return time.monotonic()
+
+    def dead_letter_then_output(self, poison: str, good: str, started: float) -> Record:
+        """``poison``'s dead letter, once ``good`` (produced after it) is processed too."""
+        letters: list[Record] = wait_for(lambda: read_topic(f"{self.topic}.dlq"),
+                                         timeout_s=DEAD_LETTER_WITHIN_S, what="the dead letter")
+        assert [r.key for r in letters] == [poison.encode()]
+        print(json.dumps({"dead_letter_after_s": round(time.monotonic() - started, 1),
+                          "reason": letters[0].header("dlq.reason"), "error": letters[0].header("dlq.error")}))
+        out = wait_for(lambda: read_topic(f"{self.topic}.out"), timeout_s=30, what="the good event's output")
+        assert [r.envelope.causation_id for r in out if r.envelope] == [good]
+        assert self.running[-1].alive()
+        return letters[0]
+
+
+def test_the_registry_refuses_a_hostile_backward_compatible_v2(instances: Starter, unique: str) -> None:  # noqa: F811
+    _, url = instances()
+    subject = f"t.hostile.{unique}-value"
+    with httpx.Client(base_url=url, timeout=30) as http:
+        assert http.post(f"/subjects/{subject}/versions", json={"schema": V1}, headers=CT).status_code == 200
+        ordinary = v2({"name": "tags", "type": {"type": "array", "items": "string"}, "default": []})
+        check = http.post(f"/compatibility/subjects/{subject}/versions/latest", json={"schema": ordinary}, headers=CT)
+        assert check.json() == {"is_compatible": True}  # the same change, with items of a byte or more
+        for path in (f"/subjects/{subject}/versions", f"/compatibility/subjects/{subject}/versions/latest"):
+            answer = http.post(path, json={"schema": v2(NULLS)}, headers=CT)
+            assert answer.status_code == 422, answer.text
+            assert answer.json()["error_code"] == 42201
+            assert "cannot be decoded in bounded work" in answer.json()["message"]
+        assert http.get(f"/subjects/{subject}/versions").json() == [1]
+
+
+def test_a_hostile_schema_held_by_an_unchecked_registry_is_dead_lettered_and_the_next_event_flows(
+        instances: Starter, unique: str, probe_topic: str, services: list[ServiceProcess]) -> None:  # noqa: F811
+    _, url = instances()
+    probe = Probe(probe_topic, url, services)
+    v1_bytes = probe.encoder(delivery_request(weight_kg=1.0))  # registers v1: version 1 of the subject
+    subject = f"{probe_topic}-value"
+    hostile_id = 1000  # the store is private: no other schema takes this id
+    store = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers, "acks": "all"})
+    # a Confluent registry's record of a new version, the schema text in it
+    store.produce(f"_schemas_test_{unique}",
+                  key=json.dumps({"keytype": "SCHEMA", "subject": subject, "version": 2, "magic": 1}).encode(),
+                  value=json.dumps({"subject": subject, "version": 2, "id": hostile_id, "schema": v2(NULLS),
+                                    "deleted": False}).encode())
+    assert store.flush(10) == 0
+    with httpx.Client(base_url=url, timeout=30) as http:
+        wait_for(lambda: http.get(f"/schemas/ids/{hostile_id}/subjects").json() == [subject],
+                 timeout_s=30, what="the registry to read the hostile version")
+    # the contract's own fields, then an array that declares 2^62 items of zero bytes each
+    poison = probe.produce(b"\x00" + hostile_id.to_bytes(4, "big") + v1_bytes[5:] + varint(2**62))
+    good = probe.produce(probe.encoder(delivery_request(weight_kg=1.0)))
+    letter = probe.dead_letter_then_output(poison, good, probe.start())
+    assert letter.header("dlq.reason") == "INCOMPATIBLE_SCHEMA"
+    assert "cannot be decoded in bounded work" in (letter.header("dlq.error") or "")
+
+
+def test_a_schema_id_of_another_subject_is_dead_lettered(
+        instances: Starter, probe_topic: str, services: list[ServiceProcess]) -> None:  # noqa: F811
+    _, url = instances()
+    probe = Probe(probe_topic, url, services)
+    v1_bytes = probe.encoder(delivery_request(weight_kg=1.0))
+    # the same contract (a doc apart, so a schema id of its own), registered elsewhere only:
+    # its bytes would decode as a perfectly good event
+    elsewhere = json.loads(V1)
+    elsewhere["doc"] = "registered under another subject"
+    with httpx.Client(base_url=url, timeout=30) as http:
+        foreign_id = http.post(f"/subjects/{probe_topic}.elsewhere-value/versions",
+                               json={"schema": json.dumps(elsewhere)}, headers=CT).json()["id"]
+    poison = probe.produce(b"\x00" + foreign_id.to_bytes(4, "big") + v1_bytes[5:])
+    good = probe.produce(probe.encoder(delivery_request(weight_kg=1.0)))
+    letter = probe.dead_letter_then_output(poison, good, probe.start())
+    assert letter.header("dlq.reason") == "INCOMPATIBLE_SCHEMA"
+    assert letter.header("dlq.error") == f"schema id {foreign_id} is not registered under {probe_topic}-value"
