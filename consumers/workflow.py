@@ -3,7 +3,7 @@ deadlines, fan-in) is read from their own declarations."""
 
 from __future__ import annotations
 
-from choreo.workflow import Workflow
+from choreo import Workflow
 
 WORKFLOW = Workflow(
     "drone-delivery",
@@ -12,7 +12,7 @@ WORKFLOW = Workflow(
         "consumers.drone_scheduler:service",
         "consumers.delivery:service",
         "consumers.notifier:service",
-        "consumers.supervisor:service",
+        "choreo.supervisor:service",
     ],
     extra_producers={"delivery.requested": "ingestion"},
 )

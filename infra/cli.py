@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING
 
 import typer
@@ -129,6 +130,8 @@ def run_service(
     from choreo.runner import Runner, RunnerOptions
     from choreo.service import load_service
 
+    if workflow:  # the supervisor watches the workflow its instance runs in, unless told otherwise
+        os.environ.setdefault("SUPERVISOR_WORKFLOW", workflow)
     service = load_service(ref)
     flow = _load_workflow(workflow)
     try:

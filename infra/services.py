@@ -18,7 +18,7 @@ PIPELINE = {
     "drone-scheduler": "consumers.drone_scheduler:service",
     "delivery": "consumers.delivery:service",
     "notifier": "consumers.notifier:service",
-    "supervisor": "consumers.supervisor:service",
+    "supervisor": "choreo.supervisor:service",
 }
 
 

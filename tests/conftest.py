@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -10,6 +11,10 @@ import pytest
 import redis
 
 from choreo.config import settings
+
+# the workflow ``choreo.supervisor`` watches when a test imports it in process (``choreo run``
+# sets it from --workflow; the tests that run a supervisor of their own name theirs)
+os.environ.setdefault("SUPERVISOR_WORKFLOW", "consumers.workflow:WORKFLOW")
 
 if TYPE_CHECKING:
     from tests.pipeline import Pipeline

@@ -15,7 +15,7 @@ from tests.helpers import Record, ServiceProcess, read_topic, wait_for
 
 SERVICES = ["consumers.package:service", "consumers.drone_scheduler:service",
             "consumers.delivery:service", "consumers.notifier:service",
-            "consumers.supervisor:service"]
+            "choreo.supervisor:service"]
 
 
 @dataclass

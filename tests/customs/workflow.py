@@ -4,9 +4,7 @@ the delivery join naming customs (in production, one more entry in ``consumers.d
 
 from __future__ import annotations
 
-from choreo.join import Part
-from choreo.service import Service
-from choreo.workflow import Workflow
+from choreo import Part, Service, Workflow
 from consumers import delivery as delivery_rules
 from consumers.workflow import WORKFLOW as PRODUCTION
 from tests.customs.service import CustomsCleared, CustomsRefused
@@ -26,7 +24,7 @@ WORKFLOW = Workflow(
         "tests.customs.workflow:delivery",
         "tests.customs.service:service",
         "consumers.notifier:service",
-        "consumers.supervisor:service",
+        "choreo.supervisor:service",
     ],
     extra_producers=PRODUCTION.extra_producers,
 )

@@ -106,7 +106,7 @@ class IsolatedPipeline:
         pipeline's topics, workflow and Redis. A new group joins the shared recovery topic
         at its end, as a deployed one would, not at its history."""
         start_group_at_end(name, RECOVERY_TOPIC)
-        proc = ServiceProcess("consumers.supervisor:service", instance=name,
+        proc = ServiceProcess("choreo.supervisor:service", instance=name,
                               workflow="tests.services.ops_pipeline:WORKFLOW",
                               env={**self._env(), "SUPERVISOR_NAME": name,
                                    "SUPERVISOR_TOPIC_PREFIX": self.prefix,

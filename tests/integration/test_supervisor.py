@@ -3,7 +3,7 @@
 Each test runs the pipeline's real business rules (``tests/services/sup_pipeline.py``) on
 its own topics with 2 s deadlines, against a Redis database of its own (the state table,
 deadline index, lease and fleet are the supervisor tests' alone), plus the real
-``consumers.supervisor`` pointed at those topics.
+``choreo.supervisor`` pointed at those topics.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class World:
     def supervisor(self, instance: str = "0", members: int = 1, **env: str) -> ServiceProcess:
         if members == 1:  # a new group joins the shared recovery topic at its end, as a
             start_group_at_end(self.name, RECOVERY_TOPIC)  # deployed one would (not at its history)
-        proc = ServiceProcess("consumers.supervisor:service", instance=f"{self.name}-{instance}",
+        proc = ServiceProcess("choreo.supervisor:service", instance=f"{self.name}-{instance}",
                               env={**self.env, **env}, workflow=f"{sup_pipeline.MODULE}:WORKFLOW")
         self.procs.append(proc.start())
         wait_for(lambda: _group_ready(self.name, members), timeout_s=45, what="the supervisor consuming")

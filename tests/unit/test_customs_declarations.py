@@ -5,7 +5,7 @@ policies (the behaviour on the real stack: tests/integration/test_customs.py).""
 from __future__ import annotations
 
 from choreo.ops import flowdoc
-from consumers.supervisor import policies_of
+from choreo.supervisor import policies_of
 from infra.security import Acl, derive_policy
 from tests.customs.workflow import WORKFLOW
 

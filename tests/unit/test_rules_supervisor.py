@@ -17,7 +17,7 @@ from choreo.service import deadline_scale
 from choreo.supervision import COMPENSATION, FORWARD
 from choreo.runtime_events import CompensationRecord, StepReport, UndoRequested, undo_topic
 from choreo.testing import HarnessError, Outcome, run
-from consumers import supervisor
+from choreo import supervisor
 from consumers.workflow import WORKFLOW
 from schemas.models import DeliveryFailed, DeliveryShipped, DroneReleased, PackageCancelled
 

@@ -98,7 +98,7 @@ def test_topics_the_principal_may_not_see_are_left_to_the_brokers_acls(monkeypat
 
 
 def test_a_compacted_topic_keeps_its_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    from consumers.supervisor import service as supervisor
+    from choreo.supervisor import service as supervisor
 
     present = dict.fromkeys(topology.derive(WORKFLOW).partitions, 6)
     del present["compensation.log"]

@@ -1,16 +1,22 @@
 """Supervisor: the safety net of the choreography. It coordinates nothing; it watches.
 
-* Every instance records what it reads (recovery reports, ``delivery.failed``, the undo
-  facts ``package.cancelled`` / ``drone.released``) into the state table: these writes are
-  conditional and idempotent, so any instance of the consumer group may make them and no
-  report is lost while another instance leads.
+* Every instance records what it reads (recovery reports, the failure outcome, the events
+  that confirm undos) into the state table: these writes are conditional and idempotent, so
+  any instance of the consumer group may make them and no report is lost while another
+  instance leads. A failure marks the steps to undo and asks for the newest completed one's
+  undo; each confirmation asks for the next.
 * Only the holder of the ``supervisor`` lease scans the deadline index and acts: it extends
   steps whose service is down, requeues failed or stuck steps with exponential back-off,
-  fails a delivery whose step spent its retry budget (``delivery.failed``, so the services
-  undo their work) and raises an alert when an undo itself fails past its budget.
+  fails a delivery whose step spent its retry budget (the failure outcome event, so the
+  services undo their work) and raises an alert when an undo itself fails past its budget.
 
-Business knowledge lives here: which step undoes which, which fact proves an undo, which
-step decides a delivery's outcome. The mechanics live in ``choreo.supervision``.
+It knows the workflow it supervises (``SUPERVISOR_WORKFLOW``, which ``choreo run`` sets from
+``--workflow``) only by its declarations: which step undoes which and what proves it
+(``Service.undo``), the join that decides a delivery and the events that publish its
+outcome (``Service.join``). The failure outcome event carries ``delivery_id``, ``reason``,
+``detail``, ``failed_step``, ``compensate`` (the steps to undo, newest first) and
+``failed_at``: the supervisor reads the steps to undo from it, and publishes one when it
+fails a delivery itself. The transitions live in ``choreo.supervision``.
 """
 
 from __future__ import annotations
@@ -40,24 +46,45 @@ from choreo.supervision import (
     SourceReader, StepPolicy, SupervisorSettings, Transitions, labels, parse_marked,
     split_list,
 )
+from choreo.join import FAILED
 from choreo.workflow import Workflow, load_workflow
 from choreo.runtime_events import CompensationRecord, StepReport, UndoRequested, undo_topic
-from schemas.models import DeliveryFailed, DeliveryShipped
 
 NAME = os.environ.get("SUPERVISOR_NAME", "supervisor")  # consumer group and lease name
 PREFIX = os.environ.get("SUPERVISOR_TOPIC_PREFIX", "")  # isolates a test's topics
-WORKFLOW_REF = os.environ.get("SUPERVISOR_WORKFLOW", "consumers.workflow:WORKFLOW")
 SETTINGS = SupervisorSettings.from_env()
+
 
 def topic(name: str) -> str:
     return f"{PREFIX}{name}"
 
 
-DELIVERY_FAILED = topic(DeliveryFailed.topic)
-SHIPPED = topic(DeliveryShipped.topic)  # the terminal after which a delivery's state is released
-COMPENSATION_LOG = topic(CompensationRecord.topic)
-
 service = Service(NAME)
+
+
+def _supervised() -> Workflow:
+    ref = os.environ.get("SUPERVISOR_WORKFLOW", "")
+    if not ref:
+        raise RuntimeError("SUPERVISOR_WORKFLOW names the workflow to supervise (module:attribute)")
+    return load_workflow(ref)
+
+
+def outcome_events(flow: Workflow) -> tuple[type[Event], type[Event]]:
+    """The events that publish the deciding join's outcome: (success, failure)."""
+    join = next((j for j in flow.joins if j.step == flow.decider), None)
+    if join is None:
+        raise ValueError(f"workflow {flow.name}: the supervisor needs the join that decides a delivery")
+    failure = next(model for model, outcome in join.outcomes.items() if outcome == FAILED)
+    success = next(model for model, outcome in join.outcomes.items() if outcome != FAILED)
+    return success, failure
+
+
+# ``service`` exists by now: the workflow may list this very module
+FLOW = _supervised()
+SUCCESS, FAILURE = outcome_events(FLOW)
+DELIVERY_FAILED = topic(FAILURE.topic)
+SHIPPED = topic(SUCCESS.topic)  # the terminal after which a delivery's state is released
+COMPENSATION_LOG = topic(CompensationRecord.topic)
 
 
 @dataclass
@@ -103,13 +130,12 @@ def policies_of(flow: Workflow) -> Policies:
 def _rt(ctx: Context) -> _Runtime:
     global _runtime
     if _runtime is None:
-        flow = load_workflow(WORKFLOW_REF)
         owner = f"{socket.gethostname()}:{os.getpid()}"
-        models = {(s.name, t): h.model for s in flow.services for t, h in s.handlers.items()}
+        models = {(s.name, t): h.model for s in FLOW.services for t, h in s.handlers.items()}
         _runtime = _Runtime(
             lease=Lease(ctx.redis, NAME, owner, int(SETTINGS.lease_ttl_s * 1000)),
             scanner=Scanner(ctx.redis, SETTINGS), transitions=Transitions(ctx.redis),
-            policies=policies_of(flow), models=models,
+            policies=policies_of(FLOW), models=models,
         )
     return _runtime
 
@@ -126,7 +152,7 @@ def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int
 
 # -- what any instance records ------------------------------------------------------------------
 
-@service.on(RECOVERY_TOPIC, produces=[DeliveryFailed, CompensationRecord])
+@service.on(RECOVERY_TOPIC, produces=[FAILURE, CompensationRecord])
 def on_report(report: StepReport, ctx: Context) -> None:
     """A service could not finish a step: make it due now so the leader's next scan acts."""
     verdict = _rt(ctx).transitions.record_report(report.delivery_id, report.step, report.attempt,
@@ -137,12 +163,11 @@ def on_report(report: StepReport, ctx: Context) -> None:
                      reported_attempt=report.attempt, verdict=verdict, by=report.service)
 
 
-@service.on(DELIVERY_FAILED, produces=[CompensationRecord])
-def on_delivery_failed(failure: DeliveryFailed, ctx: Context) -> None:
+def on_delivery_failed(failure: Any, ctx: Context) -> None:
     """Whoever failed the delivery (the delivery service or us), the steps to undo are now
     ``compensating``, the compensation log says so, and the newest completed one is asked
     to undo its work (the others follow, one confirmation at a time)."""
-    compensable = set(load_workflow(WORKFLOW_REF).compensations())
+    compensable = set(FLOW.compensations())
     reason = f"{failure.reason}: {failure.detail}"[:500]
     raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), DEADLINE_INDEX],
                    args=[now_ms(), failure.delivery_id, failure.failed_step, reason,
@@ -197,12 +222,11 @@ def _watch_compensations(flow: Workflow) -> None:
                           produces=[CompensationRecord])
 
 
-@service.on(SHIPPED)
-def on_shipped(shipment: DeliveryShipped, ctx: Context) -> Effects[None]:
+def on_shipped(shipment: Event, ctx: Context) -> Effects[None]:
     """A shipped delivery is finished: its state goes once every reader of this event has
     committed past it (``choreo.release``)."""
     yield ctx.effect(AWAIT_RELEASE, keys=[awaiting_key(ctx.topic, ctx.partition)],
-                     args=[ctx.offset, shipment.delivery_id])
+                     args=[ctx.offset, ctx.delivery_id])
 
 
 # -- what only the leader does ----------------------------------------------------------------
@@ -248,10 +272,11 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
         cause = Envelope.first(derived_id(action.delivery_id, NAME, "fail"), action.delivery_id,
                                "SupervisorDecision", NAME)
         ctx.emit(
-            DeliveryFailed(delivery_id=action.delivery_id, reason=str(data["reason"]),
-                           detail=str(data["detail"])[:500], failed_step=action.step,
-                           compensate=compensate, failed_at=datetime.now(UTC)),
-            topic=DELIVERY_FAILED, event_id=derived_id(action.delivery_id, "delivery.failed"),
+            FAILURE.model_validate({"delivery_id": action.delivery_id, "reason": str(data["reason"]),
+                                    "detail": str(data["detail"])[:500], "failed_step": action.step,
+                                    "compensate": compensate, "failed_at": datetime.now(UTC)}),
+            # the id the deciding service gives its own failure: one failure whoever decides
+            topic=DELIVERY_FAILED, event_id=derived_id(action.delivery_id, FAILURE.topic),
             cause=cause,
         )
         log.warning("delivery.failed_by_supervisor", reason=data["reason"], detail=data["detail"],
@@ -344,15 +369,15 @@ def _requeue_input(ctx: Context, rt: _Runtime, action: Action, source: Source | 
 def start_releasing(client: Store) -> None:
     """The leader releases shipped deliveries' state (``choreo.release``) on a thread of its
     own, so that slow admin requests never hold up the lease renewal and the scans."""
-    flow = load_workflow(WORKFLOW_REF)
-    groups = flow.consumer_groups(SHIPPED)
+    groups = FLOW.consumer_groups(SHIPPED)
     log = get_logger(service=NAME, component="release")
     if groups == [NAME]:  # e.g. a topic prefix the workflow's services do not use
         log.warning("release.waits_for_no_reader", topic=SHIPPED)
-    releaser = Releaser(client, admin(), SHIPPED, groups, [s.name for s in flow.services],
-                        flow.released_keys, settings().dedupe_ttl_s)
+    releaser = Releaser(client, admin(), SHIPPED, groups, [s.name for s in FLOW.services],
+                        FLOW.released_keys, settings().dedupe_ttl_s)
     releaser.run_in_background(SETTINGS.scan_period_s, lambda: _runtime is not None and _runtime.leading, log)
 
 
-# the workflow may list this very module: ``service`` exists by now, so loading it here is safe
-_watch_compensations(load_workflow(WORKFLOW_REF))
+service.subscribe(DELIVERY_FAILED, FAILURE, on_delivery_failed, produces=[CompensationRecord])
+service.subscribe(SHIPPED, SUCCESS, on_shipped)
+_watch_compensations(FLOW)
