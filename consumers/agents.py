@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from choreo.errors import Retryable
+from choreo import Retryable
 
 
 class PermanentFailure(Exception):

@@ -10,10 +10,7 @@ from __future__ import annotations
 import os
 from datetime import UTC, datetime
 
-from choreo.envelope import derived_id
-from choreo.events import Event
-from choreo.join import Joined, JoinFailed, Part
-from choreo.service import Context, Effects, Service
+from choreo import Context, Effects, Event, Joined, JoinFailed, Part, Service, derived_id
 from consumers.agents import Agent, PermanentFailure
 from schemas.models import (
     DeliveryFailed, DeliveryShipped, DroneFailed, DroneScheduled, PackageFailed, PackageReady,

@@ -10,10 +10,7 @@ from __future__ import annotations
 import os
 from datetime import UTC, datetime
 
-from choreo.errors import Retryable
-from choreo.pool import Pool
-from choreo.runtime_events import UndoRequested
-from choreo.service import Context, Effects, Service
+from choreo import Context, Effects, Pool, Retryable, Service, UndoRequested
 from consumers.agents import Agent, PermanentFailure
 from schemas.models import (
     DeliveryRequested, DeliveryShipped, DroneFailed, DroneReleased, DroneScheduled,

@@ -5,7 +5,7 @@ other service. Copy this file to subscribe a new service.
 
 from __future__ import annotations
 
-from choreo.service import Context, Effects, Service
+from choreo import Context, Effects, Service
 from schemas.models import DeliveryShipped
 
 service = Service("notifier")

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from choreo.envelope import derived_id
-from choreo.errors import Retryable
-from choreo.runtime_events import UndoRequested
-from choreo.service import Context, Effects, Service
+from choreo import Context, Effects, Retryable, Service, UndoRequested, derived_id
 from consumers.agents import Agent, PermanentFailure
 from schemas.models import (
     DeliveryRequested, PackageCancelled, PackageFailed, PackageReady,

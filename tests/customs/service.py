@@ -15,10 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import ClassVar
 
-from choreo.envelope import derived_id
-from choreo.events import Event
-from choreo.runtime_events import UndoRequested
-from choreo.service import Context, Effects, Service
+from choreo import Context, Effects, Event, Service, UndoRequested, derived_id
 from consumers.agents import Agent, PermanentFailure
 from schemas.models import DeliveryRequested
 

@@ -110,6 +110,12 @@ def test_services_use_kafka_redis_and_avro_only_through_the_runtime() -> None:
     assert not wrong, "a service talks to the broker and Redis through choreo:\n" + "\n".join(wrong)
 
 
+def test_services_import_only_the_runtimes_public_api() -> None:
+    wrong = [str(i) for path in sources("consumers") for i in imports_of(path)
+             if i.package == "choreo" and i.module != "choreo"]
+    assert not wrong, "a service imports what choreo/__init__.py offers, nothing deeper:\n" + "\n".join(wrong)
+
+
 def package_graph() -> dict[tuple[str, str], list[str]]:
     """(importer, imported) package → the files making that edge, module-level imports only
     (those are what a cycle breaks at load time)."""
