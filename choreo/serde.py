@@ -163,29 +163,11 @@ class Decoder(Generic[E]):
 
     def _admit(self, schema_id: int) -> Any:
         """Ask the registry about ``schema_id`` and parse its schema, or say why not."""
-        subjects = self._ask(schema_id, lambda: self._client.get_subjects_by_schema_id(schema_id, deleted=True))
+        subjects = _ask(schema_id, lambda: self._client.get_subjects_by_schema_id(schema_id, deleted=True))
         if self.subject not in subjects:
             raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
                                 f"schema id {schema_id} is not registered under {self.subject}")
-        schema = self._ask(schema_id, lambda: self._client.get_schema(schema_id))
-        if (schema.schema_type or "AVRO") != "AVRO" or schema.references:
-            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
-                                f"schema id {schema_id} is not a self-contained Avro schema")
-        if schema.rule_set is not None:  # e.g. encrypted fields: read as they are, they would pass
-            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
-                                f"schema id {schema_id} has data-contract rules this decoder does not apply")
-        text = schema.schema_str or ""
-        try:
-            avro_bounds.check_size(text)
-            document = json.loads(text)
-            avro_bounds.check(document)
-            return parse_schema(document)
-        except avro_bounds.UnboundedSchema as exc:
-            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
-                                f"schema id {schema_id} cannot be decoded in bounded work: {exc}") from exc
-        except Exception as exc:  # the registry holds it, but it is no Avro schema we can read
-            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
-                                f"schema id {schema_id}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+        return bounded_writer(self._client, schema_id)
 
     def _refuse(self, schema_id: int, failure: DecodeFailure) -> None:
         """Remember a refusal (the oldest goes first when full); the failure itself is not
@@ -197,28 +179,53 @@ class Decoder(Generic[E]):
             del self._refused[next(iter(self._refused))]
         self._refused[schema_id] = (time.monotonic() + REFUSAL_TTL_S, failure.reason, str(failure))
 
-    @staticmethod
-    def _ask(schema_id: int, call: Callable[[], T]) -> T:
-        """One registry call about ``schema_id``: an unknown id condemns the event, anything
-        else that goes wrong is the registry being unavailable (retried)."""
-        try:
-            return call()
-        except SchemaRegistryError as exc:
-            # only the registry's own "schema not found" condemns the event: any other 404 (a
-            # wrong URL, a proxy, another server on the port) must not dead-letter good events
-            if exc.http_status_code == 404 and exc.error_code == SCHEMA_NOT_FOUND:
-                raise DecodeFailure(
-                    DeadLetterReason.UNKNOWN_SCHEMA, f"schema id {schema_id} unknown to the registry"
-                ) from exc
-            raise RegistryUnavailable(str(exc)) from exc
-        except (OSError, ConnectionError) as exc:
-            raise RegistryUnavailable(str(exc)) from exc
-        except Exception as exc:
-            if _is_transport_error(exc):
-                raise RegistryUnavailable(str(exc)) from exc
+
+
+def bounded_writer(client: SchemaRegistryClient, schema_id: int) -> Any:
+    """The writer schema of ``schema_id``, parsed, if it is a self-contained Avro schema that
+    decodes in bounded work (``choreo.avro_bounds``); else ``DecodeFailure`` says why."""
+    schema = _ask(schema_id, lambda: client.get_schema(schema_id))
+    if (schema.schema_type or "AVRO") != "AVRO" or schema.references:
+        raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                            f"schema id {schema_id} is not a self-contained Avro schema")
+    if schema.rule_set is not None:  # e.g. encrypted fields: read as they are, they would pass
+        raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                            f"schema id {schema_id} has data-contract rules this decoder does not apply")
+    text = schema.schema_str or ""
+    try:
+        avro_bounds.check_size(text)
+        document = json.loads(text)
+        avro_bounds.check(document)
+        return parse_schema(document)
+    except avro_bounds.UnboundedSchema as exc:
+        raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                            f"schema id {schema_id} cannot be decoded in bounded work: {exc}") from exc
+    except Exception as exc:  # the registry holds it, but it is no Avro schema we can read
+        raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                            f"schema id {schema_id}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+def _ask(schema_id: int, call: Callable[[], T]) -> T:
+    """One registry call about ``schema_id``: an unknown id condemns the event, anything
+    else that goes wrong is the registry being unavailable (retried)."""
+    try:
+        return call()
+    except SchemaRegistryError as exc:
+        # only the registry's own "schema not found" condemns the event: any other 404 (a
+        # wrong URL, a proxy, another server on the port) must not dead-letter good events
+        if exc.http_status_code == 404 and exc.error_code == SCHEMA_NOT_FOUND:
             raise DecodeFailure(
-                DeadLetterReason.UNDECODABLE, f"schema id {schema_id}: {type(exc).__name__}: {str(exc)[:300]}"
+                DeadLetterReason.UNKNOWN_SCHEMA, f"schema id {schema_id} unknown to the registry"
             ) from exc
+        raise RegistryUnavailable(str(exc)) from exc
+    except (OSError, ConnectionError) as exc:
+        raise RegistryUnavailable(str(exc)) from exc
+    except Exception as exc:
+        if _is_transport_error(exc):
+            raise RegistryUnavailable(str(exc)) from exc
+        raise DecodeFailure(
+            DeadLetterReason.UNDECODABLE, f"schema id {schema_id}: {type(exc).__name__}: {str(exc)[:300]}"
+        ) from exc
 
 
 def _is_transport_error(exc: BaseException) -> bool:

@@ -9,6 +9,7 @@ transaction markers that are never delivered, so a partition is done when the co
 
 from __future__ import annotations
 
+import io
 import re
 import time
 import uuid
@@ -19,12 +20,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from confluent_kafka import Consumer, Message, TopicPartition
-from confluent_kafka.schema_registry.avro import AvroDeserializer
-from confluent_kafka.serialization import MessageField, SerializationContext
+from fastavro import schemaless_reader
 
 from choreo.kafka import base_config
 from choreo.envelope import Envelope, header_value, pairs
-from choreo.serde import MAGIC_BYTE, registry_client
+from choreo.serde import MAGIC_BYTE, MAX_WRITER_SCHEMAS, DecodeFailure, bounded_writer, registry_client
 
 Progress = Callable[[int], None]
 
@@ -263,23 +263,40 @@ class BodyDecoder:
     """Decodes any Confluent-framed Avro value with its *writer* schema, for people to read.
 
     The ops tools show events of every type (and dead letters, whose bytes may be broken),
-    so they need no model: the registry's writer schema is enough, and a failure is shown
-    as text instead of raised.
+    so they need no model: the registry's writer schema is enough, if it decodes in bounded
+    work (a dead letter may be there because its schema does not: ``serde.bounded_writer``),
+    and a failure is shown as text instead of raised.
     """
 
     def __init__(self) -> None:
-        self._deserializer = AvroDeserializer(registry_client())
+        self._client = registry_client()
+        self._writers: dict[int, Any] = {}  # schema id -> parsed writer schema, or why not
 
     def __call__(self, topic: str, value: bytes | None) -> dict[str, Any] | str:
         if value is None:
             return "<tombstone>"
         if len(value) < 5 or value[0] != MAGIC_BYTE:
             return f"<{len(value)} bytes, not Confluent wire format>"
+        schema_id = int.from_bytes(value[1:5], "big")
         try:
-            decoded = self._deserializer(value, SerializationContext(topic, MessageField.VALUE))
+            writer = self._writer(schema_id)
+            if isinstance(writer, str):
+                return writer
+            decoded = schemaless_reader(io.BytesIO(value[5:]), writer, None)
         except Exception as exc:  # noqa: BLE001 - shown to the operator, never raised
             return f"<undecodable: {type(exc).__name__}: {str(exc)[:200]}>"
         return _plain(decoded) if isinstance(decoded, dict) else str(decoded)
+
+    def _writer(self, schema_id: int) -> Any:
+        known = self._writers.get(schema_id)
+        if known is None:
+            try:
+                known = bounded_writer(self._client, schema_id)
+            except DecodeFailure as exc:
+                known = f"<refused: {exc}>"
+            if len(self._writers) < MAX_WRITER_SCHEMAS:
+                self._writers[schema_id] = known
+        return known
 
 
 def _plain(value: Any) -> Any:

@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 from choreo import avro_bounds, serde
 from choreo.envelope import MAX_ATTEMPT, Envelope
 from choreo.errors import DeadLetterReason
+from choreo.ops import records
 from choreo.serde import MAX_VALUE_BYTES, DecodeFailure, Decoder, RegistryUnavailable
 from producers.ingestion import create_app
 from producers.model import parse_request
@@ -375,6 +376,20 @@ def test_a_v2_with_an_ordinary_array_stops_at_the_end_of_the_value() -> None:
     assert decoder(framed(v2, avro(GOOD) + varint(0))) == GOOD
     outcome = decode_or_classify(decoder, framed(v2, avro(GOOD) + varint(2**62) + b"\x02a" * 100))
     assert isinstance(outcome, DecodeFailure) and outcome.reason is DeadLetterReason.UNDECODABLE
+
+
+def test_the_ops_tools_show_a_hostile_dead_letter_without_decoding_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ops dlq show``, ``trace`` and ``rebuild-state`` read dead letters too: the schema that
+    put one there is refused to them as well, at once, and a good one still reads."""
+    registry = StandInRegistry()
+    monkeypatch.setattr(records, "registry_client", lambda: registry)
+    body = records.BodyDecoder()
+    started = time.monotonic()
+    shown = body("package.ready", framed(HOSTILE, avro(GOOD) + varint(2**62)))
+    assert isinstance(shown, str) and shown.startswith("<refused: ") and "bounded work" in shown
+    assert time.monotonic() - started < 1.0
+    decoded = body("package.ready", framed(OURS, avro(GOOD)))
+    assert isinstance(decoded, dict) and decoded["package_id"] == GOOD.package_id
 
 
 def test_an_id_registered_under_another_subject_is_dead_lettered() -> None:
