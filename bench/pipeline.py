@@ -155,7 +155,7 @@ def add_private_stack_options(parser: argparse.ArgumentParser, figures_file: str
 def stack_pids() -> dict[str, int]:
     from infra import stack
     from infra.redis_server import redis_process
-    from infra.registry.launch import registry_process
+    from infra.registry_process import registry_process
 
     cfg = settings()
     found = {"kafka": stack.kafka_cluster(cfg).node(0).pid(),

@@ -75,7 +75,7 @@ from choreo.serde import forget_registry_clients
 from choreo.workflow import Workflow
 from infra.kafka import KafkaCluster
 from infra.process import ManagedProcess, StackError, port_in_use, stop_all
-from infra.registry.leader import LEASE_PREFIX
+from registry.leader import LEASE_PREFIX
 
 HOST = "127.0.0.1"
 COPY_HEADER = "chaos.copy"
@@ -248,7 +248,7 @@ class Stack:
     def __init__(self, cfg: Settings, ports: Ports, service_env: dict[str, str],
                  leader_rebalance_s: int = LEADER_REBALANCE_S) -> None:
         from infra.redis_server import redis_process
-        from infra.registry.launch import registry_process
+        from infra.registry_process import registry_process
         from infra.services import pipeline_specs, service_process
         from infra.stack import kafka_cluster
 

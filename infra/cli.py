@@ -16,7 +16,7 @@ from rich.table import Table
 
 from infra.chaos import app as chaos_app
 from infra.process import StackError
-from infra.registry.cli import app as registry_app
+from registry.cli import app as registry_app
 from choreo.ops.cli import app as ops_app
 from choreo.workflow import load_workflow
 from producers import cli as ingestion_cli

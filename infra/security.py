@@ -403,7 +403,7 @@ def secured_registry(data_dir: Path, env: dict[str, str] | None = None,
 
     ``env`` is only needed to start it; stopping finds it by pid file and command line."""
     from choreo.config import settings
-    from infra.registry.launch import registry_process
+    from infra.registry_process import registry_process
 
     cfg = settings().model_copy(update={
         "data_dir": data_dir, "schema_registry_url": f"http://{SECURED_HOST}:{port}",

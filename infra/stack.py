@@ -38,7 +38,7 @@ class PartStatus:
 
 def _registry_process(cfg: Settings) -> ManagedProcess | None:
     try:
-        from infra.registry.launch import registry_process
+        from infra.registry_process import registry_process
     except ImportError:
         return None
     process: ManagedProcess = registry_process(cfg)

@@ -18,10 +18,10 @@ import pytest
 from choreo.config import settings
 from choreo.kafka import admin
 from infra.process import ManagedProcess
-from infra.registry import errors
-from infra.registry.launch import registry_process
-from infra.registry.state import State, config_record
-from infra.registry.store import KafkaStore
+from registry import errors
+from infra.registry_process import registry_process
+from registry.state import State, config_record
+from registry.store import KafkaStore
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.integration

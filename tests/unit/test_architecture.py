@@ -20,8 +20,8 @@ import pytest
 from choreo.ops.topocheck import strongly_connected
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("choreo", "consumers", "producers", "infra", "schemas", "bench")
-ABOVE_THE_RUNTIME = ("consumers", "producers", "infra", "schemas", "bench")
+PACKAGES = ("choreo", "consumers", "producers", "infra", "registry", "schemas", "bench")
+ABOVE_THE_RUNTIME = ("consumers", "producers", "infra", "registry", "schemas", "bench")
 CLIENT_LIBRARIES = ("confluent_kafka", "redis", "fastavro")
 
 
@@ -102,6 +102,13 @@ def test_the_runtime_imports_nothing_above_it() -> None:
     wrong = [str(i) for path in sources("choreo") for i in imports_of(path)
              if i.package in ABOVE_THE_RUNTIME]
     assert not wrong, "the runtime must not depend on what runs on it:\n" + "\n".join(wrong)
+
+
+def test_the_registry_is_a_product_of_its_own() -> None:
+    """It serves any client: it knows no service, door, stack or contract of the app."""
+    wrong = [str(i) for path in sources("registry") for i in imports_of(path)
+             if i.package in ("consumers", "producers", "infra", "schemas", "bench")]
+    assert not wrong, "the registry must not depend on the pipeline's app or tools:\n" + "\n".join(wrong)
 
 
 def test_services_use_kafka_redis_and_avro_only_through_the_runtime() -> None:

@@ -24,8 +24,8 @@ from choreo.avro_bounds import (
     check, check_size,
 )
 from choreo.serde import MAX_VALUE_BYTES
-from infra.registry import errors
-from infra.registry.avro_schema import parse
+from registry import errors
+from registry.avro_schema import parse
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 

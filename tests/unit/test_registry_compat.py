@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from infra.registry import errors
-from infra.registry.avro_schema import ParsedSchema, parse
-from infra.registry.compat import Level, problems, reader_writer_problems
-from infra.registry.registry import LATEST, check_subject, parse_schema_id, parse_version
-from infra.registry.state import State, config_record, mode_record, schema_id_record, version_record
+from registry import errors
+from registry.avro_schema import ParsedSchema, parse
+from registry.compat import Level, problems, reader_writer_problems
+from registry.registry import LATEST, check_subject, parse_schema_id, parse_version
+from registry.state import State, config_record, mode_record, schema_id_record, version_record
 
 
 def record(*fields: dict[str, Any], name: str = "Delivery", namespace: str = "drone") -> ParsedSchema:

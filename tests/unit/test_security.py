@@ -13,7 +13,7 @@ from choreo.topology import derive
 from consumers.workflow import WORKFLOW
 from infra.kafka import KafkaCluster, KafkaSecurity
 from infra.redis_server import acl_file_text
-from infra.registry.api import BasicAuth, Endpoint, parse_users
+from registry.api import BasicAuth, Endpoint, parse_users
 from infra.security import OPS, Acl, Secrets, derive_policy
 from producers.ingestion import OwnerTokens, parse_tokens
 

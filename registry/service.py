@@ -14,11 +14,11 @@ from choreo.config import Settings
 from choreo.http_serving import HttpLimits, uvicorn_config
 from choreo.logs import get_logger
 
-from infra.registry.api import Api, BasicAuth, create_app, parse_users, refusal
-from infra.registry.leader import LeaderElection
-from infra.registry.registry import Registry
-from infra.registry.state import State
-from infra.registry.store import KafkaStore
+from registry.api import Api, BasicAuth, create_app, parse_users, refusal
+from registry.leader import LeaderElection
+from registry.registry import Registry
+from registry.state import State
+from registry.store import KafkaStore
 
 log = get_logger(component="registry.service")
 

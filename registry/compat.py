@@ -24,8 +24,8 @@ from avro.compatibility import (
     SchemaCompatibilityType,
 )
 
-from infra.registry import errors
-from infra.registry.avro_schema import ParsedSchema, normalize
+from registry import errors
+from registry.avro_schema import ParsedSchema, normalize
 
 
 class Level(str, Enum):

@@ -27,8 +27,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from choreo.kafka import base_config
 from choreo.logs import get_logger
-from infra.registry import errors
-from infra.registry.state import Record, State
+from registry import errors
+from registry.state import Record, State
 
 log = get_logger(component="registry.store")
 

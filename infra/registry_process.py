@@ -18,7 +18,7 @@ def registry_process(cfg: Settings, *, port: int | None = None, topic: str | Non
     url = urlparse(cfg.schema_registry_url)
     host = url.hostname or "127.0.0.1"
     bind_port = port or url.port or 8081
-    argv = [sys.executable, "-m", "infra.registry", "serve", "--host", host, "--port", str(bind_port)]
+    argv = [sys.executable, "-m", "registry", "serve", "--host", host, "--port", str(bind_port)]
     if topic:
         argv += ["--topic", topic]
 
@@ -32,11 +32,11 @@ def registry_process(cfg: Settings, *, port: int | None = None, topic: str | Non
         workdir=cfg.data_dir / name,
         ports=[(host, bind_port)],
         ready=ready,
-        marker=f"infra.registry serve --host {host} --port {bind_port}",
+        marker=f"registry serve --host {host} --port {bind_port}",
         env={
             "KAFKA_BOOTSTRAP_SERVERS": cfg.kafka_bootstrap_servers,
             "REDIS_URL": cfg.redis_url,
-            # the process runs in its workdir: make sure ``-m infra.registry`` resolves to this checkout
+            # the process runs in its workdir: make sure ``-m registry`` resolves to this checkout
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
             **(env or {}),
         },

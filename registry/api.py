@@ -33,8 +33,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from choreo.logs import get_logger
-from infra.registry import errors
-from infra.registry.registry import Registry, check_subject
+from registry import errors
+from registry.registry import Registry, check_subject
 
 log = get_logger(component="registry.api")
 

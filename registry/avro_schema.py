@@ -23,7 +23,7 @@ import fastavro
 
 from choreo import avro_bounds
 from choreo.avro_bounds import PRIMITIVES, fullname, namespace_of
-from infra.registry import errors
+from registry import errors
 
 NAMED = frozenset({"record", "error", "enum", "fixed"})
 

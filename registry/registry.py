@@ -22,10 +22,10 @@ from functools import partial
 from typing import Any, NamedTuple, TypeVar
 
 from choreo.logs import get_logger
-from infra.registry import avro_schema, errors
-from infra.registry.compat import DEFAULT_LEVEL, CheckTimeout, Level, problems, reader_writer_problems
-from infra.registry.leader import LeaderElection
-from infra.registry.state import (
+from registry import avro_schema, errors
+from registry.compat import DEFAULT_LEVEL, CheckTimeout, Level, problems, reader_writer_problems
+from registry.leader import LeaderElection
+from registry.state import (
     MAX_INT,
     Record,
     State,
@@ -35,7 +35,7 @@ from infra.registry.state import (
     schema_id_record,
     version_record,
 )
-from infra.registry.store import KafkaStore
+from registry.store import KafkaStore
 
 log = get_logger(component="registry")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from infra.registry import avro_schema
+from registry import avro_schema
 
 Record = tuple[bytes, bytes | None]
 

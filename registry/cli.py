@@ -23,8 +23,8 @@ def serve(
     import dataclasses
 
     from choreo.config import settings
-    from infra.registry.service import RegistryConfig
-    from infra.registry.service import serve as run
+    from registry.service import RegistryConfig
+    from registry.service import serve as run
 
     config = RegistryConfig.from_settings(settings(), host=host, port=port)
     if topic:
