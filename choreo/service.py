@@ -184,7 +184,9 @@ class Service:
         self.batch_size = batch_size
         self.retry_budget = retry_budget
         self.in_process_retries = in_process_retries
-        self.handlers: dict[str, Handler] = {}
+        self._handlers: dict[str, Handler] = {}
+        self._deferred: list[Callable[[], None]] = []
+        self.workflows: list[Any] = []  # the workflows that list this service (``Workflow.services``)
         self.outputs: set[type[Event]] = set()
         self.startup: list[Callable[[redis.Redis], object]] = []
         self.periodic: list[Periodic] = []
@@ -280,12 +282,24 @@ class Service:
             raise ValueError(f"{topic}: a compensation names its step, what it undoes and its confirmation")
         handler = Handler(topic, model, fn, step if step is None else check_step_name(step),
                           deadline_s * deadline_scale(), undoes, confirmed_by)
-        self.handlers[topic] = handler
+        self._handlers[topic] = handler
         if step is not None:
-            self.handlers[retry_topic(self.name, topic)] = handler
+            self._handlers[retry_topic(self.name, topic)] = handler
         self.outputs.update(produces)
         if confirmed_by is not None:
             self.outputs.add(confirmed_by)
+
+    @property
+    def handlers(self) -> dict[str, Handler]:
+        """Topic -> handler; subscriptions deferred with ``defer`` are made first."""
+        while self._deferred:
+            self._deferred.pop(0)()  # taken off first: a hook may read the handlers itself
+        return self._handlers
+
+    def defer(self, subscribe: Callable[[], None]) -> None:
+        """Make subscriptions only once the handlers are first read, for a service whose topics
+        depend on a workflow that may list the service itself (the supervisor)."""
+        self._deferred.append(subscribe)
 
     @property
     def topics(self) -> list[str]:

@@ -11,7 +11,7 @@
   services undo their work) and raises an alert when an undo itself fails past its budget.
 
 It knows the workflow it supervises (``SUPERVISOR_WORKFLOW``, which ``choreo run`` sets from
-``--workflow``) only by its declarations: which step undoes which and what proves it
+``--workflow``; else the workflow that lists it) only by its declarations: which step undoes which and what proves it
 (``Service.undo``), the join that decides a delivery and the events that publish its
 outcome (``Service.join``). The failure outcome event carries ``delivery_id``, ``reason``,
 ``detail``, ``failed_step``, ``compensate`` (the steps to undo, newest first) and
@@ -62,11 +62,42 @@ def topic(name: str) -> str:
 service = Service(NAME)
 
 
-def _supervised() -> Workflow:
-    ref = os.environ.get("SUPERVISOR_WORKFLOW", "")
-    if not ref:
-        raise RuntimeError("SUPERVISOR_WORKFLOW names the workflow to supervise (module:attribute)")
-    return load_workflow(ref)
+@dataclass(frozen=True)
+class Watched:
+    """The workflow this supervisor watches, and what it derives from it once."""
+
+    flow: Workflow
+    success: type[Event]  # the event that publishes a delivery's success
+    failure: type[Event]  # ... and its failure (see the module doc for its fields)
+
+    @property
+    def failed_topic(self) -> str:
+        return topic(self.failure.topic)
+
+    @property
+    def shipped_topic(self) -> str:  # the terminal after which a delivery's state is released
+        return topic(self.success.topic)
+
+
+_watched: Watched | None = None
+
+
+def watched() -> Watched:
+    """``SUPERVISOR_WORKFLOW``'s workflow (``choreo run`` sets it from ``--workflow``), else
+    the first workflow that lists this service; resolved once, when first needed, since the
+    workflow lists this very module."""
+    global _watched
+    if _watched is None:
+        ref = os.environ.get("SUPERVISOR_WORKFLOW", "")
+        if ref:
+            flow = load_workflow(ref)
+        elif service.workflows:
+            flow = service.workflows[0]
+        else:
+            raise RuntimeError("no workflow to supervise: list choreo.supervisor:service in one, "
+                               "or name it in SUPERVISOR_WORKFLOW (module:attribute)")
+        _watched = Watched(flow, *outcome_events(flow))
+    return _watched
 
 
 def outcome_events(flow: Workflow) -> tuple[type[Event], type[Event]]:
@@ -79,11 +110,6 @@ def outcome_events(flow: Workflow) -> tuple[type[Event], type[Event]]:
     return success, failure
 
 
-# ``service`` exists by now: the workflow may list this very module
-FLOW = _supervised()
-SUCCESS, FAILURE = outcome_events(FLOW)
-DELIVERY_FAILED = topic(FAILURE.topic)
-SHIPPED = topic(SUCCESS.topic)  # the terminal after which a delivery's state is released
 COMPENSATION_LOG = topic(CompensationRecord.topic)
 
 
@@ -131,11 +157,12 @@ def _rt(ctx: Context) -> _Runtime:
     global _runtime
     if _runtime is None:
         owner = f"{socket.gethostname()}:{os.getpid()}"
-        models = {(s.name, t): h.model for s in FLOW.services for t, h in s.handlers.items()}
+        flow = watched().flow
+        models = {(s.name, t): h.model for s in flow.services for t, h in s.handlers.items()}
         _runtime = _Runtime(
             lease=Lease(ctx.redis, NAME, owner, int(SETTINGS.lease_ttl_s * 1000)),
             scanner=Scanner(ctx.redis, SETTINGS), transitions=Transitions(ctx.redis),
-            policies=policies_of(FLOW), models=models,
+            policies=policies_of(flow), models=models,
         )
     return _runtime
 
@@ -152,7 +179,7 @@ def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int
 
 # -- what any instance records ------------------------------------------------------------------
 
-@service.on(RECOVERY_TOPIC, produces=[FAILURE, CompensationRecord])
+@service.on(RECOVERY_TOPIC, produces=[CompensationRecord])
 def on_report(report: StepReport, ctx: Context) -> None:
     """A service could not finish a step: make it due now so the leader's next scan acts."""
     verdict = _rt(ctx).transitions.record_report(report.delivery_id, report.step, report.attempt,
@@ -167,7 +194,7 @@ def on_delivery_failed(failure: Any, ctx: Context) -> None:
     """Whoever failed the delivery (the delivery service or us), the steps to undo are now
     ``compensating``, the compensation log says so, and the newest completed one is asked
     to undo its work (the others follow, one confirmation at a time)."""
-    compensable = set(FLOW.compensations())
+    compensable = set(watched().flow.compensations())
     reason = f"{failure.reason}: {failure.detail}"[:500]
     raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), DEADLINE_INDEX],
                    args=[now_ms(), failure.delivery_id, failure.failed_step, reason,
@@ -272,11 +299,11 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
         cause = Envelope.first(derived_id(action.delivery_id, NAME, "fail"), action.delivery_id,
                                "SupervisorDecision", NAME)
         ctx.emit(
-            FAILURE.model_validate({"delivery_id": action.delivery_id, "reason": str(data["reason"]),
+            watched().failure.model_validate({"delivery_id": action.delivery_id, "reason": str(data["reason"]),
                                     "detail": str(data["detail"])[:500], "failed_step": action.step,
                                     "compensate": compensate, "failed_at": datetime.now(UTC)}),
             # the id the deciding service gives its own failure: one failure whoever decides
-            topic=DELIVERY_FAILED, event_id=derived_id(action.delivery_id, FAILURE.topic),
+            topic=watched().failed_topic, event_id=derived_id(action.delivery_id, watched().failure.topic),
             cause=cause,
         )
         log.warning("delivery.failed_by_supervisor", reason=data["reason"], detail=data["detail"],
@@ -369,15 +396,25 @@ def _requeue_input(ctx: Context, rt: _Runtime, action: Action, source: Source | 
 def start_releasing(client: Store) -> None:
     """The leader releases shipped deliveries' state (``choreo.release``) on a thread of its
     own, so that slow admin requests never hold up the lease renewal and the scans."""
-    groups = FLOW.consumer_groups(SHIPPED)
+    flow, shipped = watched().flow, watched().shipped_topic
+    groups = flow.consumer_groups(shipped)
     log = get_logger(service=NAME, component="release")
     if groups == [NAME]:  # e.g. a topic prefix the workflow's services do not use
-        log.warning("release.waits_for_no_reader", topic=SHIPPED)
-    releaser = Releaser(client, admin(), SHIPPED, groups, [s.name for s in FLOW.services],
-                        FLOW.released_keys, settings().dedupe_ttl_s)
+        log.warning("release.waits_for_no_reader", topic=shipped)
+    releaser = Releaser(client, admin(), shipped, groups, [s.name for s in flow.services],
+                        flow.released_keys, settings().dedupe_ttl_s)
     releaser.run_in_background(SETTINGS.scan_period_s, lambda: _runtime is not None and _runtime.leading, log)
 
 
-service.subscribe(DELIVERY_FAILED, FAILURE, on_delivery_failed, produces=[CompensationRecord])
-service.subscribe(SHIPPED, SUCCESS, on_shipped)
-_watch_compensations(FLOW)
+def _subscribe() -> None:
+    """What this supervisor reads of the workflow it watches: the failure outcome, the success
+    (its state is released after it) and every undo's confirmation."""
+    supervised = watched()
+    service.outputs.add(supervised.failure)
+    service.subscribe(supervised.failed_topic, supervised.failure, on_delivery_failed,
+                      produces=[CompensationRecord])
+    service.subscribe(supervised.shipped_topic, supervised.success, on_shipped)
+    _watch_compensations(supervised.flow)
+
+
+service.defer(_subscribe)

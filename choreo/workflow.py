@@ -25,7 +25,11 @@ class Workflow:
 
     @cached_property
     def services(self) -> list[Service]:
-        return [load_service(ref) for ref in self.service_refs]
+        services = [load_service(ref) for ref in self.service_refs]
+        for service in services:  # a service that watches its workflow learns which it is
+            if all(known is not self for known in service.workflows):
+                service.workflows.append(self)
+        return services
 
     @cached_property
     def steps(self) -> list[StepSpec]:

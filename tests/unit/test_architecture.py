@@ -11,6 +11,9 @@ project's top-level packages import each other without cycles, so each layer can
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,3 +181,19 @@ def test_a_relative_import_is_resolved_in_its_package(tmp_path: Path) -> None:
 def test_a_cycle_is_found_and_a_chain_is_not() -> None:
     assert cycles({("choreo", "infra"): ["x"], ("infra", "choreo"): ["y"]}) == [frozenset({"choreo", "infra"})]
     assert cycles({("infra", "choreo"): ["y"], ("bench", "infra"): ["z"]}) == []
+
+
+def test_the_supervisor_finds_its_workflow_without_being_told() -> None:
+    """A tool that loads the workflow (the demo, topics, the ops commands, a user's script)
+    needs no SUPERVISOR_WORKFLOW: the supervisor watches the workflow that lists it."""
+    code = ("import infra.demo\n"
+            "from consumers.workflow import WORKFLOW\n"
+            "from choreo import topology\n"
+            "from choreo.supervisor import service\n"
+            "topology.derive(WORKFLOW)\n"
+            "print(sorted(service.topics))\n")
+    env = {k: v for k, v in os.environ.items() if k != "SUPERVISOR_WORKFLOW"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "'delivery.failed'" in done.stdout and "'package.cancelled'" in done.stdout, done.stdout

@@ -70,7 +70,7 @@ def test_a_failed_delivery_marks_its_steps_logs_them_and_asks_the_newest_to_undo
     marked = json.dumps({"next": "drone", "marked": [{"step": "drone", "before": "completed", "attempt": 1},
                                                      {"step": "package", "before": "completed", "attempt": 2}]})
     outcome = run(supervisor.service, failure("FLIGHT_REFUSED", "delivery", ["drone", "package"]),
-                  topic=supervisor.DELIVERY_FAILED, answers={"mark_compensating": marked})
+                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": marked})
 
     [mark] = outcome.effects
     assert mark.name == "mark_compensating"
@@ -86,20 +86,20 @@ def test_a_failed_delivery_marks_its_steps_logs_them_and_asks_the_newest_to_undo
 
 def test_only_declared_compensations_are_marked() -> None:
     outcome = run(supervisor.service, failure("X", "delivery", ["delivery", "drone", "unknown"]),
-                  topic=supervisor.DELIVERY_FAILED, answers={"mark_compensating": "{}"})
+                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": "{}"})
     assert outcome.effects[0].args[4:] == ("drone",)
 
 
 @pytest.mark.parametrize("answer", ["{}", '{"next": ""}'])
 def test_nothing_marked_and_nothing_due_emits_nothing(answer: str) -> None:
     outcome = run(supervisor.service, failure("NO_DRONE_FITS", "drone", ["package"]),
-                  topic=supervisor.DELIVERY_FAILED, answers={"mark_compensating": answer})
+                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": answer})
     assert outcome.emitted == []
 
 
 def test_a_failure_seen_again_asks_again_for_the_undo_still_due() -> None:
     outcome = run(supervisor.service, failure("NO_DRONE_FITS", "drone", ["package"]),
-                  topic=supervisor.DELIVERY_FAILED, answers={"mark_compensating": '{"next": "package"}'})
+                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": '{"next": "package"}'})
     assert log_of(outcome) == []
     assert [step for _, step, _, _ in undos_of(outcome)] == ["package"]
 
@@ -148,11 +148,11 @@ def test_an_undo_already_logged_logs_nothing() -> None:
 
 def test_a_shipment_awaits_the_release_of_its_delivery_at_its_position() -> None:
     shipped = DeliveryShipped(delivery_id="d-1", package_id="p-1", drone_id="drone-7", shipped_at=NOW)
-    outcome = run(supervisor.service, shipped, topic=supervisor.SHIPPED, partition=3, offset=42,
+    outcome = run(supervisor.service, shipped, topic=supervisor.watched().shipped_topic, partition=3, offset=42,
                   answers={"await_release": "awaiting"})
     [awaiting] = outcome.effects
     assert (awaiting.name, awaiting.keys, awaiting.args) == (
-        "await_release", (awaiting_key(supervisor.SHIPPED, 3),), (42, "d-1"))
+        "await_release", (awaiting_key(supervisor.watched().shipped_topic, 3),), (42, "d-1"))
     assert outcome.emitted == []
 
 
