@@ -20,6 +20,7 @@ from types import GeneratorType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from choreo.effects import OnceEffect, Op
+from choreo.errors import Rejected
 from choreo.events import Event
 from choreo.state import delivery_key
 
@@ -119,6 +120,9 @@ class Join:
                  retention_s: int, prefix: str = "") -> None:
         if len(parts) < 2:
             raise ValueError(f"join {step!r}: a join waits for two parts or more")
+        for name in parts:  # a part names a field (fanin.<part>) and an entry of comma lists
+            if not name or name == "order" or any(c in name for c in ",:|."):
+                raise ValueError(f"join {step!r}: part {name!r}: not empty, not 'order', no ',', ':', '|' or '.'")
         success = [name for name in outcomes.values() if name != FAILED]
         if len(success) != 1 or FAILED not in outcomes.values():
             raise ValueError(f"join {step!r}: name one event of success and one of {FAILED!r}")
@@ -178,6 +182,16 @@ class Join:
         return handle
 
     def _decision(self, delivery_id: str, raw: str | None) -> Decision:
+        """The script's answer, typed. A result the join cannot read (written by a version that
+        kept another layout, or an event the current model refuses) dead-letters the input
+        with the reason, where a crash would replay the same answer for ever."""
+        try:
+            return self._read_decision(delivery_id, raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise Rejected(f"join {self.step}: a recorded result cannot be read: "
+                           f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+
+    def _read_decision(self, delivery_id: str, raw: str | None) -> Decision:
         answer = json.loads(raw or "{}")
         kind = str(answer.get("d", ""))
         completed = tuple(p for p in str(answer.get("order", "")).split(",") if p)

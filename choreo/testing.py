@@ -232,7 +232,12 @@ def run(service: Service, event: Event, *, topic: str | None = None,
     run_.start()
     while run_.request is not None:
         decode, run_.decode = run_.decode, None  # the answer goes back as scripted (typed)
-        run_.resume(script.answer(run_.request, decode))
+        try:
+            answer = script.answer(run_.request, decode)
+        except (Retryable, Rejected) as exc:  # the decoding refused it, as in the runner's try
+            run_.request, run_.error = None, exc
+            break
+        run_.resume(answer)
     ok = run_.error is None and not run_.released
     if ok:
         for out in _as_events(run_.result):

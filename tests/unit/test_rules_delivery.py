@@ -11,7 +11,8 @@ from datetime import UTC, datetime
 import pytest
 
 from choreo.envelope import derived_id
-from choreo.errors import Retryable
+from choreo.errors import Rejected, Retryable
+from choreo.service import Service
 from choreo.join import result_text
 from choreo.testing import LATE, WAIT, Raw, complete, failed, run
 from consumers import delivery
@@ -76,6 +77,23 @@ def test_the_join_scripts_own_answer_decodes_to_a_shipment() -> None:
     shipped = outcome.only(DeliveryShipped)
     assert (shipped.package_id, shipped.drone_id) == ("pkg-d-4", "drone-7")
     assert outcome.effects[0].answer.joined.completed == ("drone", "package")
+
+
+@pytest.mark.parametrize("kept", ["pkg-7", "123", '{"package_id": "p"}'],
+                         ids=["a bare id (another layout)", "a number", "an event the model refuses"])
+def test_a_recorded_result_the_join_cannot_read_dead_letters_the_input(kept: str) -> None:
+    """Replayed, the same answer comes back: a crash would come back with it for ever."""
+    answer = json.dumps({"d": "complete", "order": "drone,package,", "results": {
+        "package": kept, "drone": result_text(scheduled("d-5"))}})
+    outcome = run(delivery.service, scheduled("d-5"), answers={"join_record": Raw(answer)})
+    assert isinstance(outcome.error, Rejected) and "cannot be read" in str(outcome.error)
+    assert outcome.emitted == []
+
+
+def test_a_part_cannot_be_named_like_the_joins_own_fields() -> None:
+    with pytest.raises(ValueError, match="order"):
+        Service("x").join("x", parts={"order": delivery.PARTS["package"], "drone": delivery.PARTS["drone"]},
+                          outcomes=delivery.OUTCOMES)
 
 
 @pytest.mark.parametrize("completed", [("drone", "package"), ("package", "drone")])
