@@ -70,6 +70,7 @@ from choreo.envelope import now_ms
 from choreo.kafka import admin
 from choreo.events import Event
 from choreo.join import FAILED, Join, fanin_fields, result_text
+from choreo.ops.dlq import DeadLetter
 from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
 from choreo.pool import Pool
 from choreo.record import Record, RebuildRule
@@ -254,9 +255,10 @@ class Rebuilder:
 
         if r.topic.endswith(".dlq"):
             facts.dead_letters += 1
-            self.dead_lettered.add((r.header("dlq.service") or "",
-                                    f"{r.header('dlq.source.topic')}|{r.header('dlq.source.partition')}|"
-                                    f"{r.header('dlq.source.offset')}"))
+            letter = DeadLetter.of(r, set())  # read as redrive reads it: only the runtime's headers
+            if not letter.problem:
+                self.dead_lettered.add((letter.service, f"{letter.source_topic}|{letter.source_partition}|"
+                                                        f"{letter.source_offset}"))
             return
         topic = self.canonical.get(r.topic, "")
         body = self.decode(r.topic, r.value) if topic else {}
