@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -41,7 +41,7 @@ def acl_file_text(users: Mapping[str, str], rules: str = PIPELINE_RULES) -> str:
 
 
 def redis_process(url: str, data_dir: Path, users: Mapping[str, str] | None = None,
-                  name: str = "redis") -> ManagedProcess:
+                  name: str = "redis", extra_args: Sequence[str] = ()) -> ManagedProcess:
     """Redis for ``url``, with its files under ``data_dir/<name>``.
 
     ACL mode when the URL names a user other than ``default`` or ``users`` is given (see the
@@ -71,6 +71,7 @@ def redis_process(url: str, data_dir: Path, users: Mapping[str, str] | None = No
         # listpack encoding and costs ~45-65 % more (980 vs 600 bytes for a delivery's step table)
         "--hash-max-listpack-value", "192",
     ]
+    argv += extra_args  # e.g. a cluster node's settings (infra.redis_cluster)
     password = unquote(parsed.password) if parsed.password else None  # redis-py unquotes too
     username = unquote(parsed.username) if parsed.username else None
     acl_users = dict(users or {})
