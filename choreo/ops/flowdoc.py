@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,12 +121,44 @@ def _message(model: type[Event]) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class FlowEdge:
+    """One arrow of the flow: a service publishes to a topic, or a topic feeds a service."""
+
+    service: str
+    topic: str
+    publishes: bool  # service -> topic; else topic -> service
+    label: str = ""  # a consuming step: its name and deadline (``fan-in`` for a join's input)
+    requeue: bool = False  # the supervisor's requeue into a retry topic
+
+
+def flow_edges(workflow: Workflow) -> list[FlowEdge]:
+    """Every arrow of the flow from the services' declarations, topic by topic; dead-letter
+    topics are left out (every consumed topic has one). What the Mermaid diagram and the
+    operators' live view both draw."""
+    topo = derive(workflow)
+    steps = {(s.service, t): s for s in workflow.steps for t in s.triggers}
+    joins = {(j.service, t) for j in fan_ins(workflow) for t in j.topics}
+    edges: list[FlowEdge] = []
+    for name in sorted(topo.partitions):
+        if name.endswith(".dlq"):
+            continue
+        for producer in sorted(topo.producers.get(name, set()) - {"*"}):
+            edges.append(FlowEdge(producer, name, True, requeue=name.startswith("retry.")))
+        for consumer in sorted(topo.consumers.get(name, set())):
+            origin = name.split(".", 2)[-1] if name.startswith("retry.") else name
+            spec = steps.get((consumer, origin))
+            label = f"{spec.name} · {spec.deadline_s:g}s" if spec else ""
+            if (consumer, origin) in joins:
+                label = f"fan-in {label}"
+            edges.append(FlowEdge(consumer, name, False, label))
+    return edges
+
+
 def mermaid(workflow: Workflow) -> str:
     """Services as boxes, topics as rounded nodes; dead-letter topics are left out (every
     consumed topic has one) and retry topics are drawn dotted from the supervisor."""
     topo = derive(workflow)
-    steps = {(s.service, t): s for s in workflow.steps for t in s.triggers}
-    joins = {(j.service, t) for j in fan_ins(workflow) for t in j.topics}
     lines = ["flowchart LR"]
     nodes: set[str] = set()
 
@@ -143,22 +176,12 @@ def mermaid(workflow: Workflow) -> str:
             lines.append(f'  {node}(["{name} · {topo.partitions.get(name, 0)}p"])')
         return node
 
-    for name in sorted(topo.partitions):
-        if name.endswith(".dlq"):
-            continue
-        for producer in sorted(topo.producers.get(name, set())):
-            if producer == "*":
-                continue
-            arrow = "-.->" if name.startswith("retry.") else "-->"
-            lines.append(f"  {service(producer)} {arrow} {topic(name)}")
-        for consumer in sorted(topo.consumers.get(name, set())):
-            origin = name.split(".", 2)[-1] if name.startswith("retry.") else name
-            spec = steps.get((consumer, origin))
-            label = f"{spec.name} · {spec.deadline_s:g}s" if spec else ""
-            if (consumer, origin) in joins:
-                label = f"fan-in {label}"
-            arrow = f'-->|"{label}"|' if label else "-->"
-            lines.append(f"  {topic(name)} {arrow} {service(consumer)}")
+    for edge in flow_edges(workflow):
+        if edge.publishes:
+            lines.append(f"  {service(edge.service)} {'-.->' if edge.requeue else '-->'} {topic(edge.topic)}")
+        else:
+            arrow = f'-->|"{edge.label}"|' if edge.label else "-->"
+            lines.append(f"  {topic(edge.topic)} {arrow} {service(edge.service)}")
     return "\n".join(lines) + "\n"
 
 
