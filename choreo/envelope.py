@@ -29,6 +29,13 @@ H_HOPS = "hops"
 H_EVENT_TYPE = "event_type"
 H_PRODUCER = "producer"
 H_PRODUCED_AT = "produced_at_ms"
+# Where the submitter asked the outcome to be copied, and who owns the delivery: set once by
+# the entry point and carried by every later hop. Any hop may forge them, so whoever acts on
+# them checks them again (``choreo.outcomes``).
+H_REPLY_TO = "reply_to"
+H_OWNER = "owner_id"
+MAX_TOPIC_CHARS = 249  # Kafka's own limit on a topic name
+MAX_OWNER_CHARS = 128
 
 # The highest attempt an envelope may carry. Retry budgets are a few dozen at most; a
 # forged huge attempt would outrank every supervisor token, and past 2**31 it no longer
@@ -76,6 +83,8 @@ class Envelope:
     event_type: str = ""
     producer: str = ""
     produced_at_ms: int = 0
+    reply_to: str = ""  # "": no reply topic asked
+    owner: str = ""
 
     @property
     def trace_id(self) -> str:
@@ -84,12 +93,13 @@ class Envelope:
 
     @classmethod
     def first(cls, event_id: str, correlation_id: str, event_type: str, producer: str,
-              deadline_ms: int = 0) -> Envelope:
+              deadline_ms: int = 0, reply_to: str = "", owner: str = "") -> Envelope:
         """The envelope of an event that starts a story (e.g. a new delivery request)."""
         return cls(
             event_id=event_id, correlation_id=correlation_id, causation_id="",
             traceparent=f"00-{new_trace_id()}-{new_span_id()}-01", deadline_ms=deadline_ms,
             event_type=event_type, producer=producer, produced_at_ms=now_ms(),
+            reply_to=reply_to, owner=owner,
         )
 
     def child(self, event_id: str, event_type: str, producer: str,
@@ -102,14 +112,14 @@ class Envelope:
             attempt=self.attempt if attempt is None else attempt,
             deadline_ms=self.deadline_ms if deadline_ms is None else deadline_ms,
             hops=self.hops + 1, event_type=event_type, producer=producer,
-            produced_at_ms=now_ms(),
+            produced_at_ms=now_ms(), reply_to=self.reply_to, owner=self.owner,
         )
 
     def with_attempt(self, attempt: int) -> Envelope:
         return replace(self, attempt=attempt)
 
     def to_headers(self) -> HeaderList:
-        return [
+        headers: HeaderList = [
             (H_EVENT_ID, self.event_id.encode()),
             (H_CORRELATION_ID, self.correlation_id.encode()),
             (H_CAUSATION_ID, self.causation_id.encode()),
@@ -121,6 +131,11 @@ class Envelope:
             (H_PRODUCER, self.producer.encode()),
             (H_PRODUCED_AT, str(self.produced_at_ms).encode()),
         ]
+        if self.reply_to:
+            headers.append((H_REPLY_TO, self.reply_to.encode()))
+        if self.owner:
+            headers.append((H_OWNER, self.owner.encode()))
+        return headers
 
     @classmethod
     def from_headers(cls, headers: Headers | None) -> Envelope | None:
@@ -154,6 +169,9 @@ class Envelope:
                 event_type=values.get(H_EVENT_TYPE, "")[:200],
                 producer=values.get(H_PRODUCER, "")[:200],
                 produced_at_ms=int(values.get(H_PRODUCED_AT, "0")),
+                # cut, not refused: an over-long one is then refused where it is used
+                reply_to=values.get(H_REPLY_TO, "")[:MAX_TOPIC_CHARS + 1],
+                owner=values.get(H_OWNER, "")[:MAX_OWNER_CHARS + 1],
             )
         except ValueError:
             return Unusable(DeadLetterReason.MISSING_HEADERS, "a counter header is not an integer")

@@ -120,9 +120,14 @@ class Publisher:
         return results
 
     def envelope(self, item: Publish) -> Envelope:
-        """The envelope ``item`` goes out with: its own, or the first of a new story."""
-        return item.envelope or Envelope.first(item.event_id, item.event.key, type(item.event).__name__,
-                                               self.name, item.deadline_ms)
+        """The envelope ``item`` goes out with: its own, or the first of a new story. An
+        entry event's ``reply_topic`` and ``owner_id`` fields, when it has them, travel in the
+        story's envelope, so the hop that decides the delivery can copy its outcome there
+        (``choreo.outcomes``)."""
+        return item.envelope or Envelope.first(
+            item.event_id, item.event.key, type(item.event).__name__, self.name, item.deadline_ms,
+            reply_to=str(getattr(item.event, "reply_topic", None) or ""),
+            owner=str(getattr(item.event, "owner_id", None) or ""))
 
     def open_steps(self, triggers: Sequence[tuple[str, str]]) -> None:
         """Register the steps each ``(delivery id, topic)`` triggers, pending with their

@@ -39,6 +39,8 @@ from choreo.logs import get_logger
 from choreo.memory import collect_batch_cycles, settle_garbage_collector
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
 from choreo.effects import RELEASED, EffectCall, Op, run_all
+from choreo.outcomes import REPLIES, ReplyTopics, outcome_of
+from choreo.runtime_events import DeliveryOutcome
 from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerResult, Periodic, Service
 from choreo.state import Begin, Source, StateTable, StepStatus
 from choreo.workflow import Workflow
@@ -172,6 +174,9 @@ class Runner:
         self.joinable = frozenset(s.name for s in service.steps() if len(s.triggers) > 1)
         self.encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}
         self._dead_lettered: set[str] = set()  # deliveries of the batch's dead letters
+        # the events that decide a delivery: each gets a copy on its reply topic
+        self.outcome_labels = workflow.outcome_labels if workflow is not None else {}
+        self.replies = ReplyTopics(self._topic_exists)
         self.running = False
         self.consumer = Consumer(transactional_consumer_config(
             service.name, f"{service.name}-{self.options.instance}"))
@@ -563,6 +568,34 @@ class Runner:
                               headers=envelope.to_headers())
         self.producer.poll(0)
         metrics.child(metrics.EVENTS_OUT, self.service.name, emitted.topic).inc()
+        label = self.outcome_labels.get(type(emitted.event))
+        if label is not None and envelope.reply_to:
+            self._reply(outcome_of(emitted.event, label, envelope), envelope)
+
+    def _reply(self, outcome: DeliveryOutcome, decided: Envelope) -> None:
+        """Copy the outcome to the reply topic the delivery's envelope names, in the open
+        transaction; a topic the policy refuses is logged and skipped (``choreo.outcomes``)."""
+        topic = decided.reply_to
+        why = self.replies.refusal(topic)
+        if why is not None:
+            REPLIES.labels(self.service.name, "refused").inc()
+            self.log.warning("reply.refused", delivery_id=outcome.delivery_id, topic=topic[:80], why=why)
+            return
+        envelope = decided.child(derived_id(decided.event_id, "reply"), DeliveryOutcome.__name__,
+                                 self.service.name)
+        self.producer.produce(topic, key=outcome.key.encode(),
+                              value=self.encoder(DeliveryOutcome, topic)(outcome),
+                              headers=envelope.to_headers())
+        REPLIES.labels(self.service.name, "written").inc()
+
+    def _topic_exists(self, topic: str) -> bool:
+        """Whether ``topic`` exists and this service may see it (a bounded broker round trip)."""
+        try:
+            found = self.producer.list_topics(topic, timeout=2).topics.get(topic)
+        except KafkaException as exc:
+            self.log.warning("reply.topic_unknown", topic=topic[:80], error=str(exc)[:200])
+            return False
+        return found is not None and found.error is None
 
     def _dead_letter(self, message: Message, reason: DeadLetterReason, error: str) -> None:
         topic = message.topic() or ""

@@ -61,8 +61,25 @@ class UndoRequested(Event):
     requested_at: datetime
 
 
+class DeliveryOutcome(Event):
+    """A delivery's outcome for its submitter, on the reply topic it named (``choreo.outcomes``)."""
+
+    schema_file: ClassVar[Path] = HERE / "DeliveryOutcome.avsc"
+    topic: ClassVar[str] = "replies"  # a family of topics: each request names its own
+
+    delivery_id: str
+    outcome: str
+    reason: str = ""
+    compensate: list[str] = []
+    event_type: str
+    event_id: str
+    trace_id: str = ""
+    decided_at: datetime
+
+
 # written by the runtime whichever services a workflow lists, so a workflow's contracts
 # (``contracts.topic_models(workflow, RUNTIME_EVENTS)``) include them
 RUNTIME_EVENTS: tuple[type[Event], ...] = (StepReport, CompensationRecord)
 # every contract of the runtime: the undo requests' topics are the compensating services' own
-RUNTIME_CONTRACTS: tuple[type[Event], ...] = (*RUNTIME_EVENTS, UndoRequested)
+# (and the outcome copies' topics are the submitters')
+RUNTIME_CONTRACTS: tuple[type[Event], ...] = (*RUNTIME_EVENTS, UndoRequested, DeliveryOutcome)

@@ -384,7 +384,8 @@ def _requeue_input(ctx: Context, rt: _Runtime, action: Action, source: Source | 
     cause = Envelope(event_id=original.causation_id, correlation_id=action.delivery_id,
                      traceparent=original.traceparent, attempt=original.attempt,
                      deadline_ms=int(data["complete_by"]), hops=original.hops,
-                     event_type=original.event_type, producer=NAME)
+                     event_type=original.event_type, producer=NAME,
+                     reply_to=original.reply_to, owner=original.owner)
     target = retry_topic(policy.service, source.handler_topic)
     ctx.emit(event, topic=target, event_id=original.event_id, cause=cause, attempt=int(data["attempt"]))
     REQUEUES.labels(action.step).inc()

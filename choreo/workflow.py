@@ -67,6 +67,13 @@ class Workflow:
         return tuple(model.topic for join in self.joins for model in join.outcomes)
 
     @property
+    def outcome_labels(self) -> dict[type[Event], str]:
+        """The events that decide a delivery -> the outcome each means (the join's label:
+        shipped, failed), whoever publishes them (the join, or the supervisor failing it) and
+        on whichever topic."""
+        return {model: label for join in self.joins for model, label in join.outcomes.items()}
+
+    @property
     def decider(self) -> str:
         """The step whose decision is the delivery's outcome: the workflow's join."""
         steps = {join.step for join in self.joins}

@@ -4,8 +4,8 @@ The ranges of the event contract (``schemas.models``) are reused, not restated: 
 model subclasses the event's ``Location``. What is added here is what only an untrusted
 edge needs: strict JSON types (no ``"52.5"`` for a number), no NaN or infinity, no control
 or bidi characters in free text, a deadline that is in the future and not absurdly far, a
-reply topic that is a legal Kafka name and cannot feed the pipeline's own topics (a
-feedback loop), and an owner id that is safe to use in a Redis key.
+reply topic that is a legal Kafka name under the configured reply prefix (one prefixed
+ACL; so it cannot feed the pipeline's own topics, a feedback loop), and an owner id that is safe to use in a Redis key.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from choreo.outcomes import refusal
 from schemas.models import DeliveryRequested, Location, PackageSize
 
 MAX_DEADLINE_AHEAD = timedelta(days=30)
@@ -74,7 +75,8 @@ class DeliveryRequestIn(BaseModel):
     # strict=False: ISO-8601 strings are welcome from Python dicts too, not only from JSON
     deadline: AwareDatetime | None = Field(None, strict=False,
                                            description="Timezone-aware; future, at most 30 days ahead")
-    reply_topic: str | None = Field(None, description="A Kafka topic to copy the outcome to")
+    reply_topic: str | None = Field(None, description="A Kafka topic to copy the outcome to: "
+                                    "under the reply prefix (CHOREO_REPLY_TOPIC_PREFIX, `replies.`)")
 
     @field_validator("deadline")
     @classmethod
@@ -97,6 +99,9 @@ class DeliveryRequestIn(BaseModel):
             raise ValueError("must be a Kafka topic name: 1-249 of [A-Za-z0-9._-]")
         if value.startswith(RESERVED_TOPIC_PREFIXES):
             raise ValueError("must not be one of the pipeline's own or internal topics")
+        why = refusal(value)
+        if why is not None:
+            raise ValueError(f"must be a reply topic: {why}")
         return value
 
     def to_event(self, delivery_id: str, requested_at: datetime) -> DeliveryRequested:

@@ -66,7 +66,7 @@ def test_post_answers_202_after_the_event_is_durable(http: httpx.Client, unique:
     start = end_offsets()
     deadline = (datetime.now(UTC) + timedelta(hours=2)).replace(microsecond=0)
     body = request_body(owner_id=f"owner-{unique}", deadline=deadline.isoformat(),
-                        reply_topic=f"acme.replies.{unique}")
+                        reply_topic=f"replies.acme.{unique}")
     response = http.post("/deliveries", json=body)
 
     assert response.status_code == 202, response.text

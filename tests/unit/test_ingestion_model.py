@@ -65,6 +65,8 @@ def test_same_validation_from_json_and_from_python(form: str) -> None:
     ({"reply_topic": ".."}, "reply_topic"),
     ({"reply_topic": "delivery.shipped"}, "reply_topic"),  # a feedback loop into the pipeline
     ({"reply_topic": "__consumer_offsets"}, "reply_topic"),
+    ({"reply_topic": "acme.outcomes"}, "reply_topic"),  # not under the reply prefix (the ACL)
+    ({"reply_topic": "replies."}, "reply_topic"),
     ({"unexpected": True}, "unexpected"),
 ])
 def test_invalid_fields_are_named(overrides: dict[str, Any], field: str) -> None:
@@ -97,7 +99,7 @@ def test_errors_never_echo_the_input() -> None:
 
 def test_a_valid_deadline_and_reply_topic_pass() -> None:
     deadline = datetime.now(UTC) + timedelta(hours=3)
-    request = parse_request(request_body(deadline=deadline.isoformat(), reply_topic="acme.outcomes"))
+    request = parse_request(request_body(deadline=deadline.isoformat(), reply_topic="replies.acme.outcomes"))
     assert request.deadline == deadline and request.deadline_ms == int(deadline.timestamp() * 1000)
 
 
