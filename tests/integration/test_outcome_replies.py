@@ -1,0 +1,145 @@
+"""The reply topic a request names gets exactly one outcome per delivery, on the real stack,
+and a reply topic that the policy refuses (forged at a later hop, outside the prefix, absent)
+is never written to."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from choreo import topology
+from choreo.envelope import Envelope
+from choreo.kafka import admin, ensure_topics
+from choreo.publisher import Publish, Publisher
+from choreo.runtime_events import DeliveryOutcome
+from choreo.serde import Decoder, registry_client
+from consumers.workflow import WORKFLOW
+from tests.factories import delivery_request
+from tests.helpers import ServiceProcess, read_topic, wait_for
+from tests.integration.test_supervisor import BUDGET, DEADLINE_S, World, world  # noqa: F401 (fixture)
+from tests.pipeline import Pipeline, of, submit, wait_terminal
+from tests.services import sup_pipeline
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", autouse=True)
+def topics(stack: None) -> None:
+    topology.create(WORKFLOW)
+
+
+def outcomes(topic: str) -> list[tuple[str, DeliveryOutcome]]:
+    decode = Decoder(DeliveryOutcome, topic, registry_client())
+    return [((r.key or b"").decode(), decode(r.value)) for r in read_topic(topic)]
+
+
+def decided(ids: set[str]) -> dict[str, str]:
+    """Each delivery's outcome as its deciding event tells it."""
+    found = {}
+    for topic, label in (("delivery.shipped", "shipped"), ("delivery.failed", "failed")):
+        for record in of(read_topic(topic), ids):
+            found[(record.key or b"").decode()] = label
+    return found
+
+
+def test_each_delivery_gets_one_outcome_across_a_killed_delivery_service(unique: str) -> None:
+    reply = f"replies.test.{unique}"
+    ensure_topics([reply], partitions=3)
+    running = Pipeline().start()
+    try:
+        requests = [delivery_request(reply_topic=reply) for _ in range(60)]
+        requests += [delivery_request(weight_kg=99.0, reply_topic=reply) for _ in range(5)]  # no drone fits
+        ids = set(submit(requests[:30]))
+        time.sleep(1.5)
+        delivery = next(p for p in running.procs if p.ref == "consumers.delivery:service")
+        delivery.kill()  # kill -9, maybe mid-transaction: its batch is replayed by the next one
+        ids |= set(submit(requests[30:]))
+        running.procs.append(ServiceProcess("consumers.delivery:service", instance="1").start())
+        counts = wait_terminal(ids, timeout_s=180)
+        assert set(counts.values()) == {1}
+        truth = decided(ids)
+        got = wait_for(lambda: len(o := outcomes(reply)) >= len(ids) and o, timeout_s=30,
+                       what="an outcome for every delivery")
+        time.sleep(1.0)
+        got = outcomes(reply)
+        per_delivery = Counter(key for key, _ in got)
+        assert set(per_delivery) == ids and set(per_delivery.values()) == {1}
+        for key, outcome in got:
+            assert outcome.delivery_id == key and outcome.outcome == truth[key]
+        failed = [o for _, o in got if o.outcome == "failed"]
+        assert len(failed) >= 5 and all(o.reason for o in failed)
+        assert all(o.event_type in ("DeliveryShipped", "DeliveryFailed") and o.trace_id for _, o in got)
+    finally:
+        running.kill()
+
+
+def test_a_forged_or_disallowed_reply_topic_is_refused_and_nothing_is_written(unique: str) -> None:
+    allowed = f"replies.ok.{unique}"
+    absent = f"replies.absent.{unique}"  # allowed by name, never created
+    ensure_topics([allowed], partitions=3)
+    publisher = Publisher("test-ingestion", WORKFLOW)
+    control, forged, missing = (delivery_request() for _ in range(3))
+    items = []
+    for request, reply_to in ((control, allowed), (forged, "delivery.requested"), (missing, absent)):
+        envelope = Envelope.first(str(uuid.uuid4()), request.delivery_id, "DeliveryRequested",
+                                  "test-ingestion", reply_to=reply_to, owner="owner-1")
+        items.append(Publish(request, envelope.event_id, envelope=envelope))
+    requested_before = len(read_topic("delivery.requested"))
+    assert not any(isinstance(r, Exception) for r in publisher.publish_many(items))
+    publisher.flush(30)
+    running = Pipeline().start()
+    try:
+        ids = {control.delivery_id, forged.delivery_id, missing.delivery_id}
+        wait_terminal(ids, timeout_s=120)
+        wait_for(lambda: {k for k, _ in outcomes(allowed)} == {control.delivery_id}, timeout_s=30,
+                 what="the allowed reply")
+        # the forged topic got nothing more than the requests themselves (a feedback loop refused)
+        assert len(of(read_topic("delivery.requested"), {forged.delivery_id})) == 1
+        assert len(read_topic("delivery.requested")) >= requested_before + 3
+        listed = admin().list_topics(timeout=10).topics
+        assert absent not in listed  # never created, never produced to
+        log = next(p for p in running.procs if p.ref == "consumers.delivery:service").log_file.read_text(
+            errors="replace")
+        refused = [json.loads(line) for line in log.splitlines()
+                   if '"reply.refused"' in line and any(d in line for d in ids)]
+        why: dict[str, Any] = {e["delivery_id"]: e["why"] for e in refused}
+        assert "reply prefix" in why[forged.delivery_id] and "no such topic" in why[missing.delivery_id]
+        assert all(p.alive() for p in running.procs)  # refused, not crashed
+    finally:
+        running.kill()
+
+
+def test_a_requeued_step_still_replies_once(world: World) -> None:
+    """A drone step killed mid-work is requeued by the supervisor: the requeue carries the
+    reply topic on, and the delivery that ships after it replies once."""
+    reply = f"replies.sup.{world.prefix.strip('.').replace('.', '-')}"
+    ensure_topics([reply], partitions=3)
+    world.start("package")
+    world.start("delivery")
+    world.supervisor()
+    drone = world.start("drone", SUP_SLOW_FIRST_DRONE_MS="60000")  # hangs in its first attempt
+    flow = sup_pipeline.workflow(world.prefix, sup_pipeline.build(world.prefix, DEADLINE_S, BUDGET, 0))
+    publisher = Publisher("sup-test", workflow=flow, redis_client=world.redis)
+    ids = [str(uuid.uuid4()) for _ in range(2)]
+    for delivery_id in ids:
+        publisher.publish(delivery_request(delivery_id, reply_topic=reply), str(uuid.uuid4()),
+                          topic=world.topic("delivery.requested"))
+    publisher.flush(30)
+    wait_for(lambda: all(world.state(d).get("drone.status") == "processing" for d in ids),
+             timeout_s=30, what="drone steps in progress")
+    drone.kill()
+    wait_for(lambda: all(world.retries("drone-scheduler").get(d) for d in ids), timeout_s=30,
+             what="the stuck steps requeued")
+    world.start("drone", instance="1")
+    wait_for(lambda: set(ids) <= set(world.by_delivery("delivery.shipped")), timeout_s=45,
+             what="every delivery shipped")
+    got = wait_for(lambda: len(o := outcomes(reply)) >= len(ids) and o, timeout_s=30, what="the replies")
+    time.sleep(1.0)
+    got = outcomes(reply)
+    assert sorted(k for k, _ in got) == sorted(ids)
+    assert {o.outcome for _, o in got} == {"shipped"}
