@@ -16,6 +16,7 @@ from rich.table import Table
 
 from infra.chaos import app as chaos_app
 from infra.process import StackError
+from infra.up_cli import app as up_app
 from registry.cli import app as registry_app
 from choreo.ops.cli import app as ops_app
 from choreo.workflow import load_workflow
@@ -167,6 +168,7 @@ app.add_typer(registry_app, name="registry", help="The schema registry service."
 app.add_typer(ops_app, name="ops",
               help="Incident tooling: replay, rebuild-state, trace, dlq, status, topology.")
 app.add_typer(chaos_app, name="chaos", help="Chaos runner: faults on a three-node cluster, then checks.")
+app.add_typer(up_app, name="up")
 app.command("emit")(ingestion_cli.emit)
 app.command("serve")(ingestion_cli.serve)
 

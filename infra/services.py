@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -30,13 +31,17 @@ class ServiceSpec:
 
 
 def service_process(spec: ServiceSpec, env: dict[str, str] | None = None,
-                    cfg: Settings | None = None) -> ManagedProcess:
+                    cfg: Settings | None = None, *, workdir: Path | None = None,
+                    workflow: str | None = None) -> ManagedProcess:
+    """``choreo run`` of one instance; ``workdir`` keeps its pid and log files apart from
+    another launcher's instances of the same id, ``workflow`` is ``run --workflow``."""
     cfg = cfg or settings()
     name = f"{spec.name}-{spec.instance}"
     return ManagedProcess(
         name=name,
-        argv=[sys.executable, "-m", "infra.cli", "run", spec.ref, "--instance", spec.instance],
-        workdir=cfg.data_dir / "services",
+        argv=[sys.executable, "-m", "infra.cli", "run", spec.ref, "--instance", spec.instance,
+              *(["--workflow", workflow] if workflow is not None else [])],
+        workdir=workdir or cfg.data_dir / "services",
         ports=[],
         ready=lambda: True,
         marker=f"run {spec.ref} --instance {spec.instance}",
@@ -45,13 +50,14 @@ def service_process(spec: ServiceSpec, env: dict[str, str] | None = None,
 
 
 def ingestion_process(url: str, env: dict[str, str] | None = None,
-                      cfg: Settings | None = None) -> ManagedProcess:
+                      cfg: Settings | None = None, *, workdir: Path | None = None) -> ManagedProcess:
     return http_server_process("ingestion", ["producers.cli", "serve"], url,
-                               {"INGESTION_URL": url, **(env or {})}, cfg)
+                               {"INGESTION_URL": url, **(env or {})}, cfg, workdir=workdir)
 
 
 def http_server_process(name: str, module_args: list[str], url: str,
-                        env: dict[str, str] | None = None, cfg: Settings | None = None) -> ManagedProcess:
+                        env: dict[str, str] | None = None, cfg: Settings | None = None,
+                        *, workdir: Path | None = None) -> ManagedProcess:
     """``python -m <module_args> --host H --port P`` serving ``url``, ready once its
     ``/readyz`` answers 200."""
     cfg = cfg or settings()
@@ -65,7 +71,7 @@ def http_server_process(name: str, module_args: list[str], url: str,
     return ManagedProcess(
         name=name,
         argv=[sys.executable, "-m", *module_args, *where],
-        workdir=cfg.data_dir / "services",
+        workdir=workdir or cfg.data_dir / "services",
         ports=[(host, port)],
         ready=ready,
         marker=" ".join([module_args[-1], *where]),

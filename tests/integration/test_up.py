@@ -1,0 +1,119 @@
+"""``choreo up`` on the real stack: the drone workflow from its configuration file, an
+instance killed with kill -9 is restarted under the same id, every delivery ends once, and
+SIGTERM stops everything."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from choreo import topology
+from consumers.workflow import WORKFLOW
+from infra.process import pid_alive
+from tests.factories import request_body
+from tests.helpers import REPO, free_port, wait_for
+from tests.pipeline import wait_terminal
+
+pytestmark = pytest.mark.integration
+
+ORDINAL = 7  # from the host name, as a StatefulSet's pod drone-7 would have it
+VICTIM = f"drone-scheduler-{ORDINAL * 2}"  # two instances per host: 14 and 15
+
+
+def _config(path: Path, ingestion_port: int) -> Path:
+    """The shipped example with fewer instances (a 2-core machine) and this run's intake."""
+    text = (REPO / "deploy" / "drone.toml").read_text()
+    text = text.replace('url = "http://127.0.0.1:8000"', f'url = "http://127.0.0.1:{ingestion_port}"')
+    for service in ("package", "delivery"):
+        text = text.replace(f"[services.{service}]\nref = \"consumers.{service}:service\"\ninstances = 2",
+                            f"[services.{service}]\nref = \"consumers.{service}:service\"\ninstances = 1")
+    path.write_text(text)
+    return path
+
+
+def _status(config: Path) -> dict[str, Any]:
+    result = subprocess.run([sys.executable, "-m", "infra.cli", "up", "status", "--json", "--config",
+                             str(config)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    found: dict[str, Any] = json.loads(result.stdout)
+    found["exit_code"] = result.returncode
+    return found
+
+
+def _by_name(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {p["name"]: p for p in found["processes"]}
+
+
+@pytest.fixture()
+def running_up(stack: None, tmp_path: Path, unique: str) -> Iterator[tuple[Path, str, subprocess.Popen[bytes]]]:
+    topology.create(WORKFLOW)
+    port = free_port()
+    config = _config(tmp_path / f"drone-{unique}.toml", port)
+    env = {k: v for k, v in os.environ.items() if k != "CHOREO_ORDINAL"}
+    log = open(tmp_path / "up.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", "--config", str(config)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env={**env, "HOSTNAME": f"drone-{ORDINAL}"})
+    try:
+        yield config, f"http://127.0.0.1:{port}", proc
+    finally:
+        if proc.poll() is None:  # the test failed before its own stop: drain, then make sure
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def _submit(url: str, count: int) -> list[str]:
+    ids = []
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for n in range(count):
+            response = http.post("/deliveries", json=request_body(weight_kg=1.0 + n % 10))
+            assert response.status_code == 202, response.text
+            ids.append(str(response.json()["delivery_id"]))
+    return ids
+
+
+def test_up_restarts_a_killed_instance_and_every_delivery_ends_once(
+        running_up: tuple[Path, str, subprocess.Popen[bytes]]) -> None:
+    config, url, up_proc = running_up
+    started = wait_for(lambda: (s := _status(config))["healthy"] and s, timeout_s=120,
+                       what="every process of choreo up running")
+    names = set(_by_name(started))
+    assert names == {"ingestion", "package-7", "delivery-7", "notifier-7", "supervisor-7",
+                     "drone-scheduler-14", "drone-scheduler-15"}
+
+    ids = _submit(url, 40)
+    victim = _by_name(started)[VICTIM]
+    os.kill(victim["pid"], signal.SIGKILL)
+    ids += _submit(url, 40)
+
+    restarted = wait_for(
+        lambda: (p := _by_name(_status(config))[VICTIM])["restarts"] == 1 and p["state"] == "running" and p,
+        timeout_s=60, what=f"{VICTIM} restarted")
+    assert restarted["pid"] != victim["pid"] and pid_alive(restarted["pid"])
+    assert restarted["last_exit"] == "killed by SIGKILL"
+
+    counts = wait_terminal(set(ids), timeout_s=180)
+    assert len(counts) == 80 and set(counts.values()) == {1}
+    after = _status(config)
+    assert after["healthy"] and after["exit_code"] == 0
+    assert {n: p["restarts"] for n, p in _by_name(after).items() if p["restarts"]} == {VICTIM: 1}
+
+    stopped = subprocess.run([sys.executable, "-m", "infra.cli", "up", "stop", "--config", str(config)],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    assert up_proc.wait(10) == 0
+    assert not any(pid_alive(p["pid"]) for p in after["processes"])
+    assert _status(config)["exit_code"] == 1  # nothing runs any more, and status says so
