@@ -27,6 +27,7 @@ from typing import Any
 
 import redis
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from choreo import metrics
 from choreo.kafka import transactional_consumer_config, transactional_producer_config
@@ -581,11 +582,21 @@ class Runner:
             REPLIES.labels(self.service.name, "refused").inc()
             self.log.warning("reply.refused", delivery_id=outcome.delivery_id, topic=topic[:80], why=why)
             return
+        try:
+            value = self.encoder(DeliveryOutcome, topic)(outcome)
+        except SchemaRegistryError as exc:
+            if exc.http_status_code >= 500 or exc.http_status_code < 0:
+                raise BatchTransient(f"registry: {exc}") from exc
+            # e.g. auto-registration off and no DeliveryOutcome under the topic's subject
+            REPLIES.labels(self.service.name, "refused").inc()
+            self.log.warning("reply.refused", delivery_id=outcome.delivery_id, topic=topic[:80],
+                             why=f"the registry refused its subject: {exc.http_status_code}")
+            return
+        except (OSError, ConnectionError) as exc:
+            raise BatchTransient(f"registry: {exc}") from exc
         envelope = decided.child(derived_id(decided.event_id, "reply"), DeliveryOutcome.__name__,
                                  self.service.name)
-        self.producer.produce(topic, key=outcome.key.encode(),
-                              value=self.encoder(DeliveryOutcome, topic)(outcome),
-                              headers=envelope.to_headers())
+        self.producer.produce(topic, key=outcome.key.encode(), value=value, headers=envelope.to_headers())
         REPLIES.labels(self.service.name, "written").inc()
 
     def _topic_exists(self, topic: str) -> bool:

@@ -158,6 +158,13 @@ def derive_policy(workflow: Workflow, topo: Topology | None = None, *,
                 acls.append(Acl(supervisor.name, "topic", _retry(step.service, topic), "READ"))
         for _, confirmed_by in workflow.compensations().values():  # what proves an undo done
             acls.append(Acl(supervisor.name, "topic", confirmed_by.topic, "READ"))
+    # the outcome copies (choreo.outcomes): whoever publishes an event that decides a delivery
+    # writes its copy to the reply topic the request named, only under the reply prefix
+    from choreo.outcomes import reply_prefix
+
+    for topic in sorted({model.topic for model in workflow.outcome_labels}):
+        for user in sorted(topo.producers.get(topic, ())):
+            acls.append(Acl(user, "topic", reply_prefix(), "WRITE", "prefixed"))
     for topic, producer in workflow.extra_producers.items():
         acls.append(Acl(producer, "topic", topic, "WRITE"))  # only that: it runs no step to report
         for group in sorted(topo.consumers.get(topic, ())):  # admission: lag of these groups

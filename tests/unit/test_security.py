@@ -39,6 +39,8 @@ def test_each_service_reads_exactly_its_inputs_and_writes_its_outputs_dlqs_and_r
         assert topics["READ"] == reads, service.name
         writes = {t for t, producers in topo.producers.items() if service.name in producers}
         writes |= {dlq_topic(h.topic) for h in service.handlers.values()} | {"recovery"}
+        if service.name in ("delivery", "supervisor"):  # they publish the deciding events
+            writes |= {"replies."}  # prefixed: the outcome copies (choreo.outcomes)
         assert topics["WRITE"] == writes, service.name
         assert ops_of(service.name, "transactional_id") == {"WRITE": {f"{service.name}-"}}
         assert service.name in ops_of(service.name, "group")["READ"]
