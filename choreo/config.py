@@ -19,6 +19,9 @@ class Settings(BaseSettings):
     kafka_bootstrap_servers: str = Field("127.0.0.1:9092", validation_alias="KAFKA_BOOTSTRAP_SERVERS")
     redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="REDIS_URL")
     schema_registry_url: str = Field("http://127.0.0.1:8081", validation_alias="SCHEMA_REGISTRY_URL")
+    # off: producers only look their schema up (contracts are registered at deploy time by
+    # ``choreo schemas register``); on: a development convenience for throwaway topics
+    schema_registry_auto_register: bool = Field(False, validation_alias="SCHEMA_REGISTRY_AUTO_REGISTER")
     data_dir: Path = Field(REPO_ROOT / ".stack", validation_alias="CHOREO_DATA_DIR")
     kafka_libs: Path = Field(
         Path.home() / ".cache" / "dronepipe" / "kafka-4.1.2" / "libs", validation_alias="KAFKA_LIBS"

@@ -76,12 +76,18 @@ def forget_registry_clients() -> None:
 
 
 class Encoder(Generic[E]):
-    """Serializes one event type to one topic (subject ``<topic>-value``, auto-registered)."""
+    """Serializes one event type to one topic (subject ``<topic>-value``).
+
+    The schema is looked up, not registered (``SCHEMA_REGISTRY_AUTO_REGISTER`` off): the
+    contracts are registered at deploy time, so a producer needs only a read login, and an
+    event whose schema was never registered fails to publish instead of changing the contract.
+    """
 
     def __init__(self, model: type[E], topic: str, client: SchemaRegistryClient) -> None:
         self.topic = topic
         self._ctx = SerializationContext(topic, MessageField.VALUE)
-        self._serializer = AvroSerializer(client, model.avro_schema())
+        register = settings().schema_registry_auto_register
+        self._serializer = AvroSerializer(client, model.avro_schema(), conf={"auto.register.schemas": register})
 
     def __call__(self, event: E) -> bytes:
         data = self._serializer(event.to_avro(), self._ctx)

@@ -1,11 +1,13 @@
 """Redis 7 from Debian's ``redis-server``, with append-only persistence for the local stack.
 
 ACL mode (off by default): when the URL names a user other than ``default``
-(``redis://package:secret@127.0.0.1:6379/0``), Redis starts with an ACL file written into its
-private work dir (0600) in which that user may run the pipeline (every command but the
-``@admin`` and ``@dangerous`` categories, on every key and channel) and the ``default`` user
-is switched off, so a connection without credentials, or with a wrong password, is refused.
-More users (e.g. one per service) can be given to ``redis_process(..., users=...)``.
+(``redis://package:secret@127.0.0.1:6379/0``) or users are given, Redis starts with an ACL
+file written into its private work dir (0600) in which each user may run every command but
+the ``@admin`` and ``@dangerous`` categories, on the key patterns given for it (``keys``:
+prefixes, each allowing ``<prefix>`` and ``<prefix>:*``; every key when none is given), and
+on no pub/sub channel; the ``default`` user is switched off, so a connection without
+credentials, or with a wrong password, is refused. A password never goes on the command
+line: ``requirepass`` (a URL with a password and no user) is written to a private config file.
 """
 
 from __future__ import annotations
@@ -23,12 +25,23 @@ from infra.security import write_private
 
 
 INSTALL_HINT = "Install it with: apt-get install -y redis-server (bash infra/setup.sh does this)."
-# what a pipeline user may do: its scripts (EVALSHA/SCRIPT LOAD), hashes, sorted sets, ...
-PIPELINE_RULES = "~* &* +@all -@admin -@dangerous"
+# what a user may run: its scripts (EVALSHA/SCRIPT LOAD), hashes, sorted sets, ... (on its keys)
+COMMAND_RULES = "+@all -@admin -@dangerous"
 
 
-def acl_file_text(users: Mapping[str, str], rules: str = PIPELINE_RULES) -> str:
-    """An ACL file: ``default`` off, each user on with its password (stored as SHA-256)."""
+def key_rules(prefixes: Sequence[str]) -> str:
+    """``~p ~p:*`` for each prefix (``*``: every key); Redis checks them on every command,
+    inside scripts too, and on the keys a script declares."""
+    if any(not p or any(c.isspace() or c in "?[]\\" for c in p) for p in prefixes):
+        raise ValueError(f"invalid Redis key prefixes {list(prefixes)!r}")
+    if "*" in prefixes:
+        return "~*"
+    return " ".join(f"~{p} ~{p}:*" for p in prefixes)
+
+
+def acl_file_text(users: Mapping[str, str], keys: Mapping[str, Sequence[str]] | None = None) -> str:
+    """An ACL file: ``default`` off, each user on with its password (stored as SHA-256),
+    limited to its key prefixes (every key for a user ``keys`` does not name)."""
     lines = ["user default off resetpass -@all"]
     for name, password in sorted(users.items()):
         if not name or any(c.isspace() for c in name) or name == "default":
@@ -36,12 +49,14 @@ def acl_file_text(users: Mapping[str, str], rules: str = PIPELINE_RULES) -> str:
         if not password:
             raise ValueError(f"Redis ACL user {name} needs a password")
         digest = hashlib.sha256(password.encode()).hexdigest()
-        lines.append(f"user {name} on resetpass #{digest} resetkeys resetchannels {rules}")
+        scope = key_rules((keys or {}).get(name, ["*"]))
+        lines.append(f"user {name} on resetpass #{digest} resetkeys resetchannels {scope} {COMMAND_RULES}")
     return "\n".join(lines) + "\n"
 
 
 def redis_process(url: str, data_dir: Path, users: Mapping[str, str] | None = None,
-                  name: str = "redis", extra_args: Sequence[str] = ()) -> ManagedProcess:
+                  name: str = "redis", extra_args: Sequence[str] = (),
+                  keys: Mapping[str, Sequence[str]] | None = None) -> ManagedProcess:
     """Redis for ``url``, with its files under ``data_dir/<name>``.
 
     ACL mode when the URL names a user other than ``default`` or ``users`` is given (see the
@@ -79,10 +94,12 @@ def redis_process(url: str, data_dir: Path, users: Mapping[str, str] | None = No
         acl_users.setdefault(username, password or "")
     if acl_users:
         acl_file = workdir / "users.acl"
-        write_private(acl_file, acl_file_text(acl_users))
+        write_private(acl_file, acl_file_text(acl_users, keys))
         argv += ["--aclfile", str(acl_file)]
-    elif password:
-        argv += ["--requirepass", password]
+    elif password:  # the config file must be the first argument
+        auth_file = workdir / "auth.conf"
+        write_private(auth_file, f'requirepass "{password}"\n')
+        argv.insert(1, str(auth_file))
 
     def ready() -> bool:
         with redis.Redis.from_url(url, socket_timeout=1) as client:

@@ -325,8 +325,10 @@ SECURED_KAFKA_PORT = 29092  # below the ephemeral port range; the controller tak
 SECURED_REDIS_PORT = 26379
 SECURED_REGISTRY_PORT = 28081  # never the shared stack's 8081 (nor the chaos run's 18081)
 SECURED_HOST = "127.0.0.1"
-PIPELINE_REDIS_USER = "pipeline"
+DEADLINE_PREFIX = "deadlines"  # choreo.state's deadline index (one key, or one per shard)
 REGISTRY_USERS_FILE = "registry-users"  # under the secrets dir: ``user:password`` lines, 0600
+REGISTRY_ROLES_FILE = "registry-roles"  # under the secrets dir: ``user role`` lines
+REGISTRY_PEERS = "peers"  # <secrets>/registry-peer/peers.password: the instances' shared secret
 
 
 def default_data_dir() -> Path:
@@ -347,10 +349,70 @@ def secured_cluster(data_dir: Path, secrets: Secrets, base_port: int = SECURED_K
     return replace(cluster, heap=heap) if heap else cluster
 
 
-def redis_url(secrets: Secrets, port: int = SECURED_REDIS_PORT) -> str:
-    """The ACL Redis's URL with the pipeline user's credentials (what ``REDIS_URL`` holds)."""
-    password = secrets.password(PIPELINE_REDIS_USER, kind="redis")
-    return f"redis://{PIPELINE_REDIS_USER}:{password}@{SECURED_HOST}:{port}/0"
+def redis_url(secrets: Secrets, user: str | None, port: int = SECURED_REDIS_PORT) -> str:
+    """The ACL Redis's URL with ``user``'s own credentials (what its ``REDIS_URL`` holds);
+    without a user, the bare address (every command is refused: no login)."""
+    if user is None:
+        return f"redis://{SECURED_HOST}:{port}/0"
+    return f"redis://{user}:{secrets.password(user, kind='redis')}@{SECURED_HOST}:{port}/0"
+
+
+def _prefix(key: str) -> str:
+    return key.split(":", 1)[0]
+
+
+def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str]]:
+    """Each principal's Redis user and the key prefixes it may touch (``*``: every key).
+
+    Taken from the functions that name the keys and from the services' declarations, never a
+    hand-kept list per service; only the part before the first ``:`` counts, so a key gaining
+    a shard's hash tag (``dl:{s12}...``) stays in its prefix:
+
+    * every service: the step table and the deadline index (``choreo.state``), its dedupe
+      entries (``choreo.dedupe``) and effect answers (``choreo.effects``), which are per
+      delivery and shared by the steps, plus the records and pools it declares itself;
+    * the supervisor: also its lease (``choreo.lease``), the release queue
+      (``choreo.release``) and the records that go with a finished delivery, which it deletes;
+    * ingestion: the step table and the deadline index (it opens a delivery's first step),
+      its in-flight places, owner records and idempotency keys (``producers``);
+    * the registry: its leader lease (``registry.leader``) and nothing else;
+    * ops: every key (rebuild-state and redrive rewrite any of them); no admin commands either.
+    """
+    from choreo.dedupe import seen_key
+    from choreo.effects import memo_key
+    from choreo.lease import lease_key
+    from choreo.release import awaiting_key
+    from choreo.state import delivery_key
+    from producers.settings import IngestionSettings
+    from producers.submit import idempotency_redis_key, owner_redis_key
+    from registry.leader import LEASE_PREFIX
+
+    one = "x"
+    step_table = {_prefix(delivery_key(one)), DEADLINE_PREFIX}
+    runtime = step_table | {_prefix(seen_key(one)), _prefix(memo_key(one))}
+    prefixes: dict[str, set[str]] = {}
+    for service in workflow.services:
+        own = prefixes[service.name] = set(runtime)
+        own |= {_prefix(record.key(one)) for record in service.records}
+        own |= {_prefix(key) for pool in service.pools for key in pool.keys}
+    supervisor = prefixes.get("supervisor")
+    if supervisor is not None:
+        supervisor |= {_prefix(lease_key(one)), _prefix(awaiting_key(one, 0))}
+        supervisor |= {_prefix(key) for key in workflow.released_keys(one)}
+    ingestion_keys = {_prefix(IngestionSettings().inflight_key), _prefix(owner_redis_key(one)),
+                      _prefix(idempotency_redis_key(one, one))}
+    for producer in set(workflow.extra_producers.values()):
+        prefixes.setdefault(producer, set()).update(step_table | ingestion_keys)
+    prefixes[REGISTRY] = {_prefix(LEASE_PREFIX)}
+    prefixes[OPS] = {"*"}
+    unknown = set(prefixes) - set(policy.users)
+    if unknown:
+        raise ValueError(f"Redis users without a Kafka principal: {sorted(unknown)}")
+    return {user: sorted(found) for user, found in sorted(prefixes.items())}
+
+
+def redis_passwords(secrets: Secrets, users: Iterable[str]) -> dict[str, str]:
+    return {user: secrets.password(user, kind="redis") for user in sorted(users)}
 
 
 def registry_url(user: str | None, secrets: Secrets, port: int = SECURED_REGISTRY_PORT) -> str:
@@ -362,17 +424,21 @@ def registry_url(user: str | None, secrets: Secrets, port: int = SECURED_REGISTR
 
 
 def registry_users(policy: Policy) -> list[str]:
-    """Principals with a registry login: every one that publishes events, plus the admin.
+    """Principals with a registry login: every one of the workflow, plus the admin.
 
-    Why the services and ingestion, not only the admin who registers the contracts: their
-    ``choreo.serde.Encoder`` builds confluent-kafka's ``AvroSerializer`` with its default
-    ``auto.register.schemas=True``, which POSTs ``/subjects/<topic>-value/versions`` (a write
-    endpoint) on the first event of each subject in every process, even when the schema is
-    already registered. Without a login that is a 401 and nothing could be published. The
-    registry process itself only serves, so it gets none. Each principal has its own
-    password (``<secrets>/registry/<user>.password``), never its Kafka one.
+    Services, ingestion, the supervisor and ops only read (schema lookups by id and by
+    schema: ``choreo.serde.Encoder`` does not auto-register); the admin registers the
+    contracts at deploy time (``choreo schemas register``, the schema gate) and alone may
+    delete subjects or change compatibility and mode (``registry_roles``). The registry
+    process itself only serves, so it gets none. Each principal has its own password
+    (``<secrets>/registry/<user>.password``), never its Kafka one.
     """
     return sorted({*policy.users, ADMIN} - {REGISTRY})
+
+
+def registry_roles(users: Iterable[str]) -> dict[str, str]:
+    """Each login's role (``registry.auth``): the admin is ``admin``, every other one ``read``."""
+    return {user: "admin" if user == ADMIN else "read" for user in sorted(users)}
 
 
 def write_registry_users(secrets: Secrets, users: Iterable[str]) -> Path:
@@ -383,24 +449,36 @@ def write_registry_users(secrets: Secrets, users: Iterable[str]) -> Path:
     return path
 
 
-def registry_env(data_dir: Path, secrets: Secrets, bootstrap: str, users_file: Path,
+def write_registry_roles(secrets: Secrets, users: Iterable[str]) -> Path:
+    """The registry's ``SCHEMA_REGISTRY_AUTH_ROLES_FILE``: one ``user role`` a line."""
+    path = secrets.root / REGISTRY_ROLES_FILE
+    lines = "".join(f"{user} {role}\n" for user, role in registry_roles(users).items())
+    write_private(path, "# written by infra.security up\n" + lines)
+    return path
+
+
+def registry_env(data_dir: Path, secrets: Secrets, bootstrap: str, users_file: Path, roles_file: Path,
                  port: int = SECURED_REGISTRY_PORT) -> dict[str, str]:
     """The registry's environment: Kafka as ``schema-registry``, the ACL Redis (leader
-    election), basic auth on writes. Every variable the registry reads is set explicitly so
-    that nothing leaks in from the caller's shell (e.g. an ``SCHEMA_REGISTRY_AUTH_USERS`` of
-    another registry, or another principal's sourced env file)."""
+    election), basic auth with roles on every call but the probes, the instances' peer
+    secret. Every variable the registry reads is set explicitly so that nothing leaks in from
+    the caller's shell (e.g. an ``SCHEMA_REGISTRY_AUTH_USERS`` of another registry, or
+    another principal's sourced env file)."""
     url = registry_url(None, secrets, port)
     return {
         **client_env(REGISTRY, bootstrap, secrets),
         "KAFKA_SASL_PASSWORD": "",
-        "REDIS_URL": redis_url(secrets),
+        "REDIS_URL": redis_url(secrets, REGISTRY),
         "CHOREO_DATA_DIR": str(data_dir),
         "SCHEMA_REGISTRY_URL": url,
         "SCHEMA_REGISTRY_ADVERTISED_URL": url,
         "SCHEMA_REGISTRY_TOPIC": REGISTRY_TOPIC,
         "SCHEMA_REGISTRY_AUTH_USERS_FILE": str(users_file),
         "SCHEMA_REGISTRY_AUTH_USERS": "",
-        "SCHEMA_REGISTRY_AUTH_READS": "false",
+        "SCHEMA_REGISTRY_AUTH_ROLES_FILE": str(roles_file),
+        "SCHEMA_REGISTRY_AUTH_ROLES": "",
+        "SCHEMA_REGISTRY_AUTH_READS": "true",
+        "SCHEMA_REGISTRY_PEER_SECRET_FILE": str(secrets.password_file(REGISTRY_PEERS, kind="registry-peer")),
     }
 
 
@@ -421,13 +499,14 @@ def secured_registry(data_dir: Path, env: dict[str, str] | None = None,
 
 
 def principal_env(user: str, bootstrap: str, secrets: Secrets, data_dir: Path,
-                  registry_login: bool) -> dict[str, str]:
+                  registry_login: bool, redis_login: bool) -> dict[str, str]:
     """What ``<data>/env/<user>.env`` holds: this principal's Kafka identity and nobody
-    else's, the pipeline's Redis, and the registry (with this principal's login if it has one)."""
+    else's, its own Redis user if it has one, and the registry (with its login if it has one)."""
     return {
         **client_env(user, bootstrap, secrets),
-        "REDIS_URL": redis_url(secrets),
+        "REDIS_URL": redis_url(secrets, user if redis_login else None),
         "SCHEMA_REGISTRY_URL": registry_url(user if registry_login else None, secrets),
+        "SCHEMA_REGISTRY_AUTO_REGISTER": "false",  # contracts are registered by the admin at deploy
         "CHOREO_DATA_DIR": str(data_dir),
     }
 
@@ -451,20 +530,24 @@ def up(data_dir: Path, timeout_s: float = 90.0, *, partitions: int | None = None
     secrets = Secrets(data_dir / "secrets")
     cluster = secured_cluster(data_dir, secrets, heap=heap)
     cluster.start(timeout_s)
-    redis_process(redis_url(secrets), data_dir, name="redis-acl").start(timeout_s)
+    policy = derive_policy(WORKFLOW)
+    redis_users = redis_key_prefixes(WORKFLOW, policy)
+    redis_process(redis_url(secrets, OPS), data_dir, users=redis_passwords(secrets, redis_users),
+                  keys=redis_users, name="redis-acl").start(timeout_s)
     admin_config = cluster.client_config()
     secured_topics(WORKFLOW, admin_config, partitions)
-    policy = derive_policy(WORKFLOW)
     apply(_Admin(admin_config), policy, secrets)  # the registry's principal must exist first
     logins = set(registry_users(policy))
     files: dict[str, Path] = {}
     for user in [*policy.users, ADMIN]:
-        env = principal_env(user, cluster.bootstrap_servers, secrets, data_dir, user in logins)
+        env = principal_env(user, cluster.bootstrap_servers, secrets, data_dir, user in logins,
+                            user in redis_users)
         path = data_dir / "env" / f"{user}.env"
         write_private(path, "".join(f"{k}={v}\n" for k, v in env.items()))
         files[user] = path
     users_file = write_registry_users(secrets, logins)
-    env = registry_env(data_dir, secrets, cluster.bootstrap_servers, users_file)
+    roles_file = write_registry_roles(secrets, logins)
+    env = registry_env(data_dir, secrets, cluster.bootstrap_servers, users_file, roles_file)
     secured_registry(data_dir, env).start(timeout_s)
     return files
 
@@ -479,7 +562,7 @@ def down(data_dir: Path) -> list[str]:
     if secured_registry(data_dir).stop():
         stopped.append("registry")
     stopped += list(secured_cluster(data_dir, secrets).stop())
-    if redis_process(redis_url(secrets), data_dir, name="redis-acl").stop():
+    if redis_process(redis_url(secrets, OPS), data_dir, name="redis-acl").stop():
         stopped.append("redis-acl")
     return stopped
 
@@ -487,7 +570,7 @@ def down(data_dir: Path) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m infra.security table``: the ACL table for SECURITY.md;
     ``python -m infra.security up|down [DATA_DIR]``: a secured broker (SASL/SCRAM + ACLs on
-    127.0.0.1:29092), an ACL Redis (26379) and a registry with basic auth on writes (28081,
+    127.0.0.1:29092), an ACL Redis (26379) and a registry with logins and roles (28081,
     running on that broker as ``schema-registry``) with env files per principal;
     ``python -m infra.security apply``: users and ACLs on the configured cluster
     (run with the admin's credentials in KAFKA_SASL_*)."""
@@ -506,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for user, path in up(data_dir).items():
                 print(f"{user}: {path}")
             print(f"registry: {registry_url(None, Secrets(data_dir / 'secrets'))} "
-                  "(writes need a login: SCHEMA_REGISTRY_URL in the env files)")
+                  "(a login is needed: SCHEMA_REGISTRY_URL in the env files; only the admin writes)")
         else:
             print(f"stopped: {', '.join(down(data_dir)) or 'nothing'}")
         return 0

@@ -7,18 +7,17 @@ endpoint answers. Every answer, including unknown paths, wrong methods, bad medi
 oversized bodies and unexpected failures, is a JSON ``{"error_code", "message"}`` body with
 the real registry's status; a stack trace never leaves the process.
 
-Optional HTTP basic authentication (``BasicAuth``; off by default): write endpoints (register,
-delete, config and mode changes) require a known user; reads too when ``protect_reads`` is
-set, except ``/`` and ``/_health`` (probes). A refusal is 401 with ``WWW-Authenticate`` and
-the Confluent error body. Passwords are compared in constant time; a forwarded write carries
-the caller's ``Authorization`` to the leader, which checks it again.
+Optional HTTP basic authentication with roles (``registry.auth``; off by default): each
+endpoint needs ``read``, ``write`` (register under a subject) or ``admin`` (deletes, config
+and mode changes); writes always need a login, reads too when ``protect_reads`` is set,
+except ``/`` and ``/_health`` (probes). An unknown login is 401 with ``WWW-Authenticate``, a
+known one without the role 403 (40301), both with the Confluent error body. A follower
+forwards a write to the leader only when the leader's lease is signed with the instances'
+shared secret, and sends the caller's name in a signed request, never the caller's password.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hmac
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from starlette.routing import Route
 
 from choreo.logs import get_logger
 from registry import errors
+from registry.auth import SIGNATURE_HEADER, Access, BasicAuth, Peers
 from registry.registry import Registry, check_subject
 
 log = get_logger(component="registry.api")
@@ -45,6 +45,7 @@ ACCEPTED_TYPES = frozenset({
 })
 FORWARDED_HEADER = "x-registry-forwarded"
 POSITION_HEADER = "x-registry-log-position"
+DENIED = 40301  # Confluent's error code for a login without the role an operation needs
 
 
 @dataclass
@@ -69,66 +70,16 @@ OPEN_PATHS = frozenset({(), ("_health",)})
 
 
 @dataclass(frozen=True)
-class BasicAuth:
-    """Users allowed to call protected endpoints: ``{username: password}``."""
-
-    users: Mapping[str, str]
-    protect_reads: bool = False
-    realm: str = "schema-registry"
-
-    def __post_init__(self) -> None:
-        if not self.users or any(not u or ":" in u or not pw for u, pw in self.users.items()):
-            raise ValueError("basic auth needs at least one user; names without ':' and non-empty passwords")
-
-    def required(self, endpoint: Endpoint) -> bool:
-        if endpoint.pattern in OPEN_PATHS:
-            return False
-        return endpoint.writes or self.protect_reads
-
-    def check(self, header: str | None) -> str | None:
-        """The authenticated user, or None. Every known user is compared (constant time)."""
-        if not header:
-            return None
-        scheme, _, encoded = header.partition(" ")
-        if scheme.lower() != "basic":
-            return None
-        try:
-            decoded = base64.b64decode(encoded.strip(), validate=True).decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError, ValueError):
-            return None
-        user, sep, password = decoded.partition(":")
-        if not sep:
-            return None
-        found: str | None = None
-        for name, secret in self.users.items():
-            same_user = hmac.compare_digest(name.encode(), user.encode())
-            same_password = hmac.compare_digest(secret.encode(), password.encode())
-            if same_user and same_password:
-                found = name
-        return found
-
-
-def parse_users(text: str) -> dict[str, str]:
-    """``user:password`` entries separated by commas or new lines (``#`` starts a comment)."""
-    users: dict[str, str] = {}
-    for raw in text.replace(",", "\n").splitlines():
-        entry = raw.strip()
-        if not entry or entry.startswith("#"):
-            continue
-        user, sep, password = entry.partition(":")
-        if not sep or not user.strip() or not password.strip():
-            raise ValueError("a registry user entry must look like user:password")
-        users[user.strip()] = password.strip()
-    return users
-
-
-@dataclass(frozen=True)
 class Endpoint:
     method: str
     pattern: tuple[str, ...]
     handler: Handler
-    writes: bool = False
+    access: Access = "read"
     has_body: bool = False
+
+    @property
+    def writes(self) -> bool:
+        return self.access != "read"
 
     def match(self, segments: list[str]) -> dict[str, str] | None:
         if len(segments) != len(self.pattern):
@@ -182,16 +133,16 @@ def endpoints() -> list[Endpoint]:
         Endpoint("POST", ("subjects", s), lambda c: c.registry.lookup(c.subject(), c.body, c.flag("deleted")),
                  has_body=True),
         Endpoint("DELETE", ("subjects", s), lambda c: c.registry.delete_subject(c.subject(), c.flag("permanent")),
-                 writes=True),
+                 access="admin"),
         Endpoint("GET", ("subjects", s, "versions"), lambda c: c.registry.versions(c.subject(), c.flag("deleted"))),
         Endpoint("POST", ("subjects", s, "versions"), lambda c: c.registry.register(c.subject(), c.body),
-                 writes=True, has_body=True),
+                 access="write", has_body=True),
         Endpoint("GET", ("subjects", s, "versions", v), lambda c: c.registry.version(
             c.subject(), c.params["version"], c.flag("deleted"))),
         Endpoint("GET", ("subjects", s, "versions", v, "schema"), lambda c: json.loads(c.registry.version(
             c.subject(), c.params["version"], c.flag("deleted"))["schema"])),
         Endpoint("DELETE", ("subjects", s, "versions", v), lambda c: c.registry.delete_version(
-            c.subject(), c.params["version"], c.flag("permanent")), writes=True),
+            c.subject(), c.params["version"], c.flag("permanent")), access="admin"),
         Endpoint("GET", ("subjects", s, "versions", v, "referencedby"), _referenced_by),
         Endpoint("GET", ("subjects", s, "metadata"), _metadata),
         Endpoint("GET", ("schemas",), _all_schemas),
@@ -204,23 +155,23 @@ def endpoints() -> list[Endpoint]:
         Endpoint("GET", ("schemas", "ids", i, "versions"), lambda c: c.registry.schema_versions(
             c.params["id"], c.flag("deleted"), c.query.get("subject"))),
         Endpoint("GET", ("config",), lambda c: c.registry.get_config(None, True)),
-        Endpoint("PUT", ("config",), lambda c: c.registry.set_config(None, c.body), writes=True, has_body=True),
-        Endpoint("DELETE", ("config",), lambda c: c.registry.delete_config(None), writes=True),
+        Endpoint("PUT", ("config",), lambda c: c.registry.set_config(None, c.body), access="admin", has_body=True),
+        Endpoint("DELETE", ("config",), lambda c: c.registry.delete_config(None), access="admin"),
         Endpoint("GET", ("config", s), lambda c: c.registry.get_config(c.subject(), c.flag("defaultToGlobal"))),
         Endpoint("PUT", ("config", s), lambda c: c.registry.set_config(c.subject(), c.body),
-                 writes=True, has_body=True),
-        Endpoint("DELETE", ("config", s), lambda c: c.registry.delete_config(c.subject()), writes=True),
+                 access="admin", has_body=True),
+        Endpoint("DELETE", ("config", s), lambda c: c.registry.delete_config(c.subject()), access="admin"),
         Endpoint("POST", ("compatibility", "subjects", s, "versions", v), lambda c: c.registry.check(
             c.subject(), c.params["version"], c.body, c.flag("verbose")), has_body=True),
         Endpoint("POST", ("compatibility", "subjects", s, "versions"), lambda c: c.registry.check(
             c.subject(), None, c.body, c.flag("verbose")), has_body=True),
         Endpoint("GET", ("mode",), lambda c: c.registry.get_mode(None, True)),
         Endpoint("PUT", ("mode",), lambda c: c.registry.set_mode(None, c.body, c.flag("force")),
-                 writes=True, has_body=True),
+                 access="admin", has_body=True),
         Endpoint("GET", ("mode", s), lambda c: c.registry.get_mode(c.subject(), c.flag("defaultToGlobal"))),
         Endpoint("PUT", ("mode", s), lambda c: c.registry.set_mode(c.subject(), c.body, c.flag("force")),
-                 writes=True, has_body=True),
-        Endpoint("DELETE", ("mode", s), lambda c: c.registry.delete_mode(c.subject()), writes=True),
+                 access="admin", has_body=True),
+        Endpoint("DELETE", ("mode", s), lambda c: c.registry.delete_mode(c.subject()), access="admin"),
         Endpoint("GET", ("contexts",), lambda c: ["."]),
         *[Endpoint(method, ("associations", *rest), _associations, has_body=method in ("POST", "PUT"))
           for method in ("GET", "POST", "PUT", "DELETE")
@@ -237,6 +188,13 @@ def _error(exc: errors.RegistryError) -> Response:
     return _json(exc.body(), exc.status)
 
 
+def _target(request: Request) -> str:
+    """The raw path and query as the client sent them (what a forwarded request signs)."""
+    raw_path = (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1")
+    query = request.url.query
+    return raw_path + (f"?{query}" if query else "")
+
+
 def refusal(status: int, code: str, message: str) -> tuple[str, bytes]:
     """A refusal of the connection guard (``choreo.http_serving``: 408, 429, 431) in the
     registry's error shape, where the error code of a plain HTTP answer is its status."""
@@ -248,9 +206,10 @@ class Api:
     """Binds the endpoint table to a registry, with body limits and write forwarding."""
 
     def __init__(self, registry: Registry, max_body: int = 1 << 20, forward_timeout_s: float = 15.0,
-                 auth: BasicAuth | None = None) -> None:
+                 auth: BasicAuth | None = None, peers: Peers | None = None) -> None:
         self.registry = registry
         self.auth = auth
+        self.peers = peers
         self.max_body = max_body
         self.endpoints = endpoints()
         self.http = httpx.Client(timeout=forward_timeout_s)
@@ -284,13 +243,25 @@ class Api:
         if chosen is None:
             raise errors.http_error(405, "Method Not Allowed")
         endpoint, params = chosen
-        if self.auth is not None and self.auth.required(endpoint):
-            if self.auth.check(request.headers.get("authorization")) is None:
+        body_bytes: bytes | None = None
+        user: str | None = None
+        auth = self.auth
+        if auth is not None and endpoint.pattern not in OPEN_PATHS and auth.required(endpoint.access):
+            if self.peers is not None and SIGNATURE_HEADER in request.headers:  # a peer forwarded it
+                body_bytes = await self._body(request) if endpoint.has_body else b""
+                user = self.peers.verify_request(request.headers, request.method, _target(request), body_bytes)
+            else:
+                user = auth.check(request.headers.get("authorization"))
+            if user is None:
                 return _json({"error_code": 401, "message": "Unauthorized"}, 401,
-                             headers={"WWW-Authenticate": f'Basic realm="{self.auth.realm}"'})
+                             headers={"WWW-Authenticate": f'Basic realm="{auth.realm}"'})
+            if not auth.grant(user).allows(endpoint.access, params.get("subject")):
+                return _json({"error_code": DENIED, "message": f"User {user} is denied this operation: "
+                              f"it needs the {endpoint.access} role"}, 403)
         if not self.ready and endpoint.pattern != ("_health",):
             raise errors.RegistryError(503, errors.OPERATION_TIMEOUT, "The registry is still reading its store")
-        body_bytes = await self._body(request) if endpoint.has_body else b""
+        if body_bytes is None:
+            body_bytes = await self._body(request) if endpoint.has_body else b""
         call = Call(self.registry, params, dict(request.query_params), self._parse(body_bytes))
         if endpoint.pattern == ("_health",):
             return _json(self.health())
@@ -299,7 +270,7 @@ class Api:
         except errors.NotLeaderError as exc:
             if exc.leader_url is None or request.headers.get(FORWARDED_HEADER):
                 raise
-            return await run_in_threadpool(self._forward, request, body_bytes, exc)
+            return await run_in_threadpool(self._forward, request, body_bytes, exc, user)
         headers = {POSITION_HEADER: str(self.registry.store.position)} if endpoint.writes else None
         return _json(result, headers=headers)
 
@@ -337,17 +308,23 @@ class Api:
                 f"Unrecognized request body: expected a JSON object, got {type(parsed).__name__}")
         return parsed
 
-    def _forward(self, request: Request, body: bytes, exc: errors.NotLeaderError) -> Response:
-        """Hand a write to the leader, then wait until our own reader has seen its effect."""
+    def _forward(self, request: Request, body: bytes, exc: errors.NotLeaderError, user: str | None) -> Response:
+        """Hand a write to the leader, then wait until our own reader has seen its effect.
+
+        The caller's ``Authorization`` never leaves this instance: with authentication on, the
+        leader learns who asks from a request signed with the peer secret, and without that
+        secret a write is not forwarded at all (the election follows only signed leases)."""
         assert exc.leader_url is not None
-        raw_path = (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1")
-        query = request.url.query
-        url = exc.leader_url.rstrip("/") + raw_path + (f"?{query}" if query else "")
+        target = _target(request)
+        headers = {"content-type": request.headers.get("content-type", CONTENT_TYPE), FORWARDED_HEADER: "1"}
+        if self.auth is not None:
+            if self.peers is None or user is None:
+                log.warning("forward_refused", reason="no peer secret to vouch for the caller")
+                raise exc
+            headers.update(self.peers.sign_request(request.method, target, user, body))
         try:
-            headers = {"content-type": request.headers.get("content-type", CONTENT_TYPE), FORWARDED_HEADER: "1"}
-            if request.headers.get("authorization"):  # the leader authenticates the caller again
-                headers["authorization"] = request.headers["authorization"]
-            answer = self.http.request(request.method, url, content=body or None, headers=headers)
+            answer = self.http.request(request.method, exc.leader_url.rstrip("/") + target,
+                                       content=body or None, headers=headers)
         except httpx.HTTPError as failure:
             log.warning("forward_failed", leader=exc.leader_url, error=str(failure))
             raise exc from None

@@ -12,6 +12,10 @@ and is logged with every write, so a log line always tells which term wrote.
 
 A leader also stops writing by itself once its local lease deadline (measured on the
 monotonic clock, minus a safety margin) passes without a successful renewal.
+
+With a peer secret (``registry.auth.Peers``) the lease also carries ``sig``, an HMAC of the
+holder's id and URL: a lease without a valid one (planted by whoever can write that key) is
+never followed, and an eligible instance removes it and takes the lease.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from dataclasses import dataclass
 import redis
 
 from choreo.logs import get_logger
+from registry.auth import Peers
 
 log = get_logger(component="registry.leader")
 
 _ACQUIRE = """
 if redis.call('exists', KEYS[1]) == 1 then return 0 end
 local token = redis.call('incr', KEYS[2])
-local value = cjson.encode({id=ARGV[1], url=ARGV[2], token=token})
+local value = cjson.encode({id=ARGV[1], url=ARGV[2], token=token, sig=ARGV[4]})
 redis.call('set', KEYS[1], value, 'PX', ARGV[3])
 return token
 """
@@ -41,6 +46,11 @@ if not value then return 0 end
 local lease = cjson.decode(value)
 if lease.id ~= ARGV[1] or tostring(lease.token) ~= ARGV[2] then return 0 end
 return redis.call('pexpire', KEYS[1], ARGV[3])
+"""
+
+_EVICT = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
 """
 
 _RELEASE = """
@@ -57,6 +67,7 @@ class Lease:
     instance_id: str
     url: str
     token: int
+    signature: str = ""
 
 
 LEASE_PREFIX = "registry:leader:"  # the only keys the registry keeps in Redis
@@ -66,7 +77,7 @@ class LeaderElection:
     """Keeps trying to hold the lease (when eligible) and tells who holds it."""
 
     def __init__(self, redis_url: str, topic: str, instance_id: str, url: str,
-                 ttl_ms: int = 6000, eligible: bool = True) -> None:
+                 ttl_ms: int = 6000, eligible: bool = True, peers: Peers | None = None) -> None:
         self.client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.key = f"{LEASE_PREFIX}{topic}"
         self.token_key = f"{LEASE_PREFIX}{topic}:token"
@@ -74,6 +85,8 @@ class LeaderElection:
         self.url = url
         self.ttl_ms = ttl_ms
         self.eligible = eligible
+        self.peers = peers
+        self._signature = peers.sign_lease(instance_id, url) if peers else ""
         self._token = 0
         self._valid_until = 0.0
         self._stop = threading.Event()
@@ -115,7 +128,9 @@ class LeaderElection:
             self._valid_until = 0.0
             if was_leader:
                 log.warning("leadership_lost", instance=self.instance_id)
-            token = int(self.client.eval(_ACQUIRE, 2, self.key, self.token_key, self.instance_id, self.url, str(self.ttl_ms)))
+            self._evict_untrusted()
+            token = int(self.client.eval(_ACQUIRE, 2, self.key, self.token_key, self.instance_id, self.url,
+                                         str(self.ttl_ms), self._signature))
             if token:
                 self._token = token
                 self._valid_until = started + self.ttl_ms / 1000 * 0.8
@@ -123,7 +138,19 @@ class LeaderElection:
         except redis.RedisError as exc:
             log.warning("lease_unreachable", error=str(exc))
 
+    def _evict_untrusted(self) -> None:
+        raw = self.client.get(self.key)
+        lease = _parse(raw)
+        if raw is not None and (lease is None or not self.trusted(lease)):
+            log.warning("untrusted_lease_removed")
+            self.client.eval(_EVICT, 1, self.key, raw)
+
     # -- questions ----------------------------------------------------------------------
+
+    def trusted(self, lease: Lease) -> bool:
+        """Whether the lease was written by an instance holding the peer secret (always,
+        without one)."""
+        return self.peers is None or self.peers.lease_ok(lease.instance_id, lease.url, lease.signature)
 
     def is_leader(self) -> bool:
         return self._token != 0 and time.monotonic() < self._valid_until
@@ -138,10 +165,14 @@ class LeaderElection:
             raw = self.client.get(self.key)
         except redis.RedisError:
             return None
-        if raw is None:
-            return None
-        try:
-            data = json.loads(raw)
-            return Lease(str(data["id"]), str(data["url"]), int(data["token"]))
-        except (ValueError, KeyError, TypeError):
-            return None
+        return _parse(raw)
+
+
+def _parse(raw: bytes | str | None) -> Lease | None:
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+        return Lease(str(data["id"]), str(data["url"]), int(data["token"]), str(data.get("sig", "")))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -199,6 +199,9 @@ class Registry:
         if not self.election.is_leader():
             self.store.drop_writer()
             lease = self.election.current()
+            if lease is not None and not self.election.trusted(lease):
+                log.warning("untrusted_leader_lease")  # never forwarded to: see registry.auth
+                lease = None
             elsewhere = lease is not None and lease.url != self.election.url
             raise errors.NotLeaderError(lease.url if lease is not None and elsewhere else None)
 

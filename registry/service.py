@@ -14,7 +14,8 @@ from choreo.config import Settings
 from choreo.http_serving import HttpLimits, uvicorn_config
 from choreo.logs import get_logger
 
-from registry.api import Api, BasicAuth, create_app, parse_users, refusal
+from registry.api import Api, create_app, refusal
+from registry.auth import BasicAuth, Peers, parse_roles, parse_users
 from registry.leader import LeaderElection
 from registry.registry import Registry
 from registry.state import State
@@ -37,6 +38,7 @@ class RegistryConfig:
     max_body: int = 1 << 20
     advertised_url: str = ""
     auth: BasicAuth | None = None  # None: no authentication (the default)
+    peers: Peers | None = None  # the instances' shared secret: signed leases and forwarded writes
     http: HttpLimits = HttpLimits()
     compat_timeout_s: float = 2.0  # a compatibility check's deadline (409 past it)
 
@@ -58,6 +60,7 @@ class RegistryConfig:
             max_body=int(env.get("SCHEMA_REGISTRY_MAX_BODY", str(1 << 20))),
             advertised_url=env.get("SCHEMA_REGISTRY_ADVERTISED_URL", f"http://{bind_host}:{bind_port}"),
             auth=auth_from_env(env),
+            peers=peers_from_env(env),
             compat_timeout_s=float(env.get("SCHEMA_REGISTRY_COMPAT_TIMEOUT_S", "2")),
         )
 
@@ -65,7 +68,9 @@ class RegistryConfig:
 def auth_from_env(env: dict[str, str] | os._Environ[str]) -> BasicAuth | None:
     """Basic auth from ``SCHEMA_REGISTRY_AUTH_USERS`` (``user:pass,...``) and/or
     ``SCHEMA_REGISTRY_AUTH_USERS_FILE`` (one ``user:pass`` a line); reads are protected too
-    when ``SCHEMA_REGISTRY_AUTH_READS=true``. Neither set: no authentication."""
+    when ``SCHEMA_REGISTRY_AUTH_READS=true``. Roles (``registry.auth.parse_roles``) from
+    ``SCHEMA_REGISTRY_AUTH_ROLES`` and/or ``SCHEMA_REGISTRY_AUTH_ROLES_FILE``; without any,
+    every login is an admin. No user set: no authentication."""
     users: dict[str, str] = {}
     path = env.get("SCHEMA_REGISTRY_AUTH_USERS_FILE", "").strip()
     if path:
@@ -73,8 +78,19 @@ def auth_from_env(env: dict[str, str] | os._Environ[str]) -> BasicAuth | None:
     users.update(parse_users(env.get("SCHEMA_REGISTRY_AUTH_USERS", "")))
     if not users:
         return None
+    roles_text = env.get("SCHEMA_REGISTRY_AUTH_ROLES", "")
+    roles_path = env.get("SCHEMA_REGISTRY_AUTH_ROLES_FILE", "").strip()
+    if roles_path:
+        roles_text = Path(roles_path).read_text() + "\n" + roles_text
+    roles = parse_roles(roles_text) if roles_text.strip() else None
     reads = env.get("SCHEMA_REGISTRY_AUTH_READS", "false").strip().lower() == "true"
-    return BasicAuth(users, protect_reads=reads)
+    return BasicAuth(users, protect_reads=reads, roles=roles)
+
+
+def peers_from_env(env: dict[str, str] | os._Environ[str]) -> Peers | None:
+    """The peer secret from the file ``SCHEMA_REGISTRY_PEER_SECRET_FILE`` (never a variable)."""
+    path = env.get("SCHEMA_REGISTRY_PEER_SECRET_FILE", "").strip()
+    return Peers.from_file(Path(path)) if path else None
 
 
 def build(config: RegistryConfig) -> tuple[Api, Registry]:
@@ -82,9 +98,9 @@ def build(config: RegistryConfig) -> tuple[Api, Registry]:
     store = KafkaStore(config.bootstrap, config.topic, state)
     instance = f"{config.advertised_url}#{uuid.uuid4().hex[:8]}"
     election = LeaderElection(config.redis_url, config.topic, instance, config.advertised_url,
-                              ttl_ms=config.lease_ms, eligible=config.leader_eligible)
+                              ttl_ms=config.lease_ms, eligible=config.leader_eligible, peers=config.peers)
     registry = Registry(state, store, election, check_timeout_s=config.compat_timeout_s)
-    return Api(registry, max_body=config.max_body, auth=config.auth), registry
+    return Api(registry, max_body=config.max_body, auth=config.auth, peers=config.peers), registry
 
 
 def serve(config: RegistryConfig) -> None:

@@ -15,6 +15,10 @@ from choreo.config import settings
 # the workflow ``choreo.supervisor`` watches when a test imports it in process (``choreo run``
 # sets it from --workflow; the tests that run a supervisor of their own name theirs)
 os.environ.setdefault("SUPERVISOR_WORKFLOW", "consumers.workflow:WORKFLOW")
+# tests on the open local stack publish to throwaway topics of their own, whose schemas no
+# deploy registered: there producers register on first use (the secured stack's env files
+# turn it off, as a deployment does)
+os.environ.setdefault("SCHEMA_REGISTRY_AUTO_REGISTER", "true")
 
 if TYPE_CHECKING:
     from tests.pipeline import Pipeline

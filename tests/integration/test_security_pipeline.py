@@ -39,6 +39,7 @@ from confluent_kafka.admin import AdminClient
 
 from choreo.config import REPO_ROOT, settings
 from choreo.dedupe import seen_key
+from choreo.lease import lease_key
 from choreo.state import delivery_key
 from consumers.workflow import WORKFLOW
 from infra.process import ManagedProcess, port_in_use, stop_all
@@ -47,6 +48,8 @@ from infra.security import (
     client_config, down, read_env_file, redis_url, registry_url, up,
 )
 from infra.services import PIPELINE, ServiceSpec, ingestion_process, service_process
+from producers.submit import owner_redis_key
+from registry.leader import LEASE_PREFIX
 from tests.factories import request_body
 from tests.helpers import wait_for
 
@@ -223,20 +226,48 @@ def finished(pipeline: SecuredPipeline) -> dict[str, list[str]]:
     return terminal_events(pipeline)
 
 
-def test_the_registry_runs_on_the_broker_as_its_own_principal_and_refuses_anonymous_writes(
+def test_the_registry_runs_on_the_broker_as_its_own_principal_and_refuses_anonymous_calls(
         pipeline: SecuredPipeline) -> None:
     env = pipeline.env("schema-registry")
     assert env["KAFKA_SASL_USERNAME"] == "schema-registry"
     assert "@" not in env["SCHEMA_REGISTRY_URL"]  # it serves; it has no login of its own
     body = {"schema": json.dumps({"type": "record", "name": "Probe", "fields": []})}
     plain = registry_url(None, pipeline.secrets)
-    anonymous = httpx.post(f"{plain}/subjects/probe-value/versions", json=body)
-    assert anonymous.status_code == 401
-    # reads stay open: services decode by schema id without a login
-    assert "delivery.requested-value" in httpx.get(f"{plain}/subjects").json()
+    assert httpx.post(f"{plain}/subjects/probe-value/versions", json=body).status_code == 401
+    assert httpx.get(f"{plain}/subjects").status_code == 401  # reads need a login too
+    assert httpx.get(f"{plain}/_health").status_code == 200  # probes stay open
     # the store is on the secured broker, written by User:schema-registry (the only one with ACLs on it)
     topics = AdminClient(pipeline.admin_config()).list_topics(timeout=20).topics
     assert "_schemas" in topics
+
+
+def test_services_only_read_the_registry_and_the_admin_alone_changes_it(
+        finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
+    """Every service published with a read-only login (no auto-registration): the contracts
+    came from the admin's ``choreo schemas register``; a service may not register, delete
+    or change compatibility or mode (403), the admin may."""
+    subject = "delivery.requested-value"
+    for user in [s.name for s in WORKFLOW.services] + ["ingestion", "ops"]:
+        env = pipeline.env(user)
+        assert env["SCHEMA_REGISTRY_AUTO_REGISTER"] == "false"
+        url = env["SCHEMA_REGISTRY_URL"]
+        assert subject in httpx.get(f"{url}/subjects").json()
+        latest = httpx.get(f"{url}/subjects/{subject}/versions/latest").json()
+        for method, path, payload in (
+                ("POST", f"/subjects/{subject}/versions", {"schema": latest["schema"]}),
+                ("POST", "/subjects/probe-value/versions", {"schema": latest["schema"]}),
+                ("DELETE", f"/subjects/{subject}", None),
+                ("DELETE", f"/subjects/{subject}/versions/1", None),
+                ("PUT", "/config", {"compatibility": "NONE"}),
+                ("PUT", f"/config/{subject}", {"compatibility": "NONE"}),
+                ("PUT", "/mode", {"mode": "READONLY"})):
+            answer = httpx.request(method, f"{url}{path}", json=payload)
+            assert answer.status_code == 403, (user, method, path, answer.text)
+    admin = pipeline.env(ADMIN)["SCHEMA_REGISTRY_URL"]
+    assert httpx.put(f"{admin}/config/probe-value", json={"compatibility": "FULL"}).status_code == 200
+    assert httpx.delete(f"{admin}/config/probe-value").status_code == 200
+    versions = httpx.get(f"{admin}/subjects/{subject}/versions").json()
+    assert versions == [1]  # nothing a service tried was written
 
 
 def test_every_delivery_ends_exactly_once(finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
@@ -254,7 +285,7 @@ def test_every_delivery_ends_exactly_once(finished: dict[str, list[str]], pipeli
 def test_the_supervisor_releases_shipped_deliveries_under_its_acls(
         finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
     """``choreo.release`` reads every reader group's commits (its DESCRIBE on their groups)."""
-    client = redis.Redis.from_url(redis_url(pipeline.secrets))
+    client = redis.Redis.from_url(redis_url(pipeline.secrets, "ops"))
     shipped = [d for d, ends in finished.items() if ends == ["delivery.shipped"]]
     wait_for(lambda: all(client.hexists(delivery_key(d), "done") for d in shipped), timeout_s=60,
              what="every shipped delivery released")
@@ -313,6 +344,22 @@ def test_a_service_started_with_another_services_credentials_is_refused(
     assert pipeline.processes["notifier"].running()
 
 
+def test_each_process_is_its_own_redis_user_limited_to_its_keys(
+        finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
+    """The pipeline ran with one Redis user per principal; none reaches another's keys."""
+    for service in WORKFLOW.services:
+        url = pipeline.env(service.name)["REDIS_URL"]
+        assert url.startswith(f"redis://{service.name}:"), url
+    assert "@" not in pipeline.env(ADMIN)["REDIS_URL"]  # the Kafka admin has no Redis login
+    package = redis.Redis.from_url(pipeline.env("package")["REDIS_URL"])
+    one = pipeline.accepted[0]
+    for key in (lease_key("supervisor"), f"notified:{{{one}}}", owner_redis_key(one), f"{LEASE_PREFIX}_schemas"):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            package.set(key, "x")
+    ops = redis.Redis.from_url(redis_url(pipeline.secrets, "ops"))
+    assert ops.get(owner_redis_key(one)) == pipeline.owner.encode()  # untouched
+
+
 def leaked_into_logs(data: Path, secrets: dict[str, str]) -> list[str]:
     """``<secret name> -> <log file>`` for every secret found in any log under ``data``
     (services, ingestion, registry, broker, Redis)."""
@@ -334,8 +381,10 @@ def secrets_of(data: Path, kind: str) -> dict[str, str]:
 def test_no_log_holds_a_kafka_or_redis_password_or_a_token(
         finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
     secrets = {**secrets_of(pipeline.data, "kafka"), **secrets_of(pipeline.data, "redis"),
+               **secrets_of(pipeline.data, "registry-peer"),
                "owner token": OWNER_TOKEN, "other token": OTHER_TOKEN}
-    assert len(secrets) == len(pipeline.envs) + 3
+    # a Kafka password per principal, a Redis one per principal but the admin, the peer secret
+    assert len(secrets) == 2 * len(pipeline.envs) - 1 + 1 + 2
     assert not leaked_into_logs(pipeline.data, secrets)
 
 

@@ -1,9 +1,12 @@
-"""Redis in ACL mode: a private ``redis-server`` whose only user is the pipeline's.
+"""Redis in ACL mode: one user per principal, each limited to the keys it owns.
 
-The URL carries the credentials (``redis://pipeline:<secret>@127.0.0.1:26379/0``, what
-``REDIS_URL`` holds for every service); the ``default`` user is off, so a connection without
-them, or with a wrong password, is refused; the pipeline's own scripts (the state table,
-dedupe, the supervisor's lease) run as that user; admin commands do not.
+``infra.security.redis_key_prefixes`` derives each principal's key prefixes from the
+workflow's declarations; a private ``redis-server`` runs with those users (the URL carries a
+principal's credentials, ``redis://package:<secret>@127.0.0.1:26379/0``, what its
+``REDIS_URL`` holds); the ``default`` user is off, so a connection without them, or with a
+wrong password, is refused. A service runs the pipeline's scripts on its own keys and is
+refused (NOPERM) on the supervisor's lease, another service's record or pool, ingestion's
+owner records and the registry's leader lease; admin commands are refused to everyone.
 """
 
 from __future__ import annotations
@@ -18,56 +21,72 @@ import pytest
 import redis
 
 from choreo.dedupe import Deduper, Seen
-from choreo.lease import Lease
-from choreo.state import Begin, StateTable, StepStatus
+from choreo.lease import Lease, lease_key
+from choreo.state import Begin, StateTable, StepStatus, delivery_key
+from consumers.workflow import WORKFLOW
 from infra.process import ManagedProcess, port_in_use
 from infra.redis_server import redis_process
-from infra.security import Secrets
+from infra.security import Secrets, derive_policy, redis_key_prefixes, redis_passwords
+from producers.submit import owner_redis_key
+from registry.leader import LEASE_PREFIX
 
 pytestmark = pytest.mark.integration
 
 PORT = 26379  # below the ephemeral port range, so a probe never collides with itself
 
 
+class AclRedis:
+    def __init__(self, secrets: Secrets, proc: ManagedProcess) -> None:
+        self.secrets = secrets
+        self.proc = proc
+
+    def url(self, user: str) -> str:
+        return f"redis://{user}:{self.secrets.password(user, kind='redis')}@127.0.0.1:{PORT}/0"
+
+    def client(self, user: str) -> redis.Redis:
+        return redis.Redis.from_url(self.url(user), socket_timeout=5)
+
+
 @pytest.fixture(scope="module")
-def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ManagedProcess]]:
+def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclRedis]:
     with open("/tmp/choreo-redis-acl.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         assert not port_in_use("127.0.0.1", PORT), f"port {PORT} is taken"
         data = tmp_path_factory.mktemp("acl-redis")
-        secret = Secrets(data / "secrets").password("pipeline", kind="redis")
-        url = f"redis://pipeline:{secret}@127.0.0.1:{PORT}/0"
-        proc = redis_process(url, data, name="redis-acl")
+        secrets = Secrets(data / "secrets")
+        users = redis_key_prefixes(WORKFLOW, derive_policy(WORKFLOW))
+        proc = redis_process(f"redis://ops:{secrets.password('ops', kind='redis')}@127.0.0.1:{PORT}/0",
+                             data, users=redis_passwords(secrets, users), keys=users, name="redis-acl")
         try:
             proc.start(timeout_s=30)
-            yield url, proc
+            yield AclRedis(secrets, proc)
         finally:
             proc.stop()
 
 
-def test_the_acl_file_is_private_and_holds_no_clear_password(acl_redis: tuple[str, ManagedProcess]) -> None:
-    url, proc = acl_redis
-    acl_file = proc.workdir / "users.acl"
+def test_the_acl_file_is_private_and_holds_no_clear_password(acl_redis: AclRedis) -> None:
+    acl_file = acl_redis.proc.workdir / "users.acl"
     assert acl_file.stat().st_mode & 0o777 == 0o600
-    password = url.split(":")[2].split("@")[0]
     text = acl_file.read_text()
-    assert password not in text and "user default off" in text
+    assert "user default off" in text
+    for user in ("package", "supervisor", "ingestion", "schema-registry", "ops"):
+        assert f"user {user} on" in text and acl_redis.secrets.password(user, kind="redis") not in text
 
 
-def test_without_credentials_or_with_a_wrong_password_redis_refuses(acl_redis: tuple[str, ManagedProcess]) -> None:
-    url, _ = acl_redis
+def test_without_credentials_or_with_a_wrong_password_redis_refuses(acl_redis: AclRedis) -> None:
     with pytest.raises(redis.AuthenticationError):
         redis.Redis.from_url(f"redis://127.0.0.1:{PORT}/0").set("k", "v")
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis.from_url(f"redis://pipeline:wrong-password@127.0.0.1:{PORT}/0").ping()
+        redis.Redis.from_url(f"redis://package:wrong-password@127.0.0.1:{PORT}/0").ping()
     with pytest.raises(redis.AuthenticationError):
         redis.Redis.from_url(f"redis://default:@127.0.0.1:{PORT}/0").ping()
-    assert redis.Redis.from_url(url).ping()
+    with pytest.raises(redis.AuthenticationError):  # one principal's password is not another's
+        redis.Redis.from_url(acl_redis.url("package").replace("package:", "supervisor:")).ping()
+    assert acl_redis.client("package").ping()
 
 
-def test_the_pipeline_user_runs_the_pipeline_scripts(acl_redis: tuple[str, ManagedProcess]) -> None:
-    url, _ = acl_redis
-    client = redis.Redis.from_url(url, socket_timeout=5)
+def test_a_service_runs_the_pipeline_scripts_on_its_own_keys(acl_redis: AclRedis) -> None:
+    client = acl_redis.client("package")
     delivery = str(uuid.uuid4())
     now = int(time.time() * 1000)
     state = StateTable(client)
@@ -79,22 +98,72 @@ def test_the_pipeline_user_runs_the_pipeline_scripts(acl_redis: tuple[str, Manag
     item = (delivery, "event-1", 1, "delivery.requested|0|7")
     assert dedupe.verdicts([item]) == [Seen.FRESH]
     assert dedupe.verdicts([(delivery, "event-1", 1, "delivery.requested|0|8")]) == [Seen.DUPLICATE]
-    lease = Lease(client, f"supervisor-{uuid.uuid4().hex[:6]}", "a", 5000)
-    assert lease.acquire() and lease.token is not None
-    lease.release()
+    client.hset(f"pkg:{{{delivery}}}", "size", "S")  # its own record
     # scripts are served by EVALSHA once loaded (redis-py loads them on NOSCRIPT)
     assert client.script_exists(state._begin.sha) == [True]
 
 
-def test_the_pipeline_user_cannot_administer_redis(acl_redis: tuple[str, ManagedProcess]) -> None:
-    url, _ = acl_redis
-    client = redis.Redis.from_url(url)
-    for command in (("FLUSHALL",), ("CONFIG", "GET", "*"), ("ACL", "LIST"), ("SHUTDOWN",), ("KEYS", "*")):
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            client.execute_command(*command)  # type: ignore[no-untyped-call]
+def test_only_the_supervisor_holds_its_lease(acl_redis: AclRedis) -> None:
+    name = f"supervisor-{uuid.uuid4().hex[:6]}"
+    lease = Lease(acl_redis.client("supervisor"), name, "a", 5000)
+    assert lease.acquire() and lease.token is not None
+    stolen = Lease(acl_redis.client("package"), name, "b", 5000)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        stolen.acquire()
+    lease.release()
 
 
-def test_the_default_mode_is_unchanged(tmp_path: Path) -> None:
+def noperm(client: redis.Redis, *command: str) -> None:
+    """Refused by the ACL: NOPERM, or inside a script the error that wraps it."""
+    with pytest.raises(redis.exceptions.ResponseError, match="NOPERM|no permissions|can't access"):
+        client.execute_command(*command)  # type: ignore[no-untyped-call]
+
+
+def test_a_service_cannot_touch_what_other_principals_own(acl_redis: AclRedis) -> None:
+    package = acl_redis.client("package")
+    delivery = str(uuid.uuid4())
+    owned_elsewhere = [
+        lease_key("supervisor"),                    # the supervisor's lease
+        f"notified:{{{delivery}}}",                 # the notifier's record
+        "fleet:free", "fleet:{fleet}:free",         # the drone scheduler's pool
+        owner_redis_key(delivery),                  # who may read a delivery (ingestion)
+        "ingestion:inflight",                       # ingestion's admission places
+        f"{LEASE_PREFIX}_schemas",                  # the registry's leader: where writes go
+        "release:supervisor:0",                     # the supervisor's release queue
+    ]
+    for key in owned_elsewhere:
+        noperm(package, "SET", key, "x")
+        noperm(package, "GET", key)
+        noperm(package, "DEL", key)
+        # a script must declare its keys, and Redis checks them before it runs
+        noperm(package, "EVAL", "return redis.call('SET', KEYS[1], 'x')", "1", key)
+    # nor inside a script through a key it did not declare
+    noperm(package, "EVAL", f"return redis.call('SET', '{owner_redis_key(delivery)}', 'x')", "1",
+           delivery_key(delivery))
+    # the same keys are theirs to write
+    acl_redis.client("ingestion").set(owner_redis_key(delivery), "owner-1", ex=60)
+    acl_redis.client("notifier").hset(f"notified:{{{delivery}}}", "at", "1")
+    acl_redis.client("schema-registry").get(f"{LEASE_PREFIX}_schemas")
+    # and ops (rebuild-state, redrive) reaches every key
+    assert acl_redis.client("ops").get(owner_redis_key(delivery)) == b"owner-1"
+    # the registry reaches nothing of the pipeline's
+    noperm(acl_redis.client("schema-registry"), "HGETALL", delivery_key(delivery))
+    noperm(acl_redis.client("ingestion"), "HSET", f"pkg:{{{delivery}}}", "size", "L")
+
+
+def test_no_principal_can_administer_redis(acl_redis: AclRedis) -> None:
+    for user in ("package", "ops"):
+        client = acl_redis.client(user)
+        for command in (("FLUSHALL",), ("CONFIG", "GET", "*"), ("ACL", "LIST"), ("SHUTDOWN",), ("KEYS", "*")):
+            noperm(client, *command)
+
+
+def test_the_default_mode_is_unchanged_and_a_password_stays_off_the_command_line(tmp_path: Path) -> None:
     proc = redis_process("redis://127.0.0.1:6379/0", tmp_path)
     assert "--aclfile" not in proc.argv and "--requirepass" not in proc.argv
     assert proc.name == "redis" and proc.workdir == tmp_path / "redis"
+    secret = "a-secret-" + uuid.uuid4().hex
+    guarded = redis_process(f"redis://:{secret}@127.0.0.1:6379/0", tmp_path, name="guarded")
+    assert not any(secret in arg for arg in guarded.argv)
+    config = Path(guarded.argv[1])
+    assert config.stat().st_mode & 0o777 == 0o600 and secret in config.read_text()
