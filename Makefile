@@ -1,4 +1,6 @@
 # The two commands of the README. Both set up what is missing first (idempotent).
+# `make test` runs two lanes: the suite on the local stack, then the pipeline's tests with
+# Apicurio Registry as the external registry (infra/apicurio_lane.py).
 .PHONY: setup demo test bench
 
 setup:
@@ -10,6 +12,7 @@ demo: setup
 test: setup
 	.venv/bin/choreo stack start
 	.venv/bin/python -m pytest -q
+	.venv/bin/python -m infra.apicurio_lane
 
 # the pipeline benchmark as bench/README.md quotes it (≈ 2½ min); figures in bench/results/
 BENCH_ARGS ?= --deliveries 2000 --repeats 3 --rates 500,1000 --out bench/results/pipeline.json

@@ -94,7 +94,10 @@ def stack_stop(nodes: int = typer.Option(1, help="Kafka nodes of the cluster to 
 
         stopped = security.down(security.default_data_dir())
     elif nodes == 1:
-        stopped = stack.stop()
+        try:
+            stopped = stack.stop()
+        except StackError as exc:
+            fail(str(exc))
     else:
         stopped = stack.kafka_cluster(nodes=nodes).stop()
     console.print(f"stopped: {', '.join(stopped) or 'nothing (was not running)'}")
@@ -105,7 +108,10 @@ def stack_status(as_json: bool = typer.Option(False, "--json", help="machine-rea
     """What runs, with pids and log files; exit code 1 if any part is down."""
     from infra import stack
 
-    parts = stack.status()
+    try:
+        parts = stack.status()
+    except StackError as exc:
+        fail(str(exc))
     if as_json:
         print(json.dumps([p.__dict__ for p in parts]))
     else:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything on a fresh machine, idempotently: Python venv and pinned dependencies,
-# the Kafka jars from Maven Central, Debian's redis-server. Java 17 and Maven must exist.
+# the Kafka jars from Maven Central, Debian's redis-server and chromium. Java 17 and Maven must exist.
 # A second run only checks, so `make demo` and `make test` can call it every time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ command -v mvn >/dev/null || die "Maven is required to fetch the Kafka jars (apt
 as_root() {
   if [ "$(id -u)" -eq 0 ]; then "$@"
   elif command -v sudo >/dev/null; then sudo "$@"
-  else die "root is needed to install redis-server; install it yourself (apt-get install -y redis-server)"
+  else die "root is needed to install $*; install it yourself (apt-get install -y redis-server chromium)"
   fi
 }
 
@@ -31,6 +31,13 @@ if ! command -v redis-server >/dev/null; then
   if [ -s /run/redis/redis-server.pid ]; then
     as_root kill "$(cat /run/redis/redis-server.pid)" 2>/dev/null || true
   fi
+fi
+
+# the live view's browser test drives Debian's chromium through Playwright (no browser is downloaded)
+if ! command -v chromium >/dev/null; then
+  say "installing chromium from Debian"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 fi
 
 PYTHON="${PYTHON:-python3}"
@@ -64,4 +71,6 @@ if ! ls "$KAFKA_LIBS"/kafka_2.13-*.jar >/dev/null 2>&1; then
   rm -rf "$KAFKA_LIBS"
   mv "$partial" "$KAFKA_LIBS"
 fi
+# Apicurio Registry, the external registry of the second test lane (infra/apicurio_lane.py)
+bash infra/apicurio.sh
 say "ready"

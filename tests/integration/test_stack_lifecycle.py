@@ -86,6 +86,7 @@ class IsolatedStack:
             "SCHEMA_REGISTRY_URL": f"http://127.0.0.1:{self.registry_port}",
             "CHOREO_DATA_DIR": str(self.data_dir),
             "CHOREO_START_TIMEOUT": "90",
+            "CHOREO_EXTERNAL": "",  # every part is this stack's own, whatever the run uses
             **extra,
         }
 
