@@ -16,7 +16,7 @@ command -v mvn >/dev/null || die "Maven is required to fetch the Kafka jars (apt
 as_root() {
   if [ "$(id -u)" -eq 0 ]; then "$@"
   elif command -v sudo >/dev/null; then sudo "$@"
-  else die "root is needed to install $*; install it yourself (apt-get install -y redis-server chromium)"
+  else die "root is needed to install Debian packages; install them yourself (apt-get install -y redis-server chromium)"
   fi
 }
 

@@ -418,6 +418,27 @@ def topology_doc(workflow: str = WORKFLOW_OPT,
             err.print(f"wrote {f}")
 
 
+# -- web --------------------------------------------------------------------------------------
+
+@app.command("web")
+def web_cmd(workflow: str = WORKFLOW_OPT,
+            host: str = typer.Option("127.0.0.1", help="address to bind; beyond loopback only with operator tokens"),
+            port: int = typer.Option(8090, help="port to serve on"),
+            interval: float = typer.Option(2.0, min=0.5, max=60, help="seconds between two readings of the stack"),
+            log_level: str = typer.Option("warning", help="uvicorn's own log level")) -> None:
+    """Serve the live web view: the flow with rates and lag, deliveries, dead letters (redrive), timelines.
+
+    Operator tokens (CHOREO_OPS_TOKENS_FILE: <token>=<operator> lines) gate every page and
+    allow the redrive; without them the view is read-only and served on loopback only."""
+    from choreo.ops.web.app import serve
+
+    try:
+        serve(_workflow(workflow), host, port, interval_s=interval, log_level=log_level)
+    except ValueError as exc:
+        err.print(f"[bold red]refused:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+
+
 def main() -> None:
     app()
 
