@@ -47,11 +47,16 @@ if [ ! -x .venv/bin/python ]; then
   say "creating .venv"
   "$PYTHON" -m venv .venv || { rm -rf .venv; die "could not create a venv (on Debian: apt-get install -y python3-venv)"; }
 fi
-stamp=".venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
+# Every dependency, transitive ones too, comes from requirements.lock (pip-compile
+# --generate-hashes from pyproject.toml), checked against its hashes; the project itself is
+# then installed without resolving anything more.
+stamp=".venv/.installed-$(cat pyproject.toml requirements.lock | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
-  say "installing Python dependencies (pinned in pyproject.toml)"
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e ".[test]"
+  say "installing Python dependencies (requirements.lock, with hashes)"
+  .venv/bin/python -m pip install -q --require-hashes -r requirements.lock
+  .venv/bin/python -m pip install -q --no-deps -e .
+  .venv/bin/python -m pip check >/dev/null \
+    || die "requirements.lock misses what pyproject.toml asks for: regenerate it (tests/unit/test_lock.py says how)"
   rm -f .venv/.installed-*; touch "$stamp"
 fi
 
