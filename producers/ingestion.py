@@ -26,6 +26,11 @@ Owner tokens (on when ``INGESTION_TOKENS`` or ``INGESTION_TOKENS_FILE`` is set):
   401 no token, or an unknown one (``WWW-Authenticate: Bearer``)
   403 a POST for another ``owner_id`` than the token's
   404 GET of another owner's delivery (indistinguishable from an unknown delivery)
+A delivery's state stays in Redis for a while after it ended; then ``GET /deliveries/{id}``
+answers from Kafka (``producers.history``, ``"source": "kafka"``), still only to its owner
+(the request's ``owner_id``); 503 with ``Retry-After`` while every Kafka lookup slot is busy.
+``GET /deliveries/{id}/events`` streams its status changes (server-sent events,
+``producers.stream``), authorised like the status; 429 past the streams a client may hold.
 ``/metrics``, ``/docs`` and ``/openapi.json`` need a valid token too (401 without);
 ``/readyz`` without one answers its status code and ``status`` only (probes keep working),
 its checks and figures go to token holders; ``/healthz`` stays open.
@@ -35,6 +40,7 @@ the request's fields are ever logged.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -46,7 +52,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -59,8 +65,10 @@ from producers import metrics
 from producers.errors import (
     AdmissionRefused, IdempotencyConflict, IdempotencyInProgress, PublishTimeout,
 )
+from producers.history import History, HistoryBusy, KafkaHistory
 from producers.model import OWNER_ID_PATTERN, DeliveryRequestIn, InvalidRequest
 from producers.settings import IngestionSettings
+from producers.stream import StreamSlots, delivery_events
 from producers.submit import OwnerMismatch, Submitter
 
 Scope = MutableMapping[str, Any]
@@ -292,6 +300,8 @@ def create_app(settings: IngestionSettings | None = None,
         sub = submitter or Submitter(cfg, entry="http")
         await run_in_threadpool(sub.start)
         app.state.submitter = sub
+        if sub.publisher.workflow is not None:
+            app.state.history = KafkaHistory(sub.publisher.workflow, sub.redis, cfg.history_concurrency)
         if settle_gc:  # the process is ours (``choreo serve``), its start-up done
             settle_garbage_collector()
         try:
@@ -408,24 +418,89 @@ def create_app(settings: IngestionSettings | None = None,
         return JSONResponse({"delivery_id": accepted.delivery_id, "status": "accepted"},
                             status_code=202, headers=headers)
 
-    @app.get("/deliveries/{delivery_id}", summary="A delivery's status and step states")
-    async def status(delivery_id: str, request: Request) -> Response:
+    streams = StreamSlots(cfg.sse_per_client, cfg.sse_max_streams, cfg.sse_max_s)
+
+    async def from_kafka(request: Request, delivery_id: str) -> History | None:
+        """The delivery's story from Kafka (its state expired); HistoryBusy when no slot is free."""
+        history: KafkaHistory | None = getattr(request.app.state, "history", None)
+        if history is None:
+            return None
+        return await run_in_threadpool(history.lookup, delivery_id)
+
+    async def find(request: Request, delivery_id: str) -> tuple[dict[str, Any] | None, str, Response | None]:
+        """The delivery's status for this caller and who the caller is (the owner, or its
+        address without tokens), or the response that refuses it. Another owner's delivery
+        answers exactly like an unknown one: no oracle."""
         owner: str | None = None
         if tokens is not None:
             owner = tokens.owner(request.headers.get("authorization"))
             if owner is None:
-                return unauthorized()
+                return None, "", unauthorized()
         if not canonical_uuid(delivery_id):
-            return error(422, "invalid_delivery_id", "a delivery id is a UUID")
+            return None, "", error(422, "invalid_delivery_id", "a delivery id is a UUID")
+        delivery_id = delivery_id.lower()
+        caller = owner if owner is not None else (request.client.host if request.client else "")
+        unknown = error(404, "not_found", f"no delivery {delivery_id}")
+        recorded: str | None = None
         if owner is not None:
-            recorded = await run_in_threadpool(sub_of(request).owner_of, delivery_id.lower())
-            if recorded is None or not hmac.compare_digest(recorded.encode(), owner.encode()):
-                # another owner's delivery answers exactly like an unknown one: no oracle
-                return error(404, "not_found", f"no delivery {delivery_id.lower()}")
-        found = await run_in_threadpool(sub_of(request).status, delivery_id.lower())
-        if found is None:
-            return error(404, "not_found", f"no delivery {delivery_id.lower()}")
-        return JSONResponse(found)
+            recorded = await run_in_threadpool(sub_of(request).owner_of, delivery_id)
+            if recorded is not None and not hmac.compare_digest(recorded.encode(), owner.encode()):
+                return None, caller, unknown
+        found = await run_in_threadpool(sub_of(request).status, delivery_id)
+        if found is not None:
+            # with tokens, a delivery no owner was recorded for is nobody's to read
+            return (found, caller, None) if owner is None or recorded is not None else (None, caller, unknown)
+        try:
+            told = await from_kafka(request, delivery_id)
+        except HistoryBusy:
+            return None, caller, error(503, "busy", "the delivery's history cannot be read now; retry",
+                                       headers={"Retry-After": "1"})
+        if told is None or (owner is not None
+                            and not hmac.compare_digest(told.owner_id.encode(), owner.encode())):
+            return None, caller, unknown
+        return told.status, caller, None
+
+    @app.get("/deliveries/{delivery_id}", summary="A delivery's status and step states")
+    async def status(delivery_id: str, request: Request) -> Response:
+        found, _, refused = await find(request, delivery_id)
+        return refused if refused is not None else JSONResponse(found)
+
+    @app.get("/deliveries/{delivery_id}/events",
+             summary="Server-sent events: the delivery's status changes, then its outcome")
+    async def events(delivery_id: str, request: Request) -> Response:
+        _, caller, refused = await find(request, delivery_id)
+        if refused is not None:
+            return refused
+        delivery_id = delivery_id.lower()
+        slot = streams.take(caller)
+        if slot is None:
+            metrics.REJECTED.labels("streams").inc()
+            return error(429, "too_many_streams", "too many open event streams; close one or retry later",
+                         headers={"Retry-After": "5"})
+        sub = sub_of(request)
+
+        async def state() -> dict[str, Any] | None:
+            return await run_in_threadpool(sub.status, delivery_id)
+
+        async def story() -> dict[str, Any] | None:
+            for _ in range(10):  # the lookup slots are busy only briefly
+                try:
+                    told = await from_kafka(request, delivery_id)
+                    return told.status if told is not None else None
+                except HistoryBusy:
+                    await asyncio.sleep(0.5)
+            return None
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in delivery_events(delivery_id, state, story, request.is_disconnected,
+                                                   poll_s=cfg.sse_poll_s, max_s=cfg.sse_max_s):
+                    yield chunk
+            finally:
+                streams.give_back(caller, slot)
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/healthz", summary="Liveness: the process serves requests")
     async def healthz() -> dict[str, str]:

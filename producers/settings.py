@@ -53,6 +53,15 @@ class IngestionSettings(BaseSettings):
     # How long the delivery -> owner record (who may read its status) is kept.
     owner_ttl_s: int = Field(30 * 24 * 3600, ge=60, alias="INGESTION_OWNER_TTL_S")
 
+    # GET /deliveries/{id}/events: how long one stream may last, how many one client (owner,
+    # or address without tokens) and the process may hold, how often the state is read
+    sse_max_s: float = Field(300.0, gt=0, alias="INGESTION_SSE_MAX_S")
+    sse_per_client: int = Field(4, ge=1, alias="INGESTION_SSE_PER_CLIENT")
+    sse_max_streams: int = Field(200, ge=1, alias="INGESTION_SSE_MAX_STREAMS")
+    sse_poll_s: float = Field(0.25, ge=0.05, alias="INGESTION_SSE_POLL_S")
+    # status of an expired delivery, read from Kafka: lookups at once per process
+    history_concurrency: int = Field(2, ge=1, alias="INGESTION_HISTORY_CONCURRENCY")
+
     @property
     def auth_enabled(self) -> bool:
         return bool(self.tokens.strip()) or self.tokens_file is not None

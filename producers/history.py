@@ -1,0 +1,79 @@
+"""A delivery's status once its state expired from Redis: told from Kafka, the record.
+
+The state table keeps a decided delivery for the join's retention only; Kafka keeps its
+whole story (``choreo.ops.trace`` finds it without reading whole topics). Reading it costs a
+scan of one partition per topic from the request on, so lookups are bounded: a few at a
+time per process (``INGESTION_HISTORY_CONCURRENCY``; past it, 503 with ``Retry-After``), and
+a decided delivery's answer is remembered (it cannot change) for the next reader.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from choreo.ops.trace import trace
+from choreo.workflow import Workflow
+
+REMEMBERED = 1024  # decided deliveries' answers kept, the oldest forgotten first
+
+
+class HistoryBusy(RuntimeError):
+    """Every lookup slot is taken: the caller should retry shortly."""
+
+
+@dataclass(frozen=True)
+class History:
+    """What Kafka says of one delivery: its owner (from the request) and its status."""
+
+    owner_id: str
+    status: dict[str, Any]
+
+
+class KafkaHistory:
+    def __init__(self, workflow: Workflow, client: redis.Redis, concurrency: int) -> None:
+        self.workflow = workflow
+        self.redis = client
+        self._slots = threading.BoundedSemaphore(concurrency)
+        self._decided: OrderedDict[str, History] = OrderedDict()
+        self._lock = threading.Lock()
+        self._labels = {model.__name__: label for model, label in workflow.outcome_labels.items()}
+
+    def lookup(self, delivery_id: str) -> History | None:
+        """The delivery's story as a status, or None if Kafka holds no request for it (within
+        the trace's window). Blocking: call it from a worker thread."""
+        with self._lock:
+            known = self._decided.get(delivery_id)
+        if known is not None:
+            return known
+        if not self._slots.acquire(blocking=False):
+            raise HistoryBusy("too many history lookups at once")
+        try:
+            found = self._read(delivery_id)
+        finally:
+            self._slots.release()
+        if found is not None and found.status["outcome"]:
+            with self._lock:
+                self._decided[delivery_id] = found
+                while len(self._decided) > REMEMBERED:
+                    self._decided.popitem(last=False)
+        return found
+
+    def _read(self, delivery_id: str) -> History | None:
+        story = trace(delivery_id, self.workflow, redis_client=self.redis)
+        entry = set(self.workflow.extra_producers)
+        request = next((h for h in story.hops if h.topic in entry and isinstance(h.body, dict)), None)
+        if request is None:
+            return None
+        outcome = next((self._labels[h.event_type] for h in story.hops
+                        if h.kind == "event" and h.event_type in self._labels), None)
+        history = [{"topic": h.topic, "kind": h.kind, "event_type": h.event_type, "producer": h.producer,
+                    "attempt": h.attempt, "time_ms": h.time_ms} for h in story.hops]  # never the bodies
+        status = {"delivery_id": delivery_id, "status": outcome or "in_progress", "outcome": outcome,
+                  "source": "kafka", "history": history}
+        assert isinstance(request.body, dict)
+        return History(str(request.body.get("owner_id", "")), status)
