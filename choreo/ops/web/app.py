@@ -53,7 +53,7 @@ HEADERS = {
                                "form-action 'self'; base-uri 'none'",
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",  # "no-referrer" makes a form send Origin: null
     "Cache-Control": "no-store",
 }
 log = get_logger(component="ops-web")
