@@ -411,6 +411,13 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
     return {user: sorted(found) for user, found in sorted(prefixes.items())}
 
 
+def redis_table(prefixes: dict[str, list[str]]) -> str:
+    """Markdown table of each Redis user's key prefixes (``python -m infra.security redis-table``)."""
+    lines = ["| Redis user | keys (`~p ~p:*` each) |", "| --- | --- |"]
+    lines += [f"| {user} | {', '.join(f'`{p}`' for p in found)} |" for user, found in prefixes.items()]
+    return "\n".join(lines)
+
+
 def redis_passwords(secrets: Secrets, users: Iterable[str]) -> dict[str, str]:
     return {user: secrets.password(user, kind="redis") for user in sorted(users)}
 
@@ -568,7 +575,8 @@ def down(data_dir: Path) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m infra.security table``: the ACL table for SECURITY.md;
+    """``python -m infra.security table``: the ACL table for SECURITY.md (``redis-table``: the
+    Redis users' key prefixes);
     ``python -m infra.security up|down [DATA_DIR]``: a secured broker (SASL/SCRAM + ACLs on
     127.0.0.1:29092), an ACL Redis (26379) and a registry with logins and roles (28081,
     running on that broker as ``schema-registry``) with env files per principal;
@@ -582,6 +590,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     policy = derive_policy(WORKFLOW)
     if args[:1] == ["table"]:
         print(policy.table())
+        return 0
+    if args[:1] == ["redis-table"]:
+        print(redis_table(redis_key_prefixes(WORKFLOW, policy)))
         return 0
     if args[:1] in (["up"], ["down"]):
         data_dir = Path(args[1]) if len(args) > 1 else default_data_dir()
@@ -599,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         apply(kafka_admin(), policy, Secrets.default())
         print(f"applied {len(policy.acls)} ACLs for {', '.join(policy.users)}")
         return 0
-    print("usage: python -m infra.security table|up [DIR]|down [DIR]|apply", file=sys.stderr)
+    print("usage: python -m infra.security table|redis-table|up [DIR]|down [DIR]|apply", file=sys.stderr)
     return 2
 
 
