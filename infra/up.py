@@ -343,7 +343,7 @@ def status(config: UpConfig) -> Status:
     return Status(pid, processes)
 
 
-def stop(config: UpConfig, timeout_s: float = 60.0) -> int | None:
+def stop(config: UpConfig, timeout_s: float = 120.0) -> int | None:
     """SIGTERM the supervisor of ``config`` and wait until it is gone; its pid, or None."""
     pid = read_pid(workdir(config) / "up.pid")
     if pid is None:

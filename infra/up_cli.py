@@ -59,9 +59,12 @@ def run(ctx: typer.Context,
         console.print(f"choreo up: {cfg.path} as host {host}, {len(supervisor.members)} processes "
                       f"(state in {supervisor.dir})")
         if live:
+            def show() -> None:
+                screen.update(_table(up.Status(None, [m.view() for m in supervisor.members])))
+
             with Live(_table(up.status(cfg)), console=console, refresh_per_second=2) as screen:
-                supervisor.run(on_tick=lambda: screen.update(_table(up.Status(
-                    None, [m.view() for m in supervisor.members]))))
+                supervisor.run(on_tick=show)
+                show()  # the last frame says they stopped
         else:
             supervisor.run()
     except SchemaRegistryError as exc:

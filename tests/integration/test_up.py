@@ -40,9 +40,16 @@ def _config(path: Path, ingestion_port: int) -> Path:
     return path
 
 
+def _env(config: Path) -> dict[str, str]:
+    """Host drone-7, with pid, log and state files beside the test's config."""
+    env = {k: v for k, v in os.environ.items() if k != "CHOREO_ORDINAL"}
+    return {**env, "HOSTNAME": f"drone-{ORDINAL}", "CHOREO_DATA_DIR": str(config.parent / "data")}
+
+
 def _status(config: Path) -> dict[str, Any]:
     result = subprocess.run([sys.executable, "-m", "infra.cli", "up", "status", "--json", "--config",
-                             str(config)], cwd=REPO, capture_output=True, text=True, timeout=60)
+                             str(config)], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env=_env(config))
     found: dict[str, Any] = json.loads(result.stdout)
     found["exit_code"] = result.returncode
     return found
@@ -57,11 +64,9 @@ def running_up(stack: None, tmp_path: Path, unique: str) -> Iterator[tuple[Path,
     topology.create(WORKFLOW)
     port = free_port()
     config = _config(tmp_path / f"drone-{unique}.toml", port)
-    env = {k: v for k, v in os.environ.items() if k != "CHOREO_ORDINAL"}
     log = open(tmp_path / "up.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", "--config", str(config)],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env={**env, "HOSTNAME": f"drone-{ORDINAL}"})
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env(config))
     try:
         yield config, f"http://127.0.0.1:{port}", proc
     finally:
@@ -112,7 +117,7 @@ def test_up_restarts_a_killed_instance_and_every_delivery_ends_once(
     assert {n: p["restarts"] for n, p in _by_name(after).items() if p["restarts"]} == {VICTIM: 1}
 
     stopped = subprocess.run([sys.executable, "-m", "infra.cli", "up", "stop", "--config", str(config)],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
+                             cwd=REPO, capture_output=True, text=True, timeout=180, env=_env(config))
     assert stopped.returncode == 0, stopped.stderr
     assert up_proc.wait(10) == 0
     assert not any(pid_alive(p["pid"]) for p in after["processes"])
