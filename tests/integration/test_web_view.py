@@ -4,8 +4,9 @@ a pipeline runs on the real stack.
 The pipeline is the ops tests' isolated one (the real business rules on this test's own
 topics, groups and Redis: ``test_ops_pipeline``), deadlines shortened
 (``CHOREO_DEADLINE_SCALE``); ``choreo ops web`` runs as its own process with an operator
-token. The page must draw the flow with non-zero rates, show a stopped service as lag and
-stuck deliveries, and open a searched delivery's timeline; a screenshot is kept
+token. The page must draw the flow with non-zero rates, open a searched delivery's timeline,
+redrive dead letters for a signed-in operator, and show a stopped service as lag and stuck
+deliveries; a screenshot is kept
 (``.artifacts/web-view.png``).
 """
 
@@ -23,8 +24,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from confluent_kafka import Producer
 from playwright.sync_api import Page, sync_playwright
 
+from choreo.config import settings
+from choreo.envelope import Envelope
 from choreo.publisher import Publisher
 from tests.factories import delivery_request
 from tests.helpers import REPO, free_port, wait_for
@@ -94,6 +98,15 @@ def _answers(url: str) -> bool:
         return False
 
 
+def _poison(topic: str) -> None:
+    """An event with the runtime's envelope and a value no schema decodes."""
+    envelope = Envelope.first(str(uuid.uuid4()), str(uuid.uuid4()), "DeliveryRequested", "test")
+    producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers})
+    producer.produce(topic, key=envelope.correlation_id.encode(), value=b"\xff\xfe not avro",
+                     headers=envelope.to_headers())
+    producer.flush(10)
+
+
 def _number(page: Page, selector: str, attribute: str) -> float:
     found = page.locator(selector)
     return float(found.first.get_attribute(attribute) or 0) if found.count() else 0.0
@@ -136,6 +149,16 @@ def test_the_live_view_shows_the_flow_a_stopped_service_and_a_timeline(running: 
                      for i in range(page.locator("#timeline .hop").count())]
             assert types[0] == "DeliveryRequested" and types[-1] == "DeliveryShipped"
             assert {"PackageReady", "DroneScheduled"} <= set(types)
+
+            # a poison event is dead-lettered by both services that read it; an operator redrives them
+            dlq_row = f'#dead-letters tr[data-topic="{prefix}delivery.requested.dlq"][data-reason="UNDECODABLE"]'
+            _poison(prefix + "delivery.requested")
+            wait_for(lambda: page.locator(dlq_row).count() and page.inner_text(f"{dlq_row} td.count") == "2",
+                     timeout_s=60, interval_s=0.5, what="the poison event's two dead letters on the page")
+            page.once("dialog", lambda dialog: dialog.accept())
+            page.click(f"{dlq_row} button.redrive")
+            page.wait_for_selector("#redrive-result .done", timeout=60_000)
+            assert "redriven 2, skipped 0" in page.inner_text("#redrive-result")
 
             # the package service stops: its group falls behind and its steps pass their deadline
             [proc] = [p for p in running.procs if p.ref.endswith(":package")]
