@@ -97,12 +97,13 @@ def _probes(cfg: Settings) -> dict[str, tuple[str, Callable[[], bool]]]:
         "kafka": (cfg.kafka_bootstrap_servers, lambda: port_listening(host or "127.0.0.1", int(port))),
         "redis": (_without_password(cfg.redis_url),
                   lambda: bool(redis.Redis.from_url(cfg.redis_url, socket_timeout=2).ping())),
-        "registry": (registry,
+        "registry": (_without_password(registry),
                      lambda: httpx.get(f"{registry}/subjects", timeout=2).status_code == 200),
     }
 
 
 def _without_password(url: str) -> str:
+    """``url`` without its user info, for status lines and errors (never print a secret)."""
     scheme, _, rest = url.partition("://")
     return f"{scheme}://{rest.rpartition('@')[2]}"
 
