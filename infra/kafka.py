@@ -41,6 +41,12 @@ from infra.process import ManagedProcess, StackError, port_listening, stop_all
 HOST = "127.0.0.1"
 LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")
 CONTROLLER_ID = 0  # the dedicated controller of a multi-node cluster; brokers are 1..n
+FORMAT_ARGS = "format.args"  # StorageTool's arguments, in the node's private dir while it runs
+
+
+def _java_arg(arg: str) -> str:
+    """One argument as a java launcher argument file line (quoted, backslash-escaped)."""
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def java_binary() -> str:
@@ -291,10 +297,16 @@ class KafkaCluster:
         # the admin's SCRAM credential goes into the bootstrap metadata (brokers need it to
         # authenticate to each other before anyone could create it through the API)
         scram = ["--add-scram", self.security.scram_argument()] if self.security is not None else []
+        args = ["-cp", f"{self.libs}/*", "kafka.tools.StorageTool", "format",
+                # "=": a cluster id may start with "-" (url-safe base64), which must not read as a flag
+                f"--cluster-id={cluster_id}", "-c", str(config), *standalone, *scram]
+        # the arguments (the admin's password among them) go in a private argument file that
+        # the java launcher reads (``java @file``), so no password shows on a command line
+        argfile = workdir / FORMAT_ARGS
+        os.close(os.open(argfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        argfile.write_text("".join(_java_arg(arg) + "\n" for arg in args))
         return subprocess.Popen(
-            [java, "-cp", f"{self.libs}/*", "kafka.tools.StorageTool", "format",
-             # "=": a cluster id may start with "-" (url-safe base64), which must not read as a flag
-             f"--cluster-id={cluster_id}", "-c", str(config), *standalone, *scram],
+            [java, f"@{argfile}"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
         )
 
@@ -309,6 +321,7 @@ class KafkaCluster:
             if proc is None:
                 continue
             output, _ = proc.communicate()
+            (workdir / FORMAT_ARGS).unlink(missing_ok=True)
             if proc.returncode != 0:
                 failures.append(f"{workdir.name}: {output.strip()}")
         if failures:

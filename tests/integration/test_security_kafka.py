@@ -9,6 +9,7 @@ services declare, nothing kept by hand. Each test is a real client as one princi
 from __future__ import annotations
 
 import fcntl
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from confluent_kafka.admin import AdminClient
 
 from choreo.config import settings
 from consumers.workflow import WORKFLOW
-from infra.kafka import KafkaCluster, KafkaSecurity
+from infra.kafka import FORMAT_ARGS, KafkaCluster, KafkaSecurity, java_binary
 from infra.process import port_in_use
 from infra.security import ADMIN, OPS, Secrets, apply, client_config, derive_policy, secured_topics
 
@@ -274,3 +275,25 @@ def test_a_topic_nobody_declared_is_reachable_by_no_service(secured: Secured, tm
     with pytest.raises(KafkaException) as caught:
         package_admin.create_topics([NewTopic("rogue.topic", 1, -1)])["rogue.topic"].result(20)
     assert caught.value.args[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+
+
+def test_formatting_a_secured_node_puts_no_password_on_a_command_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """StorageTool bootstraps the admin's SCRAM credential: its arguments go through a
+    private ``java @file``, so ``ps`` never shows the password, and the file is gone after."""
+    password = "format-secret-" + uuid.uuid4().hex
+    cluster = KafkaCluster(data_dir=tmp_path, libs=settings().kafka_libs, base_port=BASE_PORT,
+                           security=KafkaSecurity(admin_password=password))
+    argvs: list[list[str]] = []
+    real_popen = subprocess.Popen
+
+    def recording(args: list[str], *rest: Any, **kwargs: Any) -> Any:
+        argvs.append(list(args))
+        return real_popen(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", recording)
+    cluster._format_all(java_binary())
+    assert argvs and not any(password in arg for argv in argvs for arg in argv), argvs
+    node = cluster.node_dir(0)
+    assert (node / "data" / "meta.properties").exists()  # formatted, with the credential
+    assert not (node / FORMAT_ARGS).exists()
