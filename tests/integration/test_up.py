@@ -122,3 +122,26 @@ def test_up_restarts_a_killed_instance_and_every_delivery_ends_once(
     assert up_proc.wait(10) == 0
     assert not any(pid_alive(p["pid"]) for p in after["processes"])
     assert _status(config)["exit_code"] == 1  # nothing runs any more, and status says so
+
+
+def test_a_process_that_keeps_crashing_is_restarted_later_and_later(tmp_path: Path) -> None:
+    """A service that cannot start (its module is missing) crash-loops with a doubling delay,
+    and status says so instead of hiding it."""
+    config = tmp_path / "ghost.toml"
+    config.write_text('[services.ghost]\nref = "tests.services.no_such_module:service"\n'
+                      "[restart]\ninitial_s = 0.5\nmax_s = 2\n")
+    log = tmp_path / "up.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", "--no-prepare", "--config",
+                                 str(config)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env=_env(config))
+    try:
+        ghost = wait_for(lambda: (p := _by_name(_status(config)).get(f"ghost-{ORDINAL}")) and
+                         p["restarts"] >= 3 and p, timeout_s=90, what="three restarts of ghost")
+        assert ghost["last_exit"] == "exit code 1"
+        assert _status(config)["exit_code"] == 1  # not healthy: status does not hide a crash loop
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    delays = [line.rsplit(" ", 1)[1] for line in log.read_text().splitlines() if "next start in" in line]
+    assert delays[:4] == ["0.5s", "1s", "2s", "2s"]
