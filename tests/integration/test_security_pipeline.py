@@ -388,6 +388,23 @@ def test_no_log_holds_a_kafka_or_redis_password_or_a_token(
     assert not leaked_into_logs(pipeline.data, secrets)
 
 
+def test_no_command_line_holds_a_secret(finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
+    """What ``ps`` shows of every process on the machine while the secured stack runs
+    (broker, Redis, registry, services, ingestion): no password, peer secret or token."""
+    secrets = {**secrets_of(pipeline.data, "kafka"), **secrets_of(pipeline.data, "redis"),
+               **secrets_of(pipeline.data, "registry"), **secrets_of(pipeline.data, "registry-peer"),
+               "owner token": OWNER_TOKEN, "other token": OTHER_TOKEN}
+    assert all(pipeline.processes[name].running() for name in pipeline.processes)
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        found += [f"{name} in pid {cmdline.parent.name}" for name, secret in secrets.items() if secret in text]
+    assert not found, found
+
+
 def test_no_log_holds_a_registry_login(finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
     secrets = secrets_of(pipeline.data, "registry")
     assert len(secrets) == len(pipeline.envs) - 1  # everyone but the registry itself
