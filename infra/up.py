@@ -368,10 +368,23 @@ def apply_environment(config: UpConfig) -> None:
 def prepare(config: UpConfig) -> None:
     """Create the workflow's topics and register its contracts once, before any process
     starts: an incompatible contract stops ``up`` here with the registry's refusal."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.schema_registry.error import SchemaRegistryError
+
     from choreo import contracts, topology
     from choreo.runtime_events import RUNTIME_EVENTS
     from choreo.workflow import load_workflow
 
     flow = load_workflow(config.workflow)
-    topology.create(flow)
-    contracts.register(contracts.topic_models(flow, RUNTIME_EVENTS))
+    cfg = settings()
+    try:
+        topology.create(flow)
+    except KafkaException as exc:
+        raise StackError(f"cannot create the workflow's topics on Kafka at "
+                         f"{cfg.kafka_bootstrap_servers}: {exc.args[0].str()}") from None
+    try:
+        contracts.register(contracts.topic_models(flow, RUNTIME_EVENTS))
+    except SchemaRegistryError:
+        raise  # a refusal: the caller shows the registry's reason
+    except Exception as exc:  # the client raises its HTTP library's errors when nothing answers
+        raise StackError(f"cannot register the workflow's contracts: {type(exc).__name__}: {exc}") from None

@@ -145,3 +145,15 @@ def test_a_process_that_keeps_crashing_is_restarted_later_and_later(tmp_path: Pa
         assert proc.wait(60) == 0
     delays = [line.rsplit(" ", 1)[1] for line in log.read_text().splitlines() if "next start in" in line]
     assert delays[:4] == ["0.5s", "1s", "2s", "2s"]
+
+
+def test_a_registry_that_does_not_answer_stops_up_with_one_sentence(tmp_path: Path) -> None:
+    """(A broker that does not answer is the same sentence, after the admin client's 30 s.)"""
+    config = _config(tmp_path / "drone.toml", free_port())
+    dead = f"http://127.0.0.1:{free_port()}"
+    run = subprocess.run([sys.executable, "-m", "infra.cli", "up", "--config", str(config)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120,
+                         env={**_env(config), "SCHEMA_REGISTRY_URL": dead})
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert "cannot register the workflow's contracts: ConnectError" in run.stderr.replace("\n", "")
+    assert not (config.parent / "data" / "up" / "drone" / "up.pid").exists()  # nothing was started
