@@ -95,8 +95,18 @@ def load(path: Path) -> UpConfig:
         environment=_environment(raw, path, "environment"),
         ingestion_url=str(ingestion["url"]) if ingestion.get("url") else None,
         ingestion_environment=_environment(ingestion, path, "ingestion.environment"),
-        backoff=Backoff(**{k: float(v) for k, v in restart.items() if k in Backoff.__dataclass_fields__}),
+        backoff=_backoff(restart, path),
     )
+
+
+def _backoff(restart: dict[str, Any], path: Path) -> Backoff:
+    unknown = set(restart) - set(Backoff.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"{path}: [restart] knows {', '.join(Backoff.__dataclass_fields__)}, "
+                          f"not {', '.join(sorted(unknown))}")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in restart.values()):
+        raise ConfigError(f"{path}: [restart] values are seconds, numbers above 0")
+    return Backoff(**{k: float(v) for k, v in restart.items()})
 
 
 def _table(raw: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
@@ -107,7 +117,9 @@ def _table(raw: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
 
 
 def _environment(raw: dict[str, Any], path: Path, where: str) -> dict[str, str]:
-    env = _table(raw, "environment", path)
+    env = raw.get("environment", {})
+    if not isinstance(env, dict):
+        raise ConfigError(f"{path}: [{where}] must be a table")
     bad = [k for k, v in env.items() if not isinstance(v, (str, int, float, bool))]
     if bad:
         raise ConfigError(f"{path}: [{where}] {', '.join(bad)}: values must be strings or numbers")
