@@ -20,6 +20,7 @@ from confluent_kafka import KafkaError, Message, Producer
 from choreo.kafka import pipeline_producer_config
 from choreo.config import settings
 from choreo.envelope import Envelope, now_ms
+from choreo import tracing
 from choreo.events import Event
 from choreo.serde import Encoder, registry_client
 from choreo.state import StateTable
@@ -52,6 +53,7 @@ class Publisher:
         cfg = settings()
         self.name = name
         self.workflow = workflow
+        tracing.configure(name)
         self.redis = redis_client or redis.Redis.from_url(cfg.redis_url, socket_timeout=5)
         self.state = StateTable(self.redis)
         self.registry = registry_client()
@@ -107,7 +109,10 @@ class Publisher:
                     raise queue_full
                 envelope = self.envelope(item)
                 value = self._encoder(item.event, target)(item.event)
-                with self._lock:
+                span = tracing.start_child(f"produce {target}", envelope.traceparent, tracing.SpanKind.PRODUCER, {
+                    "choreo.service": self.name, "messaging.destination.name": target,
+                    "messaging.message.id": envelope.event_id}) if tracing.enabled() else None
+                with tracing.spanning(span), self._lock:
                     self.producer.produce(target, key=key.encode(), value=value,
                                           headers=envelope.to_headers(), on_delivery=item.on_delivery)
             except Exception as exc:
@@ -124,10 +129,19 @@ class Publisher:
         entry event's ``reply_topic`` and ``owner_id`` fields, when it has them, travel in the
         story's envelope, so the hop that decides the delivery can copy its outcome there
         (``choreo.outcomes``)."""
-        return item.envelope or Envelope.first(
+        if item.envelope is not None:
+            return item.envelope
+        envelope = Envelope.first(
             item.event_id, item.event.key, type(item.event).__name__, self.name, item.deadline_ms,
             reply_to=str(getattr(item.event, "reply_topic", None) or ""),
             owner=str(getattr(item.event, "owner_id", None) or ""))
+        if tracing.enabled():  # the story's root span, with the ids the envelope names
+            root = tracing.start_root(f"ingest {item.topic or item.event.topic}", envelope.traceparent, {
+                "choreo.service": self.name, "choreo.delivery_id": item.event.key,
+                "messaging.message.id": item.event_id})
+            if root is not None:
+                root.end()
+        return envelope
 
     def open_steps(self, triggers: Sequence[tuple[str, str]]) -> None:
         """Register the steps each ``(delivery id, topic)`` triggers, pending with their

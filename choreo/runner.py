@@ -40,6 +40,7 @@ from choreo.logs import get_logger
 from choreo.memory import collect_batch_cycles, settle_garbage_collector
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
 from choreo.effects import RELEASED, EffectCall, Op, run_all
+from choreo import tracing
 from choreo.outcomes import REPLIES, ReplyTopics, outcome_of
 from choreo.runtime_events import DeliveryOutcome
 from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerResult, Periodic, Service
@@ -81,6 +82,7 @@ class Work:
     log: Any
     verdict: Begin | None = None
     ctx: Context | None = None
+    span: Any = None  # its handler's span, when tracing is on (choreo.tracing)
 
 
 @dataclass
@@ -196,6 +198,7 @@ class Runner:
 
     def run(self) -> None:
         metrics.serve(self.options.metrics_port)
+        tracing.configure(self.service.name)
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         for hook in self.service.startup:
@@ -222,6 +225,7 @@ class Runner:
                         next_tick[i] = time.monotonic() + periodic.period_s
         finally:
             self.consumer.close()  # leaves the group: partitions move at once
+            tracing.shutdown()
             self.log.info("service.stopped")
 
     def _measure_lag(self) -> None:
@@ -269,6 +273,7 @@ class Runner:
         finish for all and only then the outputs of the attempts that still own their step."""
         self._dead_lettered.clear()
         clock = PhaseClock(self.service.name)
+        work: list[Work] = []
         try:
             parsed = [Envelope.parse(m.headers()) for m in batch]  # read once per message
             seen = self._seen(batch, [e if isinstance(e, Envelope) else None for e in parsed])
@@ -307,6 +312,10 @@ class Runner:
             self.log.warning("transaction.abort", error=str(err),
                              retriable=err.retriable(), abortable=err.txn_requires_abort())
             self._abort(batch)
+        finally:
+            for w in work:
+                if w.span is not None:
+                    w.span.end()
         # after an abort the rewound batch is consumed again (maybe by another instance)
 
     def _commit(self, attempts: int = 5) -> None:
@@ -396,7 +405,11 @@ class Runner:
             raise BatchTransient(f"registry: {exc}") from exc
         log = self.log.bind(event_id=envelope.event_id, delivery_id=envelope.correlation_id,
                             trace_id=envelope.trace_id, topic=topic, attempt=envelope.attempt)
-        return Work(message, topic, self.service.handlers[topic], envelope, event, log)
+        span = tracing.start_child(f"handle {topic}", envelope.traceparent, tracing.SpanKind.CONSUMER, {
+            "choreo.service": self.service.name, "messaging.destination.name": topic,
+            "choreo.delivery_id": envelope.correlation_id, "messaging.message.id": envelope.event_id,
+            "choreo.attempt": envelope.attempt}) if tracing.enabled() else None
+        return Work(message, topic, self.service.handlers[topic], envelope, event, log, span=span)
 
     def _begin_all(self, work: list[Work]) -> None:
         stepped = [w for w in work if w.handler.step is not None]
@@ -527,17 +540,17 @@ class Runner:
         verdicts = dict(zip(map(id, closing), self.state.complete_many(
             [(w.envelope.correlation_id, w.handler.step or "", w.envelope.attempt) for w in closing],
             now_ms())))
-        publish: list[tuple[Emitted, Envelope]] = []
+        publish: list[tuple[Emitted, Envelope, Any]] = []
         for w in done:
             finished = verdicts.get(id(w), "ok")
             if finished in ("stale", "ignored"):
                 metrics.IGNORED.labels(self.service.name, w.topic, "late").inc()
                 w.log.info("step.late_answer_dropped", step=w.handler.step, why=finished)
                 continue
-            publish += [(emitted, w.envelope) for emitted in (w.ctx.emitted if w.ctx else ())]
-        self._open_steps([emitted for emitted, _ in publish])
-        for emitted, cause in publish:
-            self._produce(emitted, cause)
+            publish += [(emitted, w.envelope, w.span) for emitted in (w.ctx.emitted if w.ctx else ())]
+        self._open_steps([emitted for emitted, _, _ in publish])
+        for emitted, cause, span in publish:
+            self._produce(emitted, cause, span)
 
     def _before_deadline(self, envelope: Envelope, delay_s: float) -> bool:
         return envelope.deadline_ms == 0 or now_ms() + delay_s * 1000 < envelope.deadline_ms
@@ -557,16 +570,27 @@ class Runner:
             self.state.open_many(self.workflow.pending_steps(
                 [(emitted.event.key, emitted.topic) for emitted in outputs], now), now)
 
-    def _produce(self, emitted: Emitted, cause: Envelope) -> None:
-        """Produce in the open transaction (steps it triggers were opened by ``_open_steps``)."""
+    def _produce(self, emitted: Emitted, cause: Envelope, handling: Any = None) -> None:
+        """Produce in the open transaction (steps it triggers were opened by ``_open_steps``);
+        traced, its span (under ``handling``, the handler's) is the output's parent."""
         # an output starts its own steps at attempt 1: inheriting the input's attempt (say 2,
         # after a requeue) would make the other half of a fan-in look stale downstream
         envelope = (emitted.cause or cause).child(
             emitted.event_id, type(emitted.event).__name__, self.service.name,
             attempt=emitted.attempt if emitted.attempt is not None else 1)
         value = self.encoder(type(emitted.event), emitted.topic)(emitted.event)
-        self.producer.produce(emitted.topic, key=emitted.event.key.encode(), value=value,
-                              headers=envelope.to_headers())
+        span = tracing.start_child(f"produce {emitted.topic}", handling or (emitted.cause or cause).traceparent,
+                                   tracing.SpanKind.PRODUCER, {
+                                       "choreo.service": self.service.name,
+                                       "messaging.destination.name": emitted.topic,
+                                       "messaging.message.id": emitted.event_id,
+                                       "choreo.delivery_id": envelope.correlation_id,
+                                   }) if tracing.enabled() else None
+        if span is not None:
+            envelope = replace(envelope, traceparent=tracing.traceparent(span))
+        with tracing.spanning(span):
+            self.producer.produce(emitted.topic, key=emitted.event.key.encode(), value=value,
+                                  headers=envelope.to_headers())
         self.producer.poll(0)
         metrics.child(metrics.EVENTS_OUT, self.service.name, emitted.topic).inc()
         label = self.outcome_labels.get(type(emitted.event))
