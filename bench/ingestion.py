@@ -41,6 +41,7 @@ import redis
 from bench.common import free_port, load_average, run_and_write, run_header, sample_process, spread
 from bench.pipeline import Private, add_private_stack_options, log
 from choreo.config import REPO_ROOT, settings
+from choreo.redis_client import connect
 
 TOPIC = "delivery.requested"
 INFLIGHT_KEY = "ingestion:inflight"
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for process in processes.values():
             process.start(timeout_s=60)
         servers = {name: (urls[name], process.pid() or 0) for name, process in processes.items()}
-        store = redis.Redis.from_url(settings().redis_url)
+        store = connect(settings().redis_url)
         log(f"warm-up: {args.warmup} requests to each server")
         one_run(servers, args.warmup, max(args.concurrency), store, "warm-up")
         result["runs"] = [one_run(servers, args.requests, c, store, f"repeat {r}, concurrency {c}",

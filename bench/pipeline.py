@@ -55,10 +55,12 @@ from bench.common import (
     run_header, summarise_repeats, thread_cpu, write_figures,
 )
 from choreo.config import REPO_ROOT, settings
+from choreo.redis_client import connect
 from choreo.release import state_keys
-from choreo.state import DEADLINE_INDEX
+from choreo.state import deadline_index, deadline_shards
 from consumers.drone_scheduler import fleet
 from consumers.workflow import WORKFLOW
+from producers.admission import inflight_keys
 from producers.settings import IngestionSettings
 
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -71,7 +73,7 @@ OUTCOME_TOPICS = ["delivery.shipped", "delivery.failed"]
 BUSINESS_LOGS = (fleet.history_key,)
 # admission's in-flight set: a live ingestion instance trims terminal deliveries out of it
 # lazily; the benchmark's driver exits first, so its entries are counted apart
-ADMISSION_SET = IngestionSettings().inflight_key
+ADMISSION_SET = inflight_keys(IngestionSettings().inflight_key)[0]
 TARGETS = {"deliveries_per_s": 5000.0, "ratio": 0.5, "p99_ms_at_1000": 150.0,
            "rss_mb_per_service": 150.0, "redis_bytes_per_inflight": 1024.0}
 
@@ -428,7 +430,7 @@ class Bench:
 
     def pipeline_run(self, n: int, rate_per_s: float, tag: str,
                      profile: Sequence[str] = ()) -> dict[str, Any]:
-        client = redis.Redis.from_url(settings().redis_url)
+        client = connect(settings().redis_url)
         watch = Watch(self.pids())
         observer = Observer(OUTCOME_TOPICS)
         before = scrape(self.metrics_ports)
@@ -652,7 +654,7 @@ class Bench:
         delivery holds; and once released. The business log that grows with every delivery (the
         fleet's history) is counted apart from the runtime's state; the services' records are
         keys of the delivery's hash slot and count with it."""
-        client = redis.Redis.from_url(settings().redis_url)
+        client = connect(settings().redis_url)
         step_consumers = self._pids("package", "drone-scheduler")
         notifier = self._pids("notifier")
         base = int(client.info("memory")["used_memory"])
@@ -712,7 +714,7 @@ class Bench:
     @staticmethod
     def _shared_keys(client: redis.Redis) -> list[str]:
         """The sets every delivery has a member in: admission, deadlines, terminals awaiting release."""
-        return [ADMISSION_SET, DEADLINE_INDEX, *(k.decode() for k in client.scan_iter(match="release:*"))]
+        return [ADMISSION_SET, *deadline_shards(), *(k.decode() for k in client.scan_iter(match="release:*"))]
 
     def _shared_bytes(self, client: redis.Redis) -> int:
         return sum(self._bytes_of(client, key) for key in self._shared_keys(client))
@@ -745,12 +747,12 @@ class Bench:
 
     def _keys_of(self, client: redis.Redis, delivery_id: str) -> dict[str, Any]:
         found: dict[str, Any] = {}
-        for key in client.scan_iter(match=f"*{{{delivery_id}}}*", count=5000):
+        for key in client.scan_iter(match=f"*{delivery_id}*", count=5000):
             name = key.decode()
             found[name.replace(delivery_id, "<id>")] = {
                 "type": client.type(key).decode(),  # type: ignore[union-attr]
                 "bytes": client.memory_usage(key), "ttl_s": client.ttl(key)}
-        for shared in (ADMISSION_SET, "deadlines", *BUSINESS_LOGS, fleet.booking_key):
+        for shared in (ADMISSION_SET, deadline_index(delivery_id), *BUSINESS_LOGS, fleet.booking_key):
             if client.exists(shared):
                 found[f"(shared) {shared}"] = {"type": client.type(shared).decode(),  # type: ignore[union-attr]
                                                "bytes": client.memory_usage(shared),

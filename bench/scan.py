@@ -30,7 +30,8 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from choreo.lease import Lease  # noqa: E402
-from choreo.state import DEADLINE_INDEX, StateTable, flat_fields, index_member  # noqa: E402
+from choreo.redis_client import NodePipelines, raise_first  # noqa: E402
+from choreo.state import StateTable, deadline_index, deadline_shards, flat_fields, index_member  # noqa: E402
 from choreo.supervision import FORWARD, Policies, Scanner, StepPolicy, SupervisorSettings  # noqa: E402
 
 STEPS = ("package", "drone")
@@ -69,7 +70,7 @@ def populate(client: redis.Redis, steps: int, due: int, now: int) -> list[str]:
     deliveries = steps // len(STEPS)
     due_members: list[str] = []
     state = StateTable(client)
-    pipe = client.pipeline(transaction=False)
+    pipes = NodePipelines(client)
     for n in range(deliveries):
         d = f"d{n:07d}"
         for step in STEPS:
@@ -86,11 +87,12 @@ def populate(client: redis.Redis, steps: int, due: int, now: int) -> list[str]:
                                    f + "source": f"delivery.requested|delivery.requested|0|{i}"})
                 due_members.append(index_member(d, step))
             fields[f + "complete_by"] = score
-            state.put(d, fields, pipe)
-            pipe.zadd(DEADLINE_INDEX, {index_member(d, step): score})
+            state.put(d, fields, pipes)
+            pipes.on(deadline_index(d)).zadd(deadline_index(d), {index_member(d, step): score})
         if n % 2000 == 1999:
-            pipe.execute()
-    pipe.execute()
+            raise_first(pipes.execute())
+            pipes = NodePipelines(client)
+    raise_first(pipes.execute())
     return due_members
 
 
@@ -112,10 +114,10 @@ def supervisor_scan(client: redis.Redis, now: int, due: list[str]) -> dict[str, 
     lease = Lease(client, "bench", "bench", 60_000)
     assert lease.acquire() and lease.fence is not None
     scanner = Scanner(client, SupervisorSettings(page_size=200, max_per_scan=2000, scan_budget_s=5))
-    scanner.transitions.supervise(keys=["x", "y", lease.key], args=["-"] * 14)  # load the script
+    scanner.transitions.supervise(keys=["x", "y", lease.shard_key(0)], args=["-"] * 14)  # load the script
     before = command_calls(client)
     started = time.perf_counter()
-    result = scanner.scan(lease.fence, lease.key, POLICIES, now)
+    result = scanner.scan(lease.fence, lease.shard_key, POLICIES, now)
     seconds = time.perf_counter() - started
     calls = delta(before, command_calls(client))
     kinds: dict[str, int] = {}
@@ -125,7 +127,7 @@ def supervisor_scan(client: redis.Redis, now: int, due: list[str]) -> dict[str, 
     assert found == set(due), "the scan must find exactly the due steps"
     before = command_calls(client)
     started = time.perf_counter()
-    idle = scanner.scan(lease.fence, lease.key, POLICIES, now)  # everything handled: nothing due
+    idle = scanner.scan(lease.fence, lease.shard_key, POLICIES, now)  # everything handled: nothing due
     idle_seconds = time.perf_counter() - started
     idle_calls = delta(before, command_calls(client))
     sent = {k: v for k, v in calls.items() if k in CLIENT_COMMANDS}
@@ -136,7 +138,7 @@ def supervisor_scan(client: redis.Redis, now: int, due: list[str]) -> dict[str, 
         "round_trips": result.stats.pages + 2 * sum(1 for n in result.stats.page_sizes if n),
         "in_script_operations": sum(calls.values()) - sum(sent.values()),
         "in_script_by_name": {k: v for k, v in calls.items() if k not in CLIENT_COMMANDS},
-        "keys_touched": len(result.stats.keys) + 1,  # + the lease key every script reads
+        "keys_touched": len(result.stats.keys) + 1,  # + the fence copy every script reads
         "pages": result.stats.pages, "page_sizes": result.stats.page_sizes,
         "idle_rescan": {"seconds": round(idle_seconds, 5), "redis_commands": sum(idle_calls.values()),
                         "commands_by_name": idle_calls, "due_found": idle.stats.due},
@@ -195,7 +197,7 @@ def main() -> None:
             figures = {
                 "benchmark": "supervisor deadline scan vs naive key walk",
                 "in_flight_steps": args.steps, "due_steps": len(due),
-                "deliveries": args.steps // len(STEPS), "index_size": int(client.zcard(DEADLINE_INDEX)),
+                "deliveries": args.steps // len(STEPS), "index_size": sum(int(client.zcard(index)) for index in deadline_shards()),
                 "redis_keys": int(client.dbsize()), "populate_seconds": round(populate_s, 2),
                 "supervisor_scan": supervisor, "naive_scan_baseline": naive,
                 "ratios": {

@@ -11,8 +11,9 @@ it would alone, so a script reads the same either way; ``after_each`` (say, writ
 the step records an item changed) runs after each item. The answers come back in order,
 ``None`` for an item whose body returned nothing or ``false``.
 
-One call names the keys of many deliveries: on Redis Cluster it would have to be split by
-hash slot (the delivery id's hash tag), in ``run_together`` only.
+One call names the keys of many deliveries. On a Redis Cluster a script may touch one hash
+slot only, so ``run_together`` sends one call per slot (a delivery's keys carry its shard's
+tag, ``choreo.keys``: a batch splits into at most one call per shard), pipelined per node.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
+
+from choreo.redis_client import NodePipelines, is_cluster, slot_of
 
 # ARGV: the item count n, n key counts, n arg counts, then every item's args; KEYS: every
 # item's keys, in item order
@@ -54,6 +57,9 @@ def batched(body: str, prelude: str = "", after_each: str = "") -> str:
     return BATCH_TEMPLATE % {"prelude": prelude, "body": body, "after_each": after_each}
 
 
+_shared: dict[tuple[int, str], BatchScript] = {}
+
+
 class BatchScript:
     """A script body registered to run over many (keys, args) items per call."""
 
@@ -61,6 +67,14 @@ class BatchScript:
                  after_each: str = "") -> None:
         self.client = client
         self._script = client.register_script(batched(body, prelude, after_each))
+
+    @classmethod
+    def of(cls, client: redis.Redis, body: str) -> BatchScript:
+        """The one ``BatchScript`` of ``body`` for ``client`` (made on first use)."""
+        script = _shared.get((id(client), body))
+        if script is None:
+            script = _shared[(id(client), body)] = cls(client, body)
+        return script
 
     @property
     def sha(self) -> str:
@@ -80,24 +94,45 @@ class BatchScript:
         return self._script(keys=keys, args=args, client=client)
 
 
+Call = tuple[int, BatchScript, list[int], list[Item]]  # batch, script, item positions, items
+
+
 def run_together(client: redis.Redis, batches: Sequence[tuple[BatchScript, Sequence[Item]]]
                  ) -> list[list[Any]]:
     """Several scripts' batches in one round trip: each batch's answers, in order."""
-    calls = [(b, script, items[i:i + CHUNK]) for b, (script, items) in enumerate(batches)
-             for i in range(0, len(items), CHUNK)]
-    replies: list[Any] = []
-    if len(calls) == 1:
-        _, script, chunk = calls[0]
-        replies = [script.queue(chunk, client)]
-    elif calls:
-        pipe = client.pipeline(transaction=False)
-        for _, script, chunk in calls:
-            script.queue(chunk, pipe)
-        replies = pipe.execute()
-    answers: list[list[Any]] = [[] for _ in batches]
-    for (b, _, _), reply in zip(calls, replies):
+    calls: list[Call] = []
+    for b, (script, items) in enumerate(batches):
+        for positions in by_slot(client, items):
+            for i in range(0, len(positions), CHUNK):
+                chunk = positions[i:i + CHUNK]
+                calls.append((b, script, chunk, [items[p] for p in chunk]))
+    answers: list[list[Any]] = [[None] * len(items) for _, items in batches]
+    for (b, _, positions, _), reply in zip(calls, _send(client, calls)):
         for answer in reply:  # an item's error reply comes nested, where redis-py leaves it
             if isinstance(answer, Exception):
                 raise answer
-        answers[b] += reply
+        for position, answer in zip(positions, reply):
+            answers[b][position] = answer
     return answers
+
+
+def by_slot(client: redis.Redis, items: Sequence[Item]) -> list[list[int]]:
+    """The items' positions grouped by the hash slot of their keys (one group on a single
+    node, where any keys may go together)."""
+    if not is_cluster(client):
+        return [list(range(len(items)))] if items else []
+    groups: dict[int, list[int]] = {}
+    for position, (keys, _) in enumerate(items):
+        groups.setdefault(slot_of(client, keys[0]), []).append(position)
+    return list(groups.values())
+
+
+def _send(client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
+    """Every call's reply: one call alone, or one pipeline per node (``NodePipelines``)."""
+    if len(calls) == 1 and not is_cluster(client):
+        _, script, _, items = calls[0]
+        return [script.queue(items, client)]
+    pipes = NodePipelines(client)
+    for _, script, _, items in calls:
+        script.queue(items, pipes.on(items[0][0][0]))
+    return pipes.execute()

@@ -20,6 +20,7 @@ from enum import StrEnum
 
 import redis
 
+from choreo import keys
 from choreo.batch import BatchScript
 from choreo.state import Sighting, delivery_key
 
@@ -37,7 +38,7 @@ return 1
 
 
 def seen_key(delivery_id: str) -> str:
-    return f"seen:{{{delivery_id}}}"
+    return keys.of_delivery("seen", delivery_id)
 
 
 def seen_field(service: str, event_id: str, attempt: int) -> str:

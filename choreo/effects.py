@@ -14,6 +14,14 @@ six per delivery (bench/README.md); a field costs its name and value. The hash l
 no answer remembered is not run: it answers ``RELEASED``, and the runner drops the attempt.
 That is an attempt which began before the release and resumed after it (a stalled or
 fenced instance): run, it would book a drone for a delivery that has already ended.
+
+An effect on keys of another hash slot (a pool shared by all deliveries, a release index)
+cannot run in the same script as its delivery's memo on a Redis Cluster. It runs in three
+calls instead: recall the answer (or learn the delivery is released), run the body, remember
+the first answer given. Such a body must itself be idempotent for the same arguments (a
+pool's reservation for a holder answers the member already held), since a crash between the
+last two calls runs it again; a delivery released between the first and the last call gets
+``RELEASED`` and its effect stands (RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any, Generic, TypeVar
 
 import redis
 
+from choreo import keys as layout
 from choreo.batch import BatchScript, Item, run_together
 from choreo.dedupe import compact_id
 from choreo.state import delivery_key
@@ -46,6 +55,22 @@ if redis.call('TTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS
 return outcome
 """
 
+# an effect on another slot's keys, in three calls (see the module doc). KEYS: the memo hash,
+# the step table. ARGV: the memo field, '1' to refuse a released delivery
+_RECALL = """
+local remembered = redis.call('HGET', KEYS[1], ARGV[1])
+if remembered then return remembered end
+if ARGV[2] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return '\\0released' end
+return false
+"""
+
+# ARGV: the memo field, '1' to refuse a released delivery, the body's answer, the memo TTL
+_REMEMBER = """
+if ARGV[2] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return '\\0released' end
+redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[3])
+if redis.call('TTL', KEYS[1]) < tonumber(ARGV[4]) then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
+return redis.call('HGET', KEYS[1], ARGV[1])
+"""
 
 T = TypeVar("T")
 
@@ -60,17 +85,26 @@ class OnceEffect:
 
     def __init__(self, name: str, body: str) -> None:
         self.name = name
+        self.body = body
         self.source = ONCE_TEMPLATE % body
-        self._scripts: dict[int, BatchScript] = {}
+        self._scripts: dict[tuple[int, str], BatchScript] = {}
 
     def run(self, client: redis.Redis, delivery_id: str, memo_field: str, keys: Sequence[str],
             args: Sequence[str | int | float], ttl_s: int) -> str | None:
         return EffectCall(self, delivery_id, memo_field, tuple(keys), tuple(args), ttl_s).run(client)
 
     def script(self, client: redis.Redis) -> BatchScript:
-        script = self._scripts.get(id(client))
+        """The body with its memo, for keys in the delivery's slot."""
+        return self._script(client, self.source)
+
+    def bare(self, client: redis.Redis) -> BatchScript:
+        """The body alone, for keys of another slot."""
+        return self._script(client, self.body)
+
+    def _script(self, client: redis.Redis, source: str) -> BatchScript:
+        script = self._scripts.get((id(client), source))
         if script is None:
-            script = self._scripts[id(client)] = BatchScript(client, self.source)
+            script = self._scripts[(id(client), source)] = BatchScript(client, source)
         return script
 
 
@@ -89,7 +123,16 @@ class EffectCall:
 
     def item(self) -> Item:
         return ([memo_key(self.delivery_id), delivery_key(self.delivery_id), *self.keys],
-                [self.memo_field, self.ttl_s, "1" if self.refuse_released else "0", *self.args])
+                [self.memo_field, self.ttl_s, self.refuse, *self.args])
+
+    @property
+    def refuse(self) -> str:
+        return "1" if self.refuse_released else "0"
+
+    @property
+    def local(self) -> bool:
+        """Whether its keys lie in its delivery's slot, so it runs with its memo in one script."""
+        return all(layout.in_slot_of(key, self.delivery_id) for key in self.keys)
 
     def run(self, client: redis.Redis) -> str | None:
         return run_all(client, [self])[0]
@@ -109,18 +152,59 @@ class Op(Generic[T]):
 
 
 def run_all(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:
-    """Every call in one round trip, in order: consecutive calls of one effect go in one
-    script call (``choreo.batch``). Order matters between deliveries: a release followed
-    by a reserve of the same fleet must not be turned around."""
-    runs: list[tuple[OnceEffect, list[EffectCall]]] = []
+    """Every call's answer, in order: the calls on their delivery's slot in one round trip,
+    those on another slot in three (see the module doc)."""
+    answers: list[str | None] = [None] * len(calls)
+    local = [i for i, call in enumerate(calls) if call.local]
+    for i, answer in zip(local, _in_order(client, [calls[i] for i in local], _with_memo)):
+        answers[i] = answer
+    foreign = [i for i, call in enumerate(calls) if not call.local]
+    if foreign:
+        for i, answer in zip(foreign, _elsewhere(client, [calls[i] for i in foreign])):
+            answers[i] = answer
+    return answers
+
+
+def _with_memo(client: redis.Redis, call: EffectCall) -> tuple[BatchScript, Item]:
+    return call.effect.script(client), call.item()
+
+
+def _bare(client: redis.Redis, call: EffectCall) -> tuple[BatchScript, Item]:
+    return call.effect.bare(client), (call.keys, call.args)
+
+
+def _in_order(client: redis.Redis, calls: Sequence[EffectCall],
+              how: Callable[[redis.Redis, EffectCall], tuple[BatchScript, Item]]) -> list[str | None]:
+    """Consecutive calls of one effect go in one script call (``choreo.batch``). Order
+    matters between deliveries: a release followed by a reserve of the same fleet must not
+    be turned around."""
+    runs: list[tuple[BatchScript, list[Item]]] = []
     for call in calls:
-        if runs and runs[-1][0] is call.effect:
-            runs[-1][1].append(call)
+        script, item = how(client, call)
+        if runs and runs[-1][0] is script:
+            runs[-1][1].append(item)
         else:
-            runs.append((call.effect, [call]))
-    replies = run_together(client, [(effect.script(client), [call.item() for call in run])
-                                    for effect, run in runs])
+            runs.append((script, [item]))
+    replies = run_together(client, runs)
     return [_answer(reply) for run_replies in replies for reply in run_replies]
+
+
+def _elsewhere(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:
+    """Effects on another slot: recall, run what none remembers, remember the first answer."""
+    recall = BatchScript.of(client, _RECALL)
+    memo_items = [([memo_key(c.delivery_id), delivery_key(c.delivery_id)], [c.memo_field, c.refuse])
+                  for c in calls]
+    answers = [_answer(reply) for reply in run_together(client, [(recall, memo_items)])[0]]
+    todo = [i for i, answer in enumerate(answers) if answer is None]
+    ran = _in_order(client, [calls[i] for i in todo], _bare)
+    given = [(i, answer) for i, answer in zip(todo, ran) if answer is not None]
+    remember = BatchScript.of(client, _REMEMBER)
+    kept = run_together(client, [(remember, [
+        (memo_items[i][0], [calls[i].memo_field, calls[i].refuse, answer, calls[i].ttl_s])
+        for i, answer in given])])[0]
+    for (i, _), answer in zip(given, kept):
+        answers[i] = _answer(answer)
+    return answers
 
 
 def _answer(result: Any) -> str | None:
@@ -130,7 +214,7 @@ def _answer(result: Any) -> str | None:
 
 
 def memo_key(delivery_id: str) -> str:
-    return f"fx:{{{delivery_id}}}"
+    return layout.of_delivery("fx", delivery_id)
 
 
 def memo_field(service: str, effect: OnceEffect, event_id: str) -> str:

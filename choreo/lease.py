@@ -7,8 +7,12 @@ that only grows (``lease:{name}:fence``), so each holder has a token no earlier 
 
 * ``acquire()`` takes a free lease (new token) or renews ours (same token, TTL reset), in
   one script; it never steals a lease that another owner still holds.
-* Every supervisor write script first checks ``GET lease:{name} == fence`` (see
-  ``choreo.supervision``). A leader that paused (GC, SIGSTOP, a slow network) past its TTL
+* The holder posts its fence in every shard (``lease:{s<n>}:<name>``, ``choreo.keys``) on
+  each acquire, never over a newer token's, and every supervisor write script first checks
+  the copy in its delivery's shard ``== fence`` (see ``choreo.supervision``): a script
+  touches one hash slot, so it reads the copy beside the state it writes. A new leader
+  posts before it writes anything, so a stale leader's write on a shard is either before
+  the new leader's first one there or refused. A leader that paused (GC, SIGSTOP, a slow network) past its TTL
   and comes back with a stale token loses every write: its late decisions cannot overwrite
   the new leader's, whatever it believes about itself.
 * When the leader dies, its key expires after ``ttl_ms`` and the next instance to ask takes
@@ -20,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import redis
+
+from choreo import keys
+from choreo.batch import BatchScript, run_together
 
 _ACQUIRE = """
 local current = redis.call('GET', KEYS[1])
@@ -37,6 +44,14 @@ redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
 return value
 """
 
+# KEYS: a shard's copy. ARGV: the fence, its token, TTL ms
+_POST = """
+local current = redis.call('GET', KEYS[1])
+if current and tonumber(string.match(current, '|(%d+)$')) > tonumber(ARGV[2]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+return 1
+"""
+
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -49,6 +64,10 @@ def lease_key(name: str) -> str:
 
 def fence_key(name: str) -> str:
     return f"lease:{{{name}}}:fence"
+
+
+def shard_copy_key(name: str, shard: int) -> str:
+    return f"{keys.of_shard('lease', shard)}:{name}"
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,7 @@ class Lease:
         self.key = lease_key(name)
         self._acquire = client.register_script(_ACQUIRE)
         self._release = client.register_script(_RELEASE)
+        self._post = BatchScript(client, _POST)
         self.fence: str | None = None  # "<owner>|<token>" while we believe we hold it
 
     @property
@@ -89,7 +109,15 @@ class Lease:
         """
         value = self._acquire(keys=[self.key, fence_key(self.name)], args=[self.owner, self.ttl_ms])
         self.fence = value.decode() if isinstance(value, bytes) else None
+        if self.fence is not None:
+            token = parse(self.fence).token
+            run_together(self.client, [(self._post, [
+                ([self.shard_key(shard)], [self.fence, token, self.ttl_ms]) for shard in range(keys.SHARDS)])])
         return self.fence is not None
+
+    def shard_key(self, shard: int) -> str:
+        """Where the supervisor's scripts on ``shard`` read the fence."""
+        return shard_copy_key(self.name, shard)
 
     def lost(self) -> None:
         """A write script answered "fenced": we are no longer the leader."""

@@ -5,6 +5,11 @@ at once, whatever the concurrency; asking twice for the same holder returns the 
 Every change is appended to a bounded history stream, so "no member was ever held twice"
 can be checked after the fact and not only in the final state.
 
+A pool's keys share one hash slot of their own (``<name>:{<name>}:*``), apart from the
+deliveries that hold its members: its operations run as effects on another slot
+(``choreo.effects``), which its scripts allow, since asking twice for one holder answers
+the same member.
+
 Declared on a service (``service.pool(...)``) with the events that prove a hold and a
 release, so ``rebuild-state`` restores the holds from Kafka without knowing the service.
 """
@@ -17,6 +22,7 @@ from typing import Any
 
 import redis
 
+from choreo import keys as layout
 from choreo.effects import OnceEffect, Op
 from choreo.events import Event
 
@@ -101,28 +107,28 @@ class Pool:
 
     @property
     def free_key(self) -> str:
-        return f"{self.name}:free"
+        return f"{layout.tagged(self.name)}:free"
 
     @property
     def held_key(self) -> str:
-        return f"{self.name}:held"
+        return f"{layout.tagged(self.name)}:held"
 
     @property
     def booking_key(self) -> str:
-        return f"{self.name}:booking"
+        return f"{layout.tagged(self.name)}:booking"
 
     @property
     def history_key(self) -> str:
-        return f"{self.name}:history"
+        return f"{layout.tagged(self.name)}:history"
 
     @property
     def capacity_key(self) -> str:
-        return f"{self.name}:capacity"
+        return f"{layout.tagged(self.name)}:capacity"
 
     @property
     def keys(self) -> tuple[str, ...]:
         return (self.free_key, self.held_key, self.booking_key, self.history_key, self.capacity_key,
-                f"{self.name}:max_capacity")
+                f"{layout.tagged(self.name)}:max_capacity")
 
     def reserve(self, holder: str, load: float) -> Op[Reservation]:
         """The smallest free member whose capacity takes ``load``, held for ``holder``."""

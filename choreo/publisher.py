@@ -22,6 +22,7 @@ from choreo.config import settings
 from choreo.envelope import Envelope, now_ms
 from choreo import tracing
 from choreo.events import Event
+from choreo.redis_client import connect
 from choreo.serde import Encoder, registry_client
 from choreo.state import StateTable
 from choreo.workflow import Workflow
@@ -54,7 +55,7 @@ class Publisher:
         self.name = name
         self.workflow = workflow
         tracing.configure(name)
-        self.redis = redis_client or redis.Redis.from_url(cfg.redis_url, socket_timeout=5)
+        self.redis = redis_client or connect(cfg.redis_url, socket_timeout=5)
         self.state = StateTable(self.redis)
         self.registry = registry_client()
         self._encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}

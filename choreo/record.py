@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from choreo import keys
 from choreo.effects import OnceEffect, Op
 from choreo.events import Event
 
@@ -52,7 +53,7 @@ class RebuildRule:
 
 @dataclass
 class Record:
-    """One hash per delivery, ``<name>:{<delivery id>}``: in the delivery's hash slot, with a
+    """One hash per delivery, ``<name>:{s<n>}<delivery id>``: in the delivery's hash slot, with a
     TTL (restarted by ``put``), and deleted with the delivery's state once it is finished
     when ``released_with_delivery``."""
 
@@ -62,7 +63,7 @@ class Record:
     rules: list[RebuildRule] = field(default_factory=list)
 
     def key(self, delivery_id: str) -> str:
-        return f"{self.name}:{{{delivery_id}}}"
+        return keys.of_delivery(self.name, delivery_id)
 
     def put(self, delivery_id: str, **fields: str | int | float) -> Op[None]:
         """Set these fields (an idempotent upsert) and restart the record's TTL."""

@@ -42,7 +42,8 @@ from prometheus_client import Counter as MetricCounter, Gauge
 from choreo.dedupe import seen_key
 from choreo.effects import OnceEffect, memo_key
 from choreo.kafka import CommittedOffsets
-from choreo.state import DEADLINE_INDEX, delivery_key, text, with_steps
+from choreo.batch import run_together
+from choreo.state import StepScript, deadline_index, delivery_key, text
 
 RELEASES = MetricCounter("choreo_releases_total", "Finished deliveries looked at for release, by verdict",
                          ["verdict"])
@@ -54,12 +55,12 @@ redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
 return 'awaiting'
 """)
 
-# KEYS[1] the deadline index, KEYS[2] the step table, KEYS[3] the dedupe hash, KEYS[4] the
-# effect answers, KEYS[5..] records the services declared. ARGV: delivery id, now ms,
+# KEYS[1] the deadline index of the delivery's shard, KEYS[2] the step table, KEYS[3] the
+# dedupe hash, KEYS[4] the effect answers, KEYS[5..] records the services declared. ARGV: delivery id, now ms,
 # tombstone ttl s, then the names of the workflow's services (the ones that refuse a released
 # delivery): only their fields of the shared hashes go; another subscriber's stay, under
 # their own TTLs.
-_RELEASE = with_steps("""
+_RELEASE = """
 local fields = redis.call('HGETALL', KEYS[2])
 if #fields == 0 then return 'gone' end
 local outcome, members = nil, {}
@@ -89,7 +90,7 @@ redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'done', ARGV[2], 'outcome', outcome)
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 'released'
-""")
+"""
 
 
 def awaiting_key(topic: str, partition: int) -> str:
@@ -142,7 +143,7 @@ class Releaser:
         self.cap = cap
         self.timeout_s = timeout_s
         self.committed = CommittedOffsets(timeout_s)
-        self._release = client.register_script(_RELEASE)
+        self._release = StepScript(client, _RELEASE)
 
     def passed_by_all(self, stats: ReleaseStats) -> dict[int, int]:
         """Per partition, the offset every group has committed past (the lowest commit); the
@@ -184,12 +185,11 @@ class Releaser:
 
     def release(self, delivery_ids: list[str], now_ms: int) -> list[str]:
         """Release these deliveries now (one round trip); each one's verdict, in order."""
-        pipe = self.client.pipeline(transaction=False)
-        for delivery_id in delivery_ids:
-            keys = [DEADLINE_INDEX, *state_keys(delivery_id, self.extra_keys)]
-            self._release(keys=keys, args=[delivery_id, now_ms, self.tombstone_ttl_s, *self.services],
-                          client=pipe)
-        return [text(v) for v in pipe.execute()]
+        answers = run_together(self.client, [(self._release, [
+            ([deadline_index(delivery_id), *state_keys(delivery_id, self.extra_keys)],
+             [delivery_id, now_ms, self.tombstone_ttl_s, *self.services])
+            for delivery_id in delivery_ids])])[0]
+        return [text(v) for v in answers]
 
     def run_in_background(self, period_s: float, leading: Callable[[], bool], log: Any) -> threading.Thread:
         """Release every ``period_s`` while ``leading()``, on a thread of its own: the admin

@@ -38,6 +38,7 @@ from choreo.errors import DeadLetterReason, DeliveryReleased, Rejected, Retryabl
 from choreo.events import Event
 from choreo.logs import get_logger
 from choreo.memory import collect_batch_cycles, settle_garbage_collector
+from choreo.redis_client import connect
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
 from choreo.effects import RELEASED, EffectCall, Op, run_all
 from choreo import tracing
@@ -166,7 +167,7 @@ class Runner:
         self.cfg = settings()
         self.workflow = workflow
         self.log = get_logger(service=service.name, instance=self.options.instance)
-        self.redis = redis.Redis.from_url(self.cfg.redis_url, socket_timeout=5)
+        self.redis = connect(self.cfg.redis_url, socket_timeout=5)
         self.state = StateTable(self.redis)
         # the release waits for the workflow's services only, so only they refuse its deliveries
         self.in_workflow = workflow is not None and service.name in {s.name for s in workflow.services}

@@ -1,7 +1,8 @@
 """The state table: per delivery and step, status, complete-by deadline, attempt token,
-try count and failure count, in one Redis hash per delivery (``dl:{id}``; the braces are a
-Redis Cluster hash tag). A sorted set ``deadlines`` indexes open steps by complete-by, so
-the supervisor finds expired steps in O(expired), never by scanning every key.
+try count and failure count, in one Redis hash per delivery (``dl:{s<n>}<id>``, in its
+shard's hash slot: ``choreo.keys``). A sorted set per shard (``deadlines:{s<n>}``) indexes
+open steps by complete-by, so the supervisor finds expired steps in O(expired), never by
+scanning every key, and a transition updates a step and its deadline in one slot.
 
 Every transition is one Lua script with a condition: an attempt older than the recorded
 token loses (a stale attempt cannot overwrite a newer one), a closed step stays closed.
@@ -25,9 +26,9 @@ from typing import Any
 
 import redis
 
+from choreo import keys
 from choreo.batch import BatchScript
-
-DEADLINE_INDEX = "deadlines"
+from choreo.redis_client import NodePipelines, raise_first
 
 
 class StepStatus(StrEnum):
@@ -139,7 +140,21 @@ class StepScript(BatchScript):
 
 
 def delivery_key(delivery_id: str) -> str:
-    return f"dl:{{{delivery_id}}}"
+    return keys.of_delivery("dl", delivery_id)
+
+
+def deadline_index(delivery_id: str) -> str:
+    """The deadline index of the delivery's shard."""
+    return deadline_shard(keys.shard_of(delivery_id))
+
+
+def deadline_shard(shard: int) -> str:
+    return keys.of_shard("deadlines", shard)
+
+
+def deadline_shards() -> list[str]:
+    """Every shard's deadline index: what the supervisor and the operators' tools walk."""
+    return [deadline_shard(shard) for shard in range(keys.SHARDS)]
 
 
 def index_member(delivery_id: str, step: str) -> str:
@@ -384,14 +399,14 @@ class StateTable:
     def open_many(self, items: Sequence[tuple[str, str, int, int]], now_ms: int) -> None:
         """``open`` for many (delivery, step, complete-by ms, attempt) in one round trip."""
         self._open.run([
-            ([delivery_key(delivery_id), DEADLINE_INDEX],
+            ([delivery_key(delivery_id), deadline_index(delivery_id)],
              [step, complete_by_ms, now_ms, index_member(delivery_id, step), attempt])
             for delivery_id, step, complete_by_ms, attempt in items])
 
     def abandon_many(self, items: Sequence[tuple[str, str]]) -> None:
         """Withdraw steps opened for triggers that were never published (still pending):
         (delivery, step) items, one round trip."""
-        self._abandon.run([([delivery_key(delivery_id), DEADLINE_INDEX],
+        self._abandon.run([([delivery_key(delivery_id), deadline_index(delivery_id)],
                             [step, index_member(delivery_id, step)]) for delivery_id, step in items])
 
     def begin(self, delivery_id: str, step: str, attempt: int, now_ms: int,
@@ -412,7 +427,7 @@ class StateTable:
         a step no input can join), so only one copy of an event runs at the attempt it joins."""
         seen: Sequence[Sighting | None] = sightings or [None] * len(items)
         answers = self._begin.run([
-            ([delivery_key(delivery_id), DEADLINE_INDEX, *([at.key] if at else [])],
+            ([delivery_key(delivery_id), deadline_index(delivery_id), *([at.key] if at else [])],
              [step, attempt, now, default_deadline_ms, budget, index_member(delivery_id, step),
               source, "1" if step in joinable else "0", *([at.field_prefix, at.position] if at else [])])
             for (delivery_id, step, attempt, now, default_deadline_ms, source), at
@@ -437,7 +452,7 @@ class StateTable:
     def _finish_many(self, items: Sequence[tuple[str, str, int, StepStatus, str]],
                      now_ms: int) -> list[str]:
         answers = self._finish.run([
-            ([delivery_key(delivery_id), DEADLINE_INDEX],
+            ([delivery_key(delivery_id), deadline_index(delivery_id)],
              [step, attempt, now_ms, status.value, index_member(delivery_id, step), error[:500]])
             for delivery_id, step, attempt, status, error in items])
         return [text(r) for r in answers]
@@ -445,11 +460,11 @@ class StateTable:
     def note_dead_letters(self, delivery_ids: Iterable[str]) -> None:
         """Keep these deliveries' state when they finish: a redrive of their letters needs it
         (one round trip for a batch's dead letters)."""
-        pipe = self.client.pipeline(transaction=False)
+        pipes = NodePipelines(self.client)
         for delivery_id in delivery_ids:
-            self._note_dead_letter(keys=[delivery_key(delivery_id)], client=pipe)
-        if len(pipe):
-            pipe.execute()
+            self._note_dead_letter(keys=[delivery_key(delivery_id)], client=pipes.on(delivery_key(delivery_id)))
+        if len(pipes):
+            raise_first(pipes.execute())
 
     def steps(self, delivery_id: str) -> dict[str, StepState]:
         return parse_steps(self.raw(delivery_id))
@@ -462,16 +477,18 @@ class StateTable:
         the view an operator's tool or a test reads."""
         return flat_fields(self.raw(delivery_id))
 
-    def put(self, delivery_id: str, values: Mapping[str, str | int], pipe: Any = None) -> None:
+    def put(self, delivery_id: str, values: Mapping[str, str | int],
+            pipes: NodePipelines | None = None) -> None:
         """Set values named as ``fields`` names them, outside any transition's conditions: for
-        the rebuild, tests and benchmarks that stage a state."""
+        the rebuild, tests and benchmarks that stage a state (queued on ``pipes`` if given)."""
         args: list[str] = []
         for name, value in values.items():
             step, _, part = name.rpartition(".") if _is_step_value(name) else ("", "", name)
             if step and isinstance(value, str) and value.lstrip("-").isdigit():
                 value = int(value)  # as ``fields`` shows it: scripts compare numbers as numbers
             args += [step, part, json.dumps(value)]
-        self._put(keys=[delivery_key(delivery_id)], args=args, client=pipe or self.client)
+        key = delivery_key(delivery_id)
+        self._put(keys=[key], args=args, client=pipes.on(key) if pipes is not None else self.client)
 
 
 def text(value: object) -> str:

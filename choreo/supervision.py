@@ -5,8 +5,10 @@ Why Lua and not read-decide-write in Python: a step's fate must be decided on th
 as it is at the moment of the write. One script per due step reads the step, checks the
 lease's fencing token and decides, atomically; no compare-and-set retry loop, no window in
 which the owning service (finishing late) or a second supervisor (deposed, still running)
-could slip a write in between. One scan is therefore ``ZRANGEBYSCORE`` + one pipelined
-script call per due step: O(expired), paged, never a walk over every key.
+could slip a write in between. One scan is therefore one pipelined ``ZRANGEBYSCORE`` per
+shard's deadline index (``choreo.keys``) + one pipelined script call per due step:
+O(expired + shards), paged, never a walk over every key. A script touches one hash slot: the
+step's delivery, its shard's index and its shard's copy of the lease's fence.
 
 The transitions, for a step found due (deadline passed, or failed and re-indexed at once):
 
@@ -42,7 +44,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +52,12 @@ import redis
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from prometheus_client import Counter, Gauge, Histogram
 
+from choreo import keys
 from choreo.effects import OnceEffect
+from choreo.redis_client import NodePipelines
 from choreo.runtime_events import CompensationRecord
-from choreo.state import DEADLINE_INDEX, delivery_key, index_member, with_steps
+from choreo.state import (deadline_index, deadline_shard, deadline_shards, delivery_key, index_member,
+                          with_steps)
 
 # -- metrics (operators see detection delay, load and every decision) -----------------------
 
@@ -419,65 +424,81 @@ class Transitions:
                       error: str) -> str:
         """Make a reported step due now (any instance may: it is idempotent and unfenced)."""
         result = self._record_report(
-            keys=[delivery_key(delivery_id), DEADLINE_INDEX],
+            keys=[delivery_key(delivery_id), deadline_index(delivery_id)],
             args=[step, attempt, kind, now_ms, index_member(delivery_id, step), error[:500]],
         )
         return result.decode() if isinstance(result, bytes) else str(result)
 
 
 class Scanner:
-    """The bounded, paged scan of the deadline index (only the lease holder runs it)."""
+    """The bounded, paged scan of every shard's deadline index (only the lease holder runs it)."""
 
     def __init__(self, client: redis.Redis, settings: SupervisorSettings) -> None:
         self.client = client
         self.settings = settings
         self.transitions = Transitions(client)
+        self._first = 0  # the shard the next scan starts at: a capped scan must not favour shard 0
 
-    def scan(self, fence: str, lease_key: str, policies: Policies, now_ms: int) -> ScanResult:
-        """Act on every step due at ``now_ms``, page by page, within the result cap and the
-        time window; what is left is found by the next period (the backlog gauge shows it)."""
+    def scan(self, fence: str, fence_key: Callable[[int], str], policies: Policies,
+             now_ms: int) -> ScanResult:
+        """Act on every step due at ``now_ms``, shard by shard and page by page, within the
+        result cap and the time window; what is left is found by the next period (the backlog
+        gauge shows it). ``fence_key(shard)``: where the scripts on a shard read the fence."""
         cfg = self.settings
         stats = ScanStats()
         actions: list[Action] = []
         started = time.perf_counter()
-        skip = 0  # due members that stayed due (errors): page past them
-        while True:
-            if stats.due >= cfg.max_per_scan:
-                stats.capped = True
-                break
-            if time.perf_counter() - started > cfg.scan_budget_s:
-                stats.capped = True
-                break
-            want = min(cfg.page_size, cfg.max_per_scan - stats.due)
-            raw = self.client.zrangebyscore(DEADLINE_INDEX, "-inf", now_ms, start=skip, num=want)
-            stats.commands += 1
-            stats.keys.add(DEADLINE_INDEX)
-            members = [m.decode() if isinstance(m, bytes) else str(m) for m in raw]
-            stats.pages += 1
-            stats.page_sizes.append(len(members))
-            PAGE_SIZE.observe(len(members))
-            if not members:
-                break
-            page = self._supervise_page(members, fence, lease_key, policies, now_ms, stats)
-            stats.due += len(members)
-            for action in page:
-                if action.kind == "fenced":
-                    stats.fenced = True
-                elif action.kind == "error":
-                    skip += 1
-                else:
-                    actions.append(action)
-            if stats.fenced or len(members) < want:
+        shards = [(self._first + i) % keys.SHARDS for i in range(keys.SHARDS)]
+        self._first = (self._first + 1) % keys.SHARDS
+        first_pages = self._due(shards, [0] * len(shards), now_ms, stats)
+        for shard, members in zip(shards, first_pages):
+            skip = 0  # due members that stayed due (errors): page past them
+            while members:
+                want = min(cfg.page_size, cfg.max_per_scan - stats.due)
+                page = self._supervise_page(members[:want], shard, fence, fence_key(shard), policies,
+                                            now_ms, stats)
+                stats.due += min(len(members), want)
+                for action in page:
+                    if action.kind == "fenced":
+                        stats.fenced = True
+                    elif action.kind == "error":
+                        skip += 1
+                    else:
+                        actions.append(action)
+                if stats.fenced:
+                    break
+                if stats.due >= cfg.max_per_scan or time.perf_counter() - started > cfg.scan_budget_s:
+                    stats.capped = True
+                    break
+                if len(members) < cfg.page_size:
+                    break
+                members = self._due([shard], [skip], now_ms, stats)[0]
+            if stats.fenced or stats.capped:
                 break
         stats.seconds = time.perf_counter() - started
         SCAN_SECONDS.observe(stats.seconds)
         EXPIRED.set(stats.due)
         return ScanResult(actions, stats)
 
-    def _supervise_page(self, members: list[str], fence: str, lease_key: str, policies: Policies,
-                        now_ms: int, stats: ScanStats) -> list[Action]:
-        cfg = self.settings
+    def _due(self, shards: list[int], skips: list[int], now_ms: int, stats: ScanStats) -> list[list[str]]:
+        """A page of due members of each shard's index, in one round trip."""
         pipe = self.client.pipeline(transaction=False)
+        for shard, skip in zip(shards, skips):
+            pipe.zrangebyscore(deadline_shard(shard), "-inf", now_ms, start=skip, num=self.settings.page_size)
+            stats.keys.add(deadline_shard(shard))
+        pages = [[m.decode() if isinstance(m, bytes) else str(m) for m in raw] for raw in pipe.execute()]
+        stats.commands += len(shards)
+        for members in pages:
+            if members:
+                stats.pages += 1
+                stats.page_sizes.append(len(members))
+                PAGE_SIZE.observe(len(members))
+        return pages
+
+    def _supervise_page(self, members: list[str], shard: int, fence: str, fence_key: str,
+                        policies: Policies, now_ms: int, stats: ScanStats) -> list[Action]:
+        cfg = self.settings
+        pipes = NodePipelines(self.client)
         parsed: list[tuple[str, str]] = []
         compensable = ",".join(policies.compensable)
         for member in members:
@@ -486,17 +507,17 @@ class Scanner:
             policy = policies.of(step)
             budget = cfg.max_tries or policy.budget
             self.transitions.supervise(
-                keys=[delivery_key(delivery_id), DEADLINE_INDEX, lease_key],
+                keys=[delivery_key(delivery_id), deadline_shard(shard), fence_key],
                 args=[fence, step, member, now_ms, budget, policy.deadline_ms,
                       int(cfg.backoff_base_s * 1000), int(cfg.backoff_max_s * 1000),
                       int(cfg.confirm_s * 1000), policy.role, policy.target, compensable,
                       policies.decider, int(cfg.park_s * 1000), ",".join(policy.waits_for),
                       policies.retention_s],
-                client=pipe,
+                client=pipes.on(delivery_key(delivery_id)),
             )
             stats.keys.add(delivery_key(delivery_id))
             stats.commands += 1
-        results = pipe.execute(raise_on_error=False)
+        results = pipes.execute()
         stats.commands += 1  # the pipeline's SCRIPT EXISTS check (redis-py loads missing scripts)
         actions = []
         for (delivery_id, step), result in zip(parsed, results):
@@ -510,8 +531,12 @@ class Scanner:
         return actions
 
     def backlog(self, now_ms: int) -> int:
-        """Due steps still waiting (one ZCOUNT, O(log n)): the load/delay trade-off made visible."""
-        count = int(self.client.zcount(DEADLINE_INDEX, "-inf", now_ms))
+        """Due steps still waiting (one ZCOUNT per shard, O(log n) each, in one round trip):
+        the load/delay trade-off made visible."""
+        pipe = self.client.pipeline(transaction=False)
+        for index in deadline_shards():
+            pipe.zcount(index, "-inf", now_ms)
+        count = sum(int(n) for n in pipe.execute())
         DUE_BACKLOG.set(count)
         return count
 

@@ -39,7 +39,7 @@ from choreo.release import AWAIT_RELEASE, Releaser, awaiting_key
 from choreo.runner import RECOVERY_TOPIC
 from choreo.serde import DecodeFailure, Decoder, RegistryUnavailable, registry_client
 from choreo.service import Context, Effects, Service, Store, retry_topic
-from choreo.state import DEADLINE_INDEX, Source, delivery_key
+from choreo.state import StateTable, Source, deadline_index, delivery_key
 from choreo.supervision import (
     COMPENSATION, COMPENSATION_FAILURES, COMPENSATIONS, FORWARD, LEADER, MARK_COMPENSATED,
     MARK_COMPENSATING, REPORTS, REQUEUES, Action, KeyedCompensationRecord, Policies, Scanner,
@@ -196,7 +196,7 @@ def on_delivery_failed(failure: Any, ctx: Context) -> None:
     to undo its work (the others follow, one confirmation at a time)."""
     compensable = set(watched().flow.compensations())
     reason = f"{failure.reason}: {failure.detail}"[:500]
-    raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), DEADLINE_INDEX],
+    raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), deadline_index(failure.delivery_id)],
                    args=[now_ms(), failure.delivery_id, failure.failed_step, reason,
                          *(step for step in failure.compensate if step in compensable)])
     marked = parse_marked(raw)
@@ -271,7 +271,7 @@ def scan(ctx: Context) -> None:
     if not leading or rt.lease.fence is None:
         return
     now = now_ms()
-    result = rt.scanner.scan(rt.lease.fence, rt.lease.key, rt.policies, now)
+    result = rt.scanner.scan(rt.lease.fence, rt.lease.shard_key, rt.policies, now)
     if result.stats.fenced:
         rt.lease.lost()
         rt.leading = False
@@ -296,8 +296,8 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
         _requeue(ctx, rt, action, log)
     elif action.kind == "fail":
         compensate = split_list(str(data.get("compensate", "")))
-        cause = Envelope.first(derived_id(action.delivery_id, NAME, "fail"), action.delivery_id,
-                               "SupervisorDecision", NAME)
+        cause = _story(ctx, rt, action.delivery_id) or Envelope.first(
+            derived_id(action.delivery_id, NAME, "fail"), action.delivery_id, "SupervisorDecision", NAME)
         ctx.emit(
             watched().failure.model_validate({"delivery_id": action.delivery_id, "reason": str(data["reason"]),
                                     "detail": str(data["detail"])[:500], "failed_step": action.step,
@@ -354,6 +354,28 @@ def _requeue(ctx: Context, rt: _Runtime, action: Action, log: Any) -> None:
         _requeue_input(ctx, rt, action, source, log)
 
 
+def _reader(rt: _Runtime) -> SourceReader:
+    if rt.reader is None:
+        rt.reader = SourceReader(settings().kafka_bootstrap_servers, NAME, base_config())
+    return rt.reader
+
+
+def _story(ctx: Context, rt: _Runtime, delivery_id: str) -> Envelope | None:
+    """The envelope a failure we decide continues: that of an input one of the delivery's
+    steps was given (its trace, and the reply topic and owner its outcome goes to); None
+    when no step has one to read (the failure then starts a story of its own)."""
+    state = StateTable(ctx.redis).fields(delivery_id)
+    for name in sorted(k for k in state if k.endswith(".source")):
+        for source in Source.parse_all(state[name]):
+            fetched = _reader(rt).fetch(source.topic, source.partition, source.offset) if source else None
+            found = Envelope.from_headers(fetched.headers) if fetched else None
+            if found is not None:
+                return Envelope(event_id=derived_id(delivery_id, NAME, "fail"), correlation_id=delivery_id,
+                                traceparent=found.traceparent, event_type="SupervisorDecision",
+                                producer=NAME, reply_to=found.reply_to, owner=found.owner)
+    return None
+
+
 def _requeue_input(ctx: Context, rt: _Runtime, action: Action, source: Source | None, log: Any) -> None:
     data = action.data
     policy = rt.policies.of(action.step)
@@ -361,10 +383,8 @@ def _requeue_input(ctx: Context, rt: _Runtime, action: Action, source: Source | 
     if source is None or model is None:
         log.error("alert.requeue_impossible", source=data.get("source"), service=policy.service)
         return
-    if rt.reader is None:
-        rt.reader = SourceReader(settings().kafka_bootstrap_servers, NAME, base_config())
     started = time.perf_counter()
-    fetched = rt.reader.fetch(source.topic, source.partition, source.offset)
+    fetched = _reader(rt).fetch(source.topic, source.partition, source.offset)
     fetch_ms = round((time.perf_counter() - started) * 1000, 1)
     original = Envelope.from_headers(fetched.headers) if fetched else None
     if fetched is None or original is None:

@@ -71,6 +71,7 @@ from confluent_kafka import (
 from choreo.config import REPO_ROOT, Settings, settings
 from choreo.envelope import pairs
 from choreo.kafka import wait_transactions_settled
+from choreo.redis_client import connect
 from choreo.serde import forget_registry_clients
 from choreo.workflow import Workflow
 from infra.kafka import KafkaCluster
@@ -695,7 +696,7 @@ class Chaos:
         # tool should wait for this itself; the procedure does it until then)
         in_doubt_s = wait_transactions_settled(90, log) if self.settle_transactions else -1.0
         wait_groups_empty(self.stack.groups, 60)
-        client = redis.Redis.from_url(self.stack.cfg.redis_url, socket_timeout=10)
+        client = connect(self.stack.cfg.redis_url, socket_timeout=10)
         self.fleet_before_loss = fleet.history(client)
         self.redis_lost_at_ms = int(time.time() * 1000)
         self.stack.redis.kill()
@@ -953,7 +954,7 @@ def stuck_evidence(deliveries: list[str], client: redis.Redis, workflow: Workflo
     table and each step's place in the deadline index. Bodies are left undecoded (customer
     data); the full traces go to ``out``."""
     from choreo.ops.trace import trace
-    from choreo.state import DEADLINE_INDEX, index_member
+    from choreo.state import deadline_index, index_member
 
     compact: dict[str, Any] = {}
     full: dict[str, Any] = {}
@@ -970,7 +971,7 @@ def stuck_evidence(deliveries: list[str], client: redis.Redis, workflow: Workflo
                      f"by {h.producer} read:{','.join(g for g, read in h.consumed_by.items() if read)}"
                      for h in story.hops],
             "state": story.state,
-            "deadlines": {s: client.zscore(DEADLINE_INDEX, index_member(delivery, s)) for s in steps},
+            "deadlines": {s: client.zscore(deadline_index(delivery), index_member(delivery, s)) for s in steps},
         }
     out.write_text(json.dumps(full, indent=1, default=str))
     return compact
@@ -1084,7 +1085,7 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     log(f"settled in {settle_s:.1f}s ({len(pending)} pending); stopping services, reading every topic")
     died = died_on_their_own(stack.services)
     stop_all(stack.services, timeout_s=20)
-    client = redis.Redis.from_url(stack.cfg.redis_url, socket_timeout=10)
+    client = connect(stack.cfg.redis_url, socket_timeout=10)
     history = FleetHistory(chaos.fleet_before_loss, fleet.history(client), chaos.redis_lost_at_ms)
     held_at_end = int(client.hlen(fleet.held_key))
     found = read_everything()

@@ -40,6 +40,7 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
 
 from choreo.kafka import CommittedOffsets, admin as kafka_admin
+from choreo.keys import tagged
 from choreo.logs import get_logger
 from choreo.state import delivery_key
 from choreo.workflow import Workflow
@@ -101,8 +102,10 @@ return gone
 
 
 def inflight_keys(key: str) -> list[str]:
-    """The in-flight set and the two hashes kept in step with it (owner counts, owners)."""
-    return [key, f"{key}:owners", f"{key}:owner_of"]
+    """The in-flight set and the two hashes kept in step with it (owner counts, owners), in
+    one hash slot (``choreo.keys.tagged``): one script updates all three."""
+    base = tagged(key)
+    return [base, f"{base}:owners", f"{base}:owner_of"]
 
 
 def owner_cap(cap: int, share: float) -> int:

@@ -35,8 +35,10 @@ from confluent_kafka import KafkaError, Message
 
 from choreo.config import settings as choreo_settings
 from choreo.envelope import derived_id
+from choreo.keys import of_delivery
 from choreo.logs import get_logger
 from choreo.publisher import Publish, Publisher
+from choreo.redis_client import connect
 from choreo.state import delivery_key, parse_steps
 from choreo.workflow import Workflow
 from producers import metrics
@@ -79,8 +81,8 @@ class OwnerMismatch(Exception):
 
 def owner_redis_key(delivery_id: str) -> str:
     """Who owns a delivery (kept when owner tokens are on): the status endpoint checks it.
-    Hash-tagged by delivery id like the rest of the delivery's state."""
-    return f"owner:{{{delivery_id}}}"
+    In the delivery's hash slot like the rest of its state."""
+    return of_delivery("owner", delivery_id)
 
 
 def idempotency_redis_key(owner_id: str, key: str) -> str:
@@ -149,7 +151,7 @@ class Submitter:
             workflow = WORKFLOW
         self.cfg = cfg or IngestionSettings()
         self.entry = entry
-        self.redis = redis_client or redis.Redis.from_url(choreo_settings().redis_url,
+        self.redis = redis_client or connect(choreo_settings().redis_url,
                                                           socket_timeout=5)
         self.publisher = publisher or Publisher(PRODUCER_NAME, workflow, redis_client=self.redis)
         self.admission = admission or Admission(self.cfg, self.redis, workflow, TOPIC)

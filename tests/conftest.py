@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from choreo.config import settings
+from choreo.redis_client import connect
 
 # the workflow ``choreo.supervisor`` watches when a test imports it in process (``choreo run``
 # sets it from --workflow; the tests that run a supervisor of their own name theirs)
@@ -39,7 +40,7 @@ def bootstrap(stack: None) -> str:
 
 @pytest.fixture()
 def redis_client(stack: None) -> redis.Redis:
-    return redis.Redis.from_url(settings().redis_url)
+    return connect(settings().redis_url)
 
 
 @pytest.fixture()

@@ -17,6 +17,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from choreo.config import settings
 from choreo.envelope import Envelope, header_value
+from choreo.state import deadline_shards
 from infra.process import port_in_use
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,3 +171,13 @@ def notifications(client: Any, ids: Iterable[str]) -> list[bytes | None]:
     for delivery_id in ids:
         pipe.hget(notified.key(delivery_id), "drone")
     return list(pipe.execute())
+
+
+def index_members(client: Any) -> list[bytes]:
+    """Every member of every shard's deadline index."""
+    return [member for index in deadline_shards() for member in client.zrange(index, 0, -1)]
+
+
+def indexed(client: Any) -> int:
+    """How many steps the deadline indexes hold, over every shard."""
+    return sum(int(client.zcard(index)) for index in deadline_shards())

@@ -43,7 +43,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import redis
 from confluent_kafka import Producer
 
 from choreo.config import settings
@@ -51,6 +50,7 @@ from choreo.dedupe import seen_field, seen_key
 from choreo.envelope import HeaderList, now_ms
 from choreo.kafka import base_config, ensure_topics
 from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
+from choreo.redis_client import connect
 from choreo.runner import (
     DLQ_HEADER_PREFIX, DLQ_HEADERS, H_DLQ_ERROR, H_DLQ_REASON, H_DLQ_SERVICE,
     H_DLQ_SOURCE_OFFSET, H_DLQ_SOURCE_PARTITION, H_DLQ_SOURCE_TOPIC, H_DLQ_TIME_MS,
@@ -262,7 +262,7 @@ def redrive(selection: Selection, *, dry_run: bool = False, progress: Progress |
     if dry_run or producer is None or not todo:
         result.redriven = [letter for letter, _ in todo] if dry_run else []
         return result
-    client = redis.Redis.from_url(cfg.redis_url, socket_timeout=5)
+    client = connect(cfg.redis_url, socket_timeout=5)
     producer.begin_transaction()
     try:
         forget = client.pipeline(transaction=False)

@@ -74,6 +74,7 @@ from choreo.ops.dlq import DeadLetter
 from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
 from choreo.pool import Pool
 from choreo.record import Record, RebuildRule
+from choreo.redis_client import NodePipelines, connect, raise_first
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
 from choreo.release import awaiting_key, released
 from choreo.runtime_events import CompensationRecord
@@ -387,12 +388,12 @@ class Rebuilder:
                 error = "dead-lettered"
             state.finish(delivery, trigger.step, trigger.attempt, now,
                          StepStatus.FAILED if error else StepStatus.COMPLETED, error)
-        pipe = self.client.pipeline(transaction=False)
+        pipes = NodePipelines(self.client)
         for delivery, facts in self._unreleased():
             for step, status in facts.compensation.items():
                 # the supervisor's log is the record of compensation states
-                state.put(delivery, {f"{step}.status": StepStatus(status).value}, pipe)
-        pipe.execute()
+                state.put(delivery, {f"{step}.status": StepStatus(status).value}, pipes)
+        raise_first(pipes.execute())
 
     def _write_holds(self, report: RebuildReport) -> None:
         for name, pool in self.pools.items():
@@ -493,7 +494,7 @@ def rebuild(workflow: Workflow, *, since_ms: int | None = None,
         if active:
             raise RuntimeError(f"services still consuming: {active}; stop them first (or --force)")
     since = since_ms if since_ms is not None else now_ms() - DEFAULT_WINDOW_S * 1000
-    client = client or redis.Redis.from_url(settings().redis_url, socket_timeout=10)
+    client = client or connect(settings().redis_url, socket_timeout=10)
     rebuilder = Rebuilder(workflow, client, prefix=prefix)
     report = RebuildReport(since_ms=since)
     # a service killed mid-transaction leaves it open until it times out: read only once

@@ -21,7 +21,8 @@ from confluent_kafka import Message, TopicPartition
 
 from choreo.config import settings
 from choreo.ops.records import existing_topics, read, reader, resolve
-from choreo.state import DEADLINE_INDEX, StepStatus, delivery_key, text, unpack_step
+from choreo.redis_client import connect
+from choreo.state import StepStatus, deadline_shards, delivery_key, text, unpack_step
 from choreo.workflow import Workflow
 
 OPEN = {StepStatus.PENDING.value, StepStatus.PROCESSING.value}
@@ -71,10 +72,15 @@ def _text(value: Any) -> str:
 
 
 def deliveries(client: redis.Redis, limit: int = 1000, now_ms: int | None = None) -> Status:
-    """Classify the first ``limit`` steps of the deadline index (most overdue first)."""
+    """Classify the first ``limit`` steps of the deadline indexes (most overdue first)."""
     now = now_ms if now_ms is not None else int(time.time() * 1000)
-    total = int(client.zcard(DEADLINE_INDEX))
-    members = client.zrange(DEADLINE_INDEX, 0, limit - 1, withscores=True)
+    pipe = client.pipeline(transaction=False)
+    for index in deadline_shards():
+        pipe.zcard(index)
+        pipe.zrange(index, 0, limit - 1, withscores=True)
+    replies = pipe.execute()
+    total = sum(int(n) for n in replies[0::2])
+    members = sorted((item for page in replies[1::2] for item in page), key=lambda item: item[1])[:limit]
     pipe = client.pipeline(transaction=False)
     parsed: list[tuple[str, str, int]] = []
     for item in members:
@@ -156,7 +162,7 @@ def lag(workflow: Workflow, extra_groups: dict[str, list[str]] | None = None) ->
 
 def status(workflow: Workflow, *, limit: int = 1000, window_ms: int = 3600_000, with_lag: bool = True,
            client: redis.Redis | None = None) -> Status:
-    client = client or redis.Redis.from_url(settings().redis_url, socket_timeout=5)
+    client = client or connect(settings().redis_url, socket_timeout=5)
     result = deliveries(client, limit)
     result.window_ms = window_ms
     result.recent_outcomes = recent_outcomes(workflow.terminal_topics, window_ms)

@@ -39,6 +39,7 @@ from choreo.config import settings
 from choreo.ops.records import (
     BodyDecoder, Progress, Rec, existing_topics, partition_for, read, reader, resolve,
 )
+from choreo.redis_client import connect
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
 from choreo.state import delivery_key, flat_fields, text
 from choreo.topology import derive
@@ -253,7 +254,7 @@ def trace(delivery_id: str, workflow: Workflow, *, since_ms: int | None = None,
           extra_topics: Sequence[str] = ()) -> Trace:
     """Find, order and describe every record of one delivery (in the workflow's topics and
     ``extra_topics``, e.g. the topics of a subscriber outside the workflow)."""
-    client = redis_client or redis.Redis.from_url(settings().redis_url, socket_timeout=2)
+    client = redis_client or connect(settings().redis_url, socket_timeout=2)
     consumer = reader()
     try:
         present = existing_topics(consumer)

@@ -25,7 +25,7 @@ from choreo.ops.records import BodyDecoder
 from choreo.ops.trace import trace
 from choreo.publisher import Publisher
 from choreo.service import retry_topic
-from choreo.state import StateTable
+from choreo.state import StateTable, delivery_key
 from tests.customs.service import clearances
 from tests.customs.workflow import WORKFLOW
 from tests.factories import delivery_request
@@ -167,7 +167,7 @@ def test_a_refused_flight_undoes_three_steps_newest_first_one_after_another(cust
     rebuild(WORKFLOW, since_ms=min(r.timestamp_ms for recs in by_delivery("delivery.requested", ids).values()
                                    for r in recs) - 5000, client=customs.redis)
     for d in ids:
-        assert customs.redis.hget(f"dl:{{{d}}}", "undo.order") == ",".join(failed[d]["compensate"]).encode()
+        assert customs.redis.hget(delivery_key(d), "undo.order") == ",".join(failed[d]["compensate"]).encode()
 
 
 def test_rebuild_after_flushall_restores_the_customs_state(customs: Customs) -> None:
@@ -182,7 +182,7 @@ def test_rebuild_after_flushall_restores_the_customs_state(customs: Customs) -> 
     assert report.booking_conflicts == [] and report.service_records >= len(ids)
     for d in ids:
         assert customs.redis.hget(clearances.key(d), "declaration") == derived_id(d, "customs").encode()
-        assert customs.redis.hget(f"dl:{{{d}}}".encode(), "fanin.customs") is not None
+        assert customs.redis.hget(delivery_key(d), "fanin.customs") is not None
     customs.start()
     more = customs.publish(5)
     assert set(wait_ended(more).values()) == {1}

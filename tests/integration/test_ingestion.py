@@ -25,14 +25,14 @@ from confluent_kafka import Consumer, TopicPartition
 
 from choreo.config import settings
 from choreo.envelope import derived_id
-from choreo.state import DEADLINE_INDEX, StateTable, StepStatus, delivery_key
+from choreo.state import StateTable, StepStatus, delivery_key
 from producers.client import DeliveryClient
 from producers.errors import AdmissionRefused, StoreUnavailable
 from producers.http_server import MAX_HEAD_BYTES
 from producers.model import InvalidRequest
 from producers.submit import Submission, Submitter, idempotency_redis_key, owner_redis_key
 from tests.factories import request_body
-from tests.helpers import REPO, wait_for
+from tests.helpers import REPO, index_members, wait_for
 from tests.ingestion import TOPIC, end_offsets, ingestion_settings, records_since, serving
 
 pytestmark = pytest.mark.integration
@@ -491,7 +491,7 @@ def test_a_full_local_queue_refuses_the_rest_of_the_batch_and_leaves_nothing(
     from choreo.publisher import Publisher
 
     start = end_offsets()
-    steps_before = set(redis_client.zrange(DEADLINE_INDEX, 0, -1))
+    steps_before = set(index_members(redis_client))
     owner = f"queue-{unique}"
     cfg = ingestion_settings(unique, INGESTION_LAG_INTERVAL_S=3600)
     # three records fit; a long linger keeps them queued while the batch is produced
@@ -512,7 +512,7 @@ def test_a_full_local_queue_refuses_the_rest_of_the_batch_and_leaves_nothing(
     published = [k for k, e, _ in records_since(start) if e.owner_id == owner]
     assert sorted(published) == sorted(accepted)
     # the steps opened for the batch and not withdrawn: package and drone, of the accepted only
-    opened = {m.decode() for m in set(redis_client.zrange(DEADLINE_INDEX, 0, -1)) - steps_before}
+    opened = {m.decode() for m in set(index_members(redis_client)) - steps_before}
     assert sorted(m.split("|")[0] for m in opened) == sorted(accepted * 2)
     redis_client.delete(cfg.inflight_key)
 

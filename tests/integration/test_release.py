@@ -16,12 +16,12 @@ from choreo.effects import RELEASED, EffectCall, OnceEffect, memo_key
 from choreo.envelope import Envelope
 from choreo.release import Releaser, awaiting_key, released
 from choreo.kafka import admin
-from choreo.state import DEADLINE_INDEX, StateTable, delivery_key
+from choreo.state import StateTable, deadline_index, delivery_key
 from consumers.drone_scheduler import fleet
 from consumers.package import packages
 from consumers.workflow import WORKFLOW
 from tests.factories import delivery_request
-from tests.helpers import notifications, read_topic, wait_for
+from tests.helpers import index_members, notifications, read_topic, wait_for
 from tests.pipeline import NOTIFIER, SERVICES, Pipeline, notifier_later, of, submit, wait_terminal
 
 pytestmark = pytest.mark.integration
@@ -35,7 +35,7 @@ def topics(stack: None) -> None:
 
 
 def state_keys(client: redis.Redis, delivery_id: str) -> list[str]:
-    return sorted(k.decode() for k in client.scan_iter(match=f"*{{{delivery_id}}}*", count=1000))
+    return sorted(k.decode() for k in client.scan_iter(match=f"*}}{delivery_id}", count=1000))
 
 
 # the records services declared to outlive a delivery (the notifier's), each with a TTL
@@ -59,7 +59,7 @@ def test_a_shipped_delivery_leaves_only_a_tombstone(pipeline: Pipeline, redis_cl
         assert set(tomb) == {"done", "outcome"} and tomb["outcome"] == "shipped"
         assert 0 < redis_client.ttl(delivery_key(d)) <= settings().dedupe_ttl_s
         assert (redis_client.memory_usage(delivery_key(d)) or 0) <= 160  # 136 measured
-    members = {m.decode() for m in redis_client.zrange(DEADLINE_INDEX, 0, -1)}
+    members = {m.decode() for m in index_members(redis_client)}
     assert not {m for m in members if m.split("|")[0] in ids}
     assert pipeline.alive()
 
@@ -142,9 +142,9 @@ def test_the_release_script_keeps_an_open_step_and_is_idempotent(redis_client: r
     assert redis_client.ttl(delivery_key(done)) <= 60
     assert sorted(state_keys(redis_client, open_)) == sorted(
         [delivery_key(open_), memo_key(open_), seen_key(open_), packages.key(open_)])
-    assert f"{done}|package".encode() not in redis_client.zrange(DEADLINE_INDEX, 0, -1)
+    assert f"{done}|package".encode() not in index_members(redis_client)
     assert not redis_client.exists(delivery_key(gone))  # no tombstone for what was never there
-    redis_client.zrem(DEADLINE_INDEX, f"{open_}|package")
+    redis_client.zrem(deadline_index(open_), f"{open_}|package")
     redis_client.delete(*state_keys(redis_client, open_), delivery_key(done))
 
 

@@ -32,11 +32,11 @@ from choreo.runner import RECOVERY_TOPIC
 from choreo.runtime_events import CompensationRecord
 from choreo.serde import Decoder, registry_client
 from choreo.service import retry_topic
-from choreo.state import DEADLINE_INDEX, StateTable
+from choreo.state import StateTable
 from consumers.drone_scheduler import fleet
 from schemas.models import DeliveryFailed
 from tests.factories import delivery_request
-from tests.helpers import ServiceProcess, read_topic, start_group_at_end, wait_for
+from tests.helpers import ServiceProcess, indexed, read_topic, start_group_at_end, wait_for
 from tests.services import sup_pipeline
 
 pytestmark = pytest.mark.integration
@@ -358,7 +358,7 @@ def test_failing_step_is_requeued_with_growing_delays_then_compensated(world: Wo
         assert {rec.key for rec in log[d]} == {f"{d}|{done}".encode()}
     if failing == "package":  # the released drones are free again
         assert world.redis.hlen(fleet.booking_key) == 0
-    wait_for(lambda: world.redis.zcard(DEADLINE_INDEX) == 0, timeout_s=20, what="an empty index")
+    wait_for(lambda: indexed(world.redis) == 0, timeout_s=20, what="an empty index")
 
 
 def test_compensation_that_keeps_failing_ends_compensation_failed_with_an_alert(world: World) -> None:
@@ -416,5 +416,5 @@ def test_two_supervisors_act_once_and_the_survivor_takes_over_after_kill_9(world
         assert len(log[d]) == 2  # one COMPENSATING, one COMPENSATED: never twice
     cancelled = world.by_delivery("package.cancelled")
     assert all(len({r.header("event_id") for r in cancelled[d]}) == 1 for d in ids)
-    wait_for(lambda: world.redis.zcard(DEADLINE_INDEX) == 0, timeout_s=20,
+    wait_for(lambda: indexed(world.redis) == 0, timeout_s=20,
              what="nothing left behind in the deadline index")

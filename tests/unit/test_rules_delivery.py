@@ -13,6 +13,7 @@ import pytest
 from choreo.envelope import derived_id
 from choreo.errors import Rejected, Retryable
 from choreo.service import Service
+from choreo.state import delivery_key
 from choreo.join import result_text
 from choreo.testing import LATE, WAIT, Raw, complete, failed, run
 from consumers import delivery
@@ -46,7 +47,7 @@ def test_each_part_records_its_result_in_the_join() -> None:
     outcome = run(delivery.service, scheduled("d-1"), answers={"join_record": WAIT})
     [record] = outcome.effects
     assert record.matches(delivery.delivery.record("d-1", "drone", True, scheduled("d-1")))
-    assert record.keys == ("dl:{d-1}",)  # the delivery's own hash
+    assert record.keys == (delivery_key("d-1"),)  # the delivery's own hash
     assert record.args[:3] == ("drone", "ok", result_text(scheduled("d-1")))
 
 

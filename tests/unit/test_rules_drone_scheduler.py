@@ -38,7 +38,7 @@ def test_reserve_books_a_drone_from_the_fleet_for_the_delivery_and_its_weight() 
 
     [reserve] = outcome.effects
     assert reserve.matches(drones.fleet.reserve("d-1", 2.5))
-    assert reserve.args == ("d-1", 2.5) and reserve.keys[0] == "fleet:free"
+    assert reserve.args == ("d-1", 2.5) and reserve.keys[0] == "fleet:{fleet}:free"
     scheduled = outcome.only(DroneScheduled)
     assert (scheduled.delivery_id, scheduled.drone_id) == ("d-1", "drone-7")
     assert outcome.topics == ["drone.scheduled"]

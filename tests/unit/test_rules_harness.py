@@ -10,6 +10,7 @@ import pytest
 from choreo.effects import RELEASED, OnceEffect
 from choreo.envelope import derived_id
 from choreo.errors import Rejected, Retryable
+from choreo.keys import of_delivery
 from choreo.pool import Pool, Reservation
 from choreo.service import Context, Effects, Service
 from choreo.testing import Asked, HarnessError, Raw, Records, complete, failed, run
@@ -184,5 +185,5 @@ def test_records_behave_like_the_redis_hashes() -> None:
     records = Records()
     outcome = run(service, shipped(), answers=records.answers)
     assert outcome.only(DeliveryShipped).package_id == "None|drone-7|drone-7"
-    assert records.hashes == {"note:{d-1}": {"drone": "drone-7", "weight": "2.5", "status": "done"}}
+    assert records.hashes == {of_delivery("note", "d-1"): {"drone": "drone-7", "weight": "2.5", "status": "done"}}
 

@@ -9,6 +9,7 @@ import pytest
 
 from choreo.envelope import derived_id
 from choreo.errors import Retryable
+from choreo.keys import of_delivery
 from choreo.runtime_events import UndoRequested, undo_topic
 from choreo.testing import Records, run
 from consumers import package
@@ -39,7 +40,7 @@ def test_prepare_upserts_the_derived_package_and_reports_it_ready() -> None:
     [put] = outcome.effects
     assert put.matches(package.packages.put("d-1", package_id=package_id, size="MEDIUM",
                                             weight_kg=2.5, status="ready"))
-    assert put.keys == ("pkg:{d-1}",)
+    assert put.keys == (of_delivery("pkg", "d-1"),)
     ready = outcome.only(PackageReady)
     assert (ready.delivery_id, ready.package_id, ready.package_size, ready.weight_kg) == (
         "d-1", package_id, "MEDIUM", 2.5)
@@ -113,5 +114,5 @@ def test_a_prepared_package_is_the_one_cancelled() -> None:
 
     package_id = ready.only(PackageReady).package_id
     assert cancelled.only(PackageCancelled).package_id == package_id
-    assert records.hashes["pkg:{d-8}"] == {"package_id": package_id, "size": "SMALL",
+    assert records.hashes[of_delivery("pkg", "d-8")] == {"package_id": package_id, "size": "SMALL",
                                            "weight_kg": "4.0", "status": "cancelled"}

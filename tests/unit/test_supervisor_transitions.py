@@ -11,14 +11,16 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from choreo import keys
 from choreo.dedupe import Deduper, Seen
 from choreo.lease import Lease
 from choreo.ops import status
-from choreo.state import DEADLINE_INDEX, Begin, Source, StateTable, StepStatus, delivery_key, index_member
+from choreo.state import Begin, Source, StateTable, StepStatus, deadline_index, delivery_key, index_member
 from choreo.supervision import (
     COMPENSATION, FORWARD, MARK_COMPENSATED, MARK_COMPENSATING, Action, Policies, Scanner,
     StepPolicy, SupervisorSettings, Transitions, parse_marked,
 )
+from tests.helpers import indexed
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +57,7 @@ def lease(client: redis.Redis) -> Lease:
 
 def _scan(client: redis.Redis, lease: Lease, now: int) -> dict[tuple[str, str], Action]:
     assert lease.fence is not None
-    result = Scanner(client, SETTINGS).scan(lease.fence, lease.key, POLICIES, now)
+    result = Scanner(client, SETTINGS).scan(lease.fence, lease.shard_key, POLICIES, now)
     return {(a.delivery_id, a.step): a for a in result.actions}
 
 
@@ -63,8 +65,10 @@ def _fields(client: redis.Redis, delivery_id: str) -> dict[str, str]:
     return StateTable(client).fields(delivery_id)
 
 
-def _new(client: redis.Redis, *steps: str, now: int = 1_000_000) -> str:
+def _new(client: redis.Redis, *steps: str, now: int = 1_000_000, shard: int | None = None) -> str:
     delivery_id = uuid.uuid4().hex
+    while shard is not None and keys.shard_of(delivery_id) != shard:
+        delivery_id = uuid.uuid4().hex
     table = StateTable(client)
     for step in steps:
         table.open(delivery_id, step, now + DEADLINE, now)
@@ -80,7 +84,7 @@ def test_pending_step_is_extended_without_a_new_token(client: redis.Redis, lease
     assert f["drone.attempt"] == "1" and f["drone.status"] == "pending"
     assert f["drone.tries"] == "1"  # a whole period with no try counts against the budget
     assert int(f["drone.complete_by"]) == 1_002_000 + 100 + DEADLINE
-    assert client.zscore(DEADLINE_INDEX, index_member(d, "drone")) == 1_002_000 + 100 + DEADLINE
+    assert client.zscore(deadline_index(d), index_member(d, "drone")) == 1_002_000 + 100 + DEADLINE
     assert _scan(client, lease, 1_002_000) == {}  # nothing due twice
 
 
@@ -355,12 +359,12 @@ def test_budget_spent_fails_the_delivery_once_with_compensations_newest_first(
     again = _scan(client, lease, 1_000_050 + 5_001)[(d, "drone")]
     assert again.kind == "fail" and again.data["again"] == 1
     # seen: marked compensating, and nothing left in the index
-    raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), DEADLINE_INDEX],
+    raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), deadline_index(d)],
                                 [1_000_060, d, "drone", "DEADLINE_MISSED", "package"], 60)
     assert [m["step"] for m in parse_marked(raw).steps] == ["package"]
     assert parse_marked(raw).next == "package"
     assert _fields(client, d)["package.status"] == "compensating"
-    assert client.zscore(DEADLINE_INDEX, index_member(d, "drone")) is None
+    assert client.zscore(deadline_index(d), index_member(d, "drone")) is None
 
 
 def test_compensate_lists_completed_steps_in_reverse_order_and_abandoned_first(
@@ -370,14 +374,14 @@ def test_compensate_lists_completed_steps_in_reverse_order_and_abandoned_first(
                               "drone.status": "completed", "drone.completed_at": 20,
                               "delivery.status": "failed", "delivery.tries": BUDGET,
                               "delivery.source": "x|x|0|0"})
-    client.zadd(DEADLINE_INDEX, {index_member(d, "delivery"): 0})
-    client.zrem(DEADLINE_INDEX, index_member(d, "package"), index_member(d, "drone"))
+    client.zadd(deadline_index(d), {index_member(d, "delivery"): 0})
+    client.zrem(deadline_index(d), index_member(d, "package"), index_member(d, "drone"))
     assert _scan(client, lease, 1_000_000)[(d, "delivery")].data["compensate"] == "drone,package"
     d2 = _new(client, "package", "drone")
     StateTable(client).put(d2, {"package.status": "completed", "package.completed_at": 10,
                                            "drone.status": "processing", "drone.tries": BUDGET,
                                            "drone.source": "x|x|0|0"})
-    client.zrem(DEADLINE_INDEX, index_member(d2, "package"))
+    client.zrem(deadline_index(d2), index_member(d2, "package"))
     assert _scan(client, lease, 1_002_000)[(d2, "drone")].data["compensate"] == "drone,package"
 
 
@@ -387,14 +391,14 @@ def test_an_outcome_decided_elsewhere_wins(client: redis.Redis, lease: Lease) ->
                                           "drone.status": "failed", "drone.tries": BUDGET})
     assert _scan(client, lease, 1_002_000)[(d, "drone")].kind == "drop"
     assert client.hget(delivery_key(d), "outcome") == b"shipped"
-    assert client.zcard(DEADLINE_INDEX) == 0 or client.zscore(DEADLINE_INDEX, index_member(d, "delivery"))
+    assert indexed(client) == 0 or client.zscore(deadline_index(d), index_member(d, "delivery"))
 
 
 def test_a_deposed_supervisor_changes_nothing(client: redis.Redis, lease: Lease) -> None:
     d = _new(client, "drone")
     before = _fields(client, d)
     transitions = Transitions(client)
-    result = Scanner(client, SETTINGS).scan(f"{lease.fence}x", lease.key, POLICIES, 1_002_000)
+    result = Scanner(client, SETTINGS).scan(f"{lease.fence}x", lease.shard_key, POLICIES, 1_002_000)
     assert result.stats.fenced and result.actions == []
     assert _fields(client, d) == before
     assert transitions.record_report(d, "drone", 1, "FAILED", 1_000_500, "e") == "due"
@@ -411,7 +415,7 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
     assert action.data["before"] == "compensating" and "warehouse refused" in action.data["detail"]
     f = _fields(client, d)
     assert f["package.status"] == "compensation_failed" and f["cancel_package.status"] == "failed"
-    assert client.zcard(DEADLINE_INDEX) == 0
+    assert indexed(client) == 0
 
 
 def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis) -> None:
@@ -419,7 +423,7 @@ def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis
     StateTable(client).put(d, {"package.status": "completed"})
     assert MARK_COMPENSATED.run(client, d, "t:1", [delivery_key(d)], ["package", 5], 60) \
         == "compensated:completed:1::"
-    raw = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), DEADLINE_INDEX],
+    raw = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), deadline_index(d)],
                                 [6, d, "drone", "FAILED", "package"], 60)
     assert parse_marked(raw).steps == [] and parse_marked(raw).next == ""
     assert _fields(client, d)["package.status"] == "compensated"
@@ -437,7 +441,7 @@ def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.
         answer = MARK_COMPENSATED.run(client, d, memo, [delivery_key(d)], [step, 7], 60) or ""
         return answer.split(":")[3]
 
-    raw = MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), DEADLINE_INDEX],
+    raw = MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
                                 [5, d, "delivery", "FLIGHT_REFUSED: no", "drone", "customs", "package"], 60)
     assert [m["step"] for m in parse_marked(raw).steps] == ["drone", "customs", "package"]
     assert parse_marked(raw).next == "drone"  # only the newest: the others wait for it
@@ -451,10 +455,10 @@ def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.
 def test_an_undo_that_failed_for_good_stops_the_chain(client: redis.Redis) -> None:
     d = _new(client, "package", "drone")
     StateTable(client).put(d, {"package.status": "completed", "drone.status": "completed"})
-    MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), DEADLINE_INDEX],
+    MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
                           [5, d, "delivery", "r", "drone", "package"], 60)
     StateTable(client).put(d, {"drone.status": "compensation_failed"})
-    raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), DEADLINE_INDEX],
+    raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), deadline_index(d)],
                                 [6, d, "delivery", "r", "drone", "package"], 60)
     assert parse_marked(raw).next == ""  # package is never asked: the alert is raised on drone
     assert _fields(client, d)["package.status"] == "compensating"
@@ -466,21 +470,28 @@ def test_reports_make_the_current_attempt_due_and_ignore_stale_ones(client: redi
     StateTable(client).put(d, {"drone.attempt": 3})
     assert t.record_report(d, "drone", 2, "FAILED", 1_000_001, "old") == "stale"
     assert t.record_report(d, "drone", 3, "RETRIES_EXHAUSTED", 1_000_002, "spent") == "due"
-    assert client.zscore(DEADLINE_INDEX, index_member(d, "drone")) == 1_000_002
+    assert client.zscore(deadline_index(d), index_member(d, "drone")) == 1_000_002
     assert t.record_report("nobody", "drone", 1, "FAILED", 1, "") == "unknown"
     assert not client.exists(delivery_key("nobody"))
 
 
 def test_scan_is_paged_and_capped(client: redis.Redis, lease: Lease) -> None:
     for _ in range(25):
-        _new(client, "package")
+        _new(client, "package", shard=3)
     assert lease.fence is not None
     capped = SupervisorSettings(page_size=10, max_per_scan=15, backoff_base_s=0.1)
-    first = Scanner(client, capped).scan(lease.fence, lease.key, POLICIES, 1_002_000)
-    assert first.stats.due == 15 and first.stats.capped and first.stats.page_sizes == [10, 5]
-    rest = Scanner(client, capped).scan(lease.fence, lease.key, POLICIES, 1_002_000)
-    assert rest.stats.due == 10 and rest.stats.page_sizes == [10, 0]
+    first = Scanner(client, capped).scan(lease.fence, lease.shard_key, POLICIES, 1_002_000)
+    assert first.stats.due == 15 and first.stats.capped and first.stats.page_sizes == [10, 10]
+    rest = Scanner(client, capped).scan(lease.fence, lease.shard_key, POLICIES, 1_002_000)
+    assert rest.stats.due == 10 and rest.stats.page_sizes == [10] and not rest.stats.capped
     assert json.dumps(sorted(a.kind for a in rest.actions)) == json.dumps(["extend"] * 10)
+
+
+def test_scan_walks_every_shard(client: redis.Redis, lease: Lease) -> None:
+    due = {_new(client, "package", shard=shard) for shard in range(keys.SHARDS)}
+    actions = _scan(client, lease, 1_002_000)
+    assert {d for d, _ in actions} == due
+    assert {a.kind for a in actions.values()} == {"extend"}
 
 
 def test_the_operators_status_view_reads_each_steps_record(client: redis.Redis) -> None:

@@ -1,0 +1,95 @@
+"""Reaching Redis the same way on a single node and on a Redis Cluster.
+
+``connect`` asks the server named by the URL whether it is a cluster node and answers a
+``RedisCluster`` if so: ``REDIS_URL`` pointing at any node of a cluster is enough. Both
+offer the same commands (a ``RedisCluster`` passes for a ``redis.Redis`` here), and every
+script the runtime runs touches keys of one hash slot (``choreo.keys``).
+
+What differs is pipelining scripts: redis-py's cluster pipeline refuses ``EVALSHA``. A
+``NodePipelines`` queues each call on a plain pipeline of the node that serves its keys
+(which also loads a script a node lacks, as after a failover), one round trip per node.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import redis
+from redis.client import Pipeline
+from redis.exceptions import ConnectionError as RedisConnectionError, ResponseError, TimeoutError as RedisTimeout
+
+
+def connect(url: str, **options: Any) -> redis.Redis:
+    """A client of the server at ``url``: a cluster client when it is a cluster node."""
+    probe = redis.Redis.from_url(url, **options)
+    try:
+        clustered = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+    except ResponseError:  # a server or proxy that does not answer INFO cluster
+        clustered = False
+    if not clustered:
+        return probe
+    probe.close()
+    return cast(redis.Redis, redis.RedisCluster.from_url(url, **options))
+
+
+def is_cluster(client: Any) -> bool:
+    return isinstance(client, redis.RedisCluster)
+
+
+def slot_of(client: redis.Redis, key: str) -> int:
+    """The hash slot of ``key`` on a cluster (redis-py leaves ``keyslot`` untyped)."""
+    return int(cast(redis.RedisCluster, client).keyslot(key))  # type: ignore[no-untyped-call]
+
+
+def raise_first(replies: list[Any]) -> list[Any]:
+    """The replies, once none is an error (the first one is raised)."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+class NodePipelines:
+    """Commands pipelined per node, answered in the order they were queued. Queue each
+    command on ``on(its first key)``, exactly one command per call."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._pipes: dict[str, Pipeline] = {}
+        self._order: list[tuple[str, int]] = []
+
+    def on(self, key: str) -> Pipeline:
+        name, node_client = "", self.client
+        if is_cluster(self.client):
+            cluster = cast(redis.RedisCluster, self.client)
+            node = cluster.get_node_from_key(key)  # type: ignore[no-untyped-call]
+            name, node_client = node.name, cluster.get_redis_connection(node)
+        pipe = self._pipes.get(name)
+        if pipe is None:
+            pipe = self._pipes[name] = node_client.pipeline(transaction=False)
+        self._order.append((name, len(pipe)))
+        return pipe
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def execute(self) -> list[Any]:
+        """Every command's reply in queue order, an error reply as an exception in its place.
+        A reply that says the slot moved (or a node that cannot be reached) makes the cluster
+        client read the slot map again, so the caller's next try goes to the right node."""
+        replies: dict[str, list[Any]] = {}
+        try:
+            for name, pipe in self._pipes.items():
+                replies[name] = pipe.execute(raise_on_error=False)
+        except (RedisConnectionError, RedisTimeout):
+            self._refresh()
+            raise
+        answers = [replies[name][i] for name, i in self._order]
+        if any(isinstance(a, ResponseError) and str(a).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN"))
+               for a in answers):
+            self._refresh()
+        return answers
+
+    def _refresh(self) -> None:
+        if is_cluster(self.client):
+            cast(redis.RedisCluster, self.client).nodes_manager.initialize()
