@@ -143,3 +143,31 @@ def test_a_requeued_step_still_replies_once(world: World) -> None:
     got = outcomes(reply)
     assert sorted(k for k, _ in got) == sorted(ids)
     assert {o.outcome for _, o in got} == {"shipped"}
+
+
+def test_a_delivery_the_supervisor_fails_still_replies_once(world: World) -> None:
+    """A drone step that fails every try spends its budget: the supervisor fails the delivery.
+    Its failure continues the request's story (read from the step's input), so the outcome
+    still reaches the reply topic, once, in the request's trace."""
+    reply = f"replies.sup.{world.prefix.strip('.').replace('.', '-')}"
+    ensure_topics([reply], partitions=3)
+    world.start("package")
+    world.start("drone", AGENT_DISPATCH_TRANSIENT_RATE="1.0")
+    world.start("delivery")
+    world.supervisor()
+    flow = sup_pipeline.workflow(world.prefix, sup_pipeline.build(world.prefix, DEADLINE_S, BUDGET, 0))
+    publisher = Publisher("sup-test", workflow=flow, redis_client=world.redis)
+    ids = [str(uuid.uuid4()) for _ in range(2)]
+    traces = {d: publisher.publish(delivery_request(d, reply_topic=reply), str(uuid.uuid4()),
+                                   topic=world.topic("delivery.requested")).trace_id for d in ids}
+    publisher.flush(30)
+    failed = wait_for(lambda: (r := world.by_delivery("delivery.failed")) and set(ids) <= set(r) and r,
+                      timeout_s=120, what="the deliveries failed by the supervisor")
+    for d in ids:
+        assert failed[d][0].header("producer") == world.name  # the supervisor decided it
+        assert (failed[d][0].envelope or Envelope("", "")).trace_id == traces[d]
+    got = wait_for(lambda: len(o := outcomes(reply)) >= len(ids) and o, timeout_s=30, what="the replies")
+    time.sleep(1.0)
+    got = outcomes(reply)
+    assert sorted(k for k, _ in got) == sorted(ids)
+    assert {o.outcome for _, o in got} == {"failed"} and all(o.compensate == ["package"] for _, o in got)
