@@ -24,6 +24,10 @@ registry owns ``_schemas``. Ops tools (``ops``) read every workflow topic, write
 Idempotent producers need no IDEMPOTENT_WRITE since Kafka 3.0 (KIP-679: WRITE on a topic
 implies it).
 
+Redis and the registry follow the same principals: one Redis ACL user each, limited to the
+key prefixes it owns (``redis_key_prefixes``), and one registry login each, a reader but for
+the admin (``registry_roles``).
+
 Secrets never come from the repository: a password is read from
 ``CHOREO_KAFKA_PASSWORD_<USER>`` (``-`` becomes ``_``, upper case) when set, else from
 ``<secrets dir>/kafka/<user>.password``, generated there on first use with mode 0600
