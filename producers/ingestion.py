@@ -300,8 +300,9 @@ def create_app(settings: IngestionSettings | None = None,
         sub = submitter or Submitter(cfg, entry="http")
         await run_in_threadpool(sub.start)
         app.state.submitter = sub
-        if sub.publisher.workflow is not None:
-            app.state.history = KafkaHistory(sub.publisher.workflow, sub.redis, cfg.history_concurrency)
+        publisher = getattr(sub, "publisher", None)  # a stand-in submitter may have none
+        if publisher is not None and publisher.workflow is not None:
+            app.state.history = KafkaHistory(publisher.workflow, sub.redis, cfg.history_concurrency)
         if settle_gc:  # the process is ours (``choreo serve``), its start-up done
             settle_garbage_collector()
         try:
