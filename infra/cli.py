@@ -37,13 +37,16 @@ def fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+REDIS_CLUSTER_HELP = ("a Redis Cluster too, beside the single Redis: three masters with one replica "
+                      "each on 127.0.0.1:7000-7005 (REDIS_URL=redis://127.0.0.1:7000)")
 SECURE_HELP = ("the secured stack instead (SECURITY.md): SASL/SCRAM + ACL broker on 29092, "
                "ACL Redis on 26379, registry with basic auth on 28081, under $CHOREO_DATA_DIR/secured")
 
 
 @stack_app.command("start")
 def stack_start(nodes: int = typer.Option(1, help="Kafka nodes: 1, or 3 for failover tests"),
-                secure: bool = typer.Option(False, "--secure", help=SECURE_HELP)) -> None:
+                secure: bool = typer.Option(False, "--secure", help=SECURE_HELP),
+                redis_cluster: bool = typer.Option(False, "--redis-cluster", help=REDIS_CLUSTER_HELP)) -> None:
     """Start the stack (idempotent: what already runs is reused)."""
     from infra import stack
 
@@ -57,9 +60,13 @@ def stack_start(nodes: int = typer.Option(1, help="Kafka nodes: 1, or 3 for fail
             from choreo.config import settings
 
             started = stack.kafka_cluster(settings(), nodes=nodes).start(settings().start_timeout_s)
+        if redis_cluster:
+            started += stack.redis_cluster().start()
     except StackError as exc:
         fail(str(exc))
     console.print(f"started: {', '.join(started) or 'nothing (already running)'}")
+    if redis_cluster:
+        console.print(f"Redis Cluster ok: REDIS_URL={stack.redis_cluster().url}")
 
 
 def _secure_start(nodes: int) -> None:
@@ -85,11 +92,16 @@ def _secure_start(nodes: int) -> None:
 
 @stack_app.command("stop")
 def stack_stop(nodes: int = typer.Option(1, help="Kafka nodes of the cluster to stop"),
-               secure: bool = typer.Option(False, "--secure", help="stop the secured stack only")) -> None:
-    """Stop the stack (with --secure: only the secured stack, the default one keeps running)."""
+               secure: bool = typer.Option(False, "--secure", help="stop the secured stack only"),
+               redis_cluster: bool = typer.Option(False, "--redis-cluster",
+                                                  help="stop the Redis Cluster only")) -> None:
+    """Stop the stack, its Redis Cluster too (with --secure or --redis-cluster: only that one,
+    the rest keeps running)."""
     from infra import stack
 
-    if secure:
+    if redis_cluster:
+        stopped = stack.redis_cluster().stop()
+    elif secure:
         from infra import security
 
         stopped = security.down(security.default_data_dir())

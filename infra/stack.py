@@ -19,6 +19,7 @@ import redis
 from choreo.config import Settings, settings
 from infra.kafka import KafkaCluster
 from infra.process import ManagedProcess, StackError, port_listening
+from infra.redis_cluster import RedisCluster
 from infra.redis_server import redis_process
 
 EXTERNAL_ENV = "CHOREO_EXTERNAL"
@@ -59,6 +60,11 @@ class PartStatus:
     running: bool
     pid: int | None
     log: str
+
+
+def redis_cluster(cfg: Settings | None = None) -> RedisCluster:
+    """The Redis Cluster of ``stack start --redis-cluster``, beside the single Redis."""
+    return RedisCluster((cfg or settings()).data_dir)
 
 
 def _registry_process(cfg: Settings) -> ManagedProcess | None:
@@ -141,13 +147,16 @@ def start(cfg: Settings | None = None) -> list[str]:
 
 
 def stop(cfg: Settings | None = None) -> list[str]:
-    """Stop in reverse dependency order (never an external part); return what was stopped."""
-    return [p.name for p in reversed(parts(cfg)) if p.stop()]
+    """Stop in reverse dependency order (never an external part), the Redis Cluster too;
+    return what was stopped."""
+    return [*redis_cluster(cfg).stop(), *(p.name for p in reversed(parts(cfg)) if p.stop())]
 
 
 def status(cfg: Settings | None = None) -> list[PartStatus]:
     cfg = cfg or settings()
-    owned = [PartStatus(p.name, p.pid() is not None, p.pid(), str(p.log_file)) for p in parts(cfg)]
+    cluster = redis_cluster(cfg)  # shown when one of its nodes runs: it is started on demand
+    shown = [*parts(cfg), *(cluster.processes() if cluster.running() else [])]
+    owned = [PartStatus(p.name, p.pid() is not None, p.pid(), str(p.log_file)) for p in shown]
     probes = _probes(cfg)
     return owned + [PartStatus(f"{name} (external)", _answers(probes[name][1]), None, probes[name][0])
                     for name in sorted(external())]
