@@ -93,7 +93,7 @@ def load(path: Path) -> UpConfig:
         workflow=str(raw.get("workflow", "consumers.workflow:WORKFLOW")),
         services=[_service(name, body, path) for name, body in services.items()],
         environment=_environment(raw, path, "environment"),
-        ingestion_url=str(ingestion["url"]) if ingestion.get("url") else None,
+        ingestion_url=_expand(str(ingestion["url"]), path) if ingestion.get("url") else None,
         ingestion_environment=_environment(ingestion, path, "ingestion.environment"),
         backoff=_backoff(restart, path),
     )
@@ -123,7 +123,25 @@ def _environment(raw: dict[str, Any], path: Path, where: str) -> dict[str, str]:
     bad = [k for k, v in env.items() if not isinstance(v, (str, int, float, bool))]
     if bad:
         raise ConfigError(f"{path}: [{where}] {', '.join(bad)}: values must be strings or numbers")
-    return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in env.items()}
+    return {k: _expand(str(v).lower() if isinstance(v, bool) else str(v), path) for k, v in env.items()}
+
+
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _expand(value: str, path: Path) -> str:
+    """``${NAME}`` and ``${NAME:-default}`` from the host's environment, so one file can
+    name what differs by host (its address, say); an unset variable without a default is
+    refused rather than left in."""
+    def one(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is None:
+            raise ConfigError(f"{path}: ${{{name}}} is not set in the environment")
+        return default
+
+    return _VARIABLE.sub(one, value)
 
 
 def _service(name: str, body: Any, path: Path) -> ServiceConfig:
@@ -158,9 +176,10 @@ def instance_ids(service: ServiceConfig, host_ordinal: int) -> list[str]:
     return [str(first + i) for i in range(service.instances)]
 
 
-def workdir(config: UpConfig) -> Path:
-    """Pid, log and state files of one configuration, apart from the demo's and the tests'."""
-    return settings().data_dir / "up" / config.name
+def workdir(config_path: Path) -> Path:
+    """Pid, log and state files of one configuration, apart from the demo's and the tests'.
+    Named by the file alone, so status and stop need not read it."""
+    return settings().data_dir / "up" / config_path.stem
 
 
 @dataclass
@@ -189,7 +208,7 @@ class Member:
 def members(config: UpConfig, host_ordinal: int) -> list[Member]:
     """Every process this host runs: the ingestion server first (stopped first), then each
     instance of each service."""
-    where = workdir(config)
+    where = workdir(config.path)
     found = []
     if config.ingestion_url:
         found.append(Member(ingestion_process(config.ingestion_url, config.ingestion_environment,
@@ -214,7 +233,7 @@ class Supervisor:
         self.members = members(config, host_ordinal)
         self.say = say
         self.tick_s = tick_s
-        self.dir = workdir(config)
+        self.dir = workdir(config.path)
         self.stopping = threading.Event()
 
     @property
@@ -344,9 +363,9 @@ class Status:
         return {**asdict(self), "healthy": self.healthy}
 
 
-def status(config: UpConfig) -> Status:
-    """What the supervisor of ``config`` last wrote, if it runs."""
-    where = workdir(config)
+def status(config_path: Path) -> Status:
+    """What the supervisor of ``config_path`` last wrote, if it runs."""
+    where = workdir(config_path)
     pid = read_pid(where / "up.pid")
     try:
         processes = json.loads((where / "state.json").read_text())["processes"] if pid else []
@@ -355,9 +374,9 @@ def status(config: UpConfig) -> Status:
     return Status(pid, processes)
 
 
-def stop(config: UpConfig, timeout_s: float = 120.0) -> int | None:
-    """SIGTERM the supervisor of ``config`` and wait until it is gone; its pid, or None."""
-    pid = read_pid(workdir(config) / "up.pid")
+def stop(config_path: Path, timeout_s: float = 120.0) -> int | None:
+    """SIGTERM the supervisor of ``config_path`` and wait until it is gone; its pid, or None."""
+    pid = read_pid(workdir(config_path) / "up.pid")
     if pid is None:
         return None
     os.kill(pid, signal.SIGTERM)

@@ -62,7 +62,7 @@ def run(ctx: typer.Context,
             def show() -> None:
                 screen.update(_table(up.Status(None, [m.view() for m in supervisor.members])))
 
-            with Live(_table(up.status(cfg)), console=console, refresh_per_second=2) as screen:
+            with Live(_table(up.status(cfg.path)), console=console, refresh_per_second=2) as screen:
                 supervisor.run(on_tick=show)
                 show()  # the last frame says they stopped
         else:
@@ -78,7 +78,7 @@ def run(ctx: typer.Context,
 def show_status(config: Path = typer.Option(up.DEFAULT_CONFIG, "--config", "-c", help=CONFIG_HELP),
                 as_json: bool = typer.Option(False, "--json", help="machine-readable")) -> None:
     """Each process of a running ``choreo up``; exit code 1 unless all run."""
-    found = up.status(_config(config))
+    found = up.status(config)
     if as_json:
         print(json.dumps(found.as_dict()))
     elif found.supervisor_pid is None:
@@ -94,7 +94,7 @@ def show_status(config: Path = typer.Option(up.DEFAULT_CONFIG, "--config", "-c",
 def stop(config: Path = typer.Option(up.DEFAULT_CONFIG, "--config", "-c", help=CONFIG_HELP)) -> None:
     """Stop a running ``choreo up`` (SIGTERM: intake first, then the services drain)."""
     try:
-        pid = up.stop(_config(config))
+        pid = up.stop(config)
     except StackError as exc:
         _fail(str(exc))
     console.print(f"stopped choreo up (pid {pid})" if pid else f"choreo up was not running for {config}")

@@ -74,3 +74,19 @@ def test_the_files_environment_is_a_default_the_hosts_environment_overrides(
     up.apply_environment(up.load(path))
     assert (os.environ["UP_TEST_A"], os.environ["UP_TEST_B"]) == ("host", "file")
     monkeypatch.delenv("UP_TEST_B")
+
+
+def test_values_take_the_hosts_variables_and_refuse_an_unset_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "vars.toml"
+    path.write_text('[ingestion]\nurl = "http://${UP_TEST_IP}:${UP_TEST_PORT:-8000}"\n'
+                    '[services.a]\nref = "m:s"\n[services.a.environment]\nZONE = "${UP_TEST_ZONE:-eu}-1"\n')
+    monkeypatch.setenv("UP_TEST_IP", "10.1.2.3")
+    monkeypatch.delenv("UP_TEST_PORT", raising=False)
+    monkeypatch.delenv("UP_TEST_ZONE", raising=False)
+    config = up.load(path)
+    assert config.ingestion_url == "http://10.1.2.3:8000"
+    assert config.services[0].environment == {"ZONE": "eu-1"}
+    monkeypatch.delenv("UP_TEST_IP")
+    with pytest.raises(up.ConfigError, match=r"\$\{UP_TEST_IP\} is not set"):
+        up.load(path)
