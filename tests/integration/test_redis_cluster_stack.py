@@ -2,7 +2,7 @@
 three masters with one replica each on loopback, every slot served, a client that talks to
 any node, a master killed and its replica taking over, and a stop that leaves nothing.
 
-The cluster runs in this test's own data dir. Its ports are fixed (7000-7005), so
+The cluster is the stack's (``infra.stack.redis_cluster``), in this test's own data dir. Its ports are fixed (7000-7005), so
 concurrent runs on one machine take turns (flock), and the test refuses to start when
 another cluster holds them.
 """
@@ -18,6 +18,8 @@ import pytest
 import redis
 from redis.cluster import RedisCluster as ClusterClient
 
+from choreo.config import Settings
+from infra import stack
 from infra.process import port_in_use
 from infra.redis_cluster import BUS_OFFSET, HOST, MASTERS, SLOTS, RedisCluster
 
@@ -25,10 +27,15 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture()
-def cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+def cfg(tmp_path: Path) -> Settings:
+    return Settings(CHOREO_DATA_DIR=str(tmp_path))
+
+
+@pytest.fixture()
+def cluster(cfg: Settings) -> Iterator[RedisCluster]:
     with open("/tmp/choreo-redis-cluster.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the ports are fixed: one cluster test at a time
-        cluster = RedisCluster(tmp_path)
+        cluster = stack.redis_cluster(cfg)
         taken = [p for port in cluster.ports for p in (port, port + BUS_OFFSET) if port_in_use(HOST, p)]
         assert not taken, f"ports {taken} are taken; is another Redis Cluster running?"
         try:
@@ -43,8 +50,9 @@ def roles(cluster: RedisCluster) -> tuple[list[int], list[int]]:
     return sorted(n.port for n in view if n.master and n.slots), sorted(n.port for n in view if not n.master)
 
 
-def test_three_masters_three_replicas_every_slot_and_a_failover(cluster: RedisCluster) -> None:
+def test_three_masters_three_replicas_every_slot_and_a_failover(cluster: RedisCluster, cfg: Settings) -> None:
     assert len(cluster.start(timeout_s=30)) == 2 * MASTERS
+    assert {p.name for p in stack.status(cfg) if p.running} >= {f"redis-{p}" for p in cluster.ports}
     masters, replicas = roles(cluster)
     assert len(masters) == MASTERS and len(replicas) == MASTERS
     view = cluster.nodes()
@@ -82,8 +90,9 @@ def test_three_masters_three_replicas_every_slot_and_a_failover(cluster: RedisCl
     masters_back, replicas_back = roles(cluster)
     assert len(masters_back) == MASTERS and killed in replicas_back and len(replicas_back) == MASTERS
 
-    stopped = cluster.stop()
+    stopped = stack.stop(cfg)  # the stack's stop covers it (nothing else of it runs in this data dir)
     assert sorted(stopped) == sorted(f"redis-{p}" for p in cluster.ports)
     assert not cluster.running()
     assert not any(port_in_use(HOST, p) for p in cluster.ports)
     assert not list(cluster.workdir.glob("*/*.pid"))
+    assert not [p for p in stack.status(cfg) if p.name.startswith("redis-")]  # shown while it runs only
