@@ -2,9 +2,9 @@
 three masters with one replica each on loopback, every slot served, a client that talks to
 any node, a master killed and its replica taking over, and a stop that leaves nothing.
 
-The cluster is the stack's (``infra.stack.redis_cluster``), in this test's own data dir. Its ports are fixed (7000-7005), so
-concurrent runs on one machine take turns (flock), and the test refuses to start when
-another cluster holds them.
+The cluster is the stack's (``infra.stack.redis_cluster``), in this test's own data dir.
+Its ports are fixed (7000-7005), so concurrent runs on one machine take turns (flock), and
+the test refuses to start when another cluster holds them.
 """
 
 from __future__ import annotations
