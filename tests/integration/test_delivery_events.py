@@ -85,7 +85,7 @@ def test_the_stream_shows_the_steps_in_order_and_ends_with_the_outcome(
     assert names.count("outcome") == 1 and set(names[:-1]) == {"step"}
     steps = [(d["step"], d["status"]) for name, d in got if name == "step"]
     done = [step for step, status in steps if status == "completed"]
-    assert set(done) == {"package", "drone", "delivery"}
+    assert set(done) == {"package", "drone", "delivery"}, got
     assert done.index("delivery") > max(done.index("package"), done.index("drone"))  # the fan-in last
     times = [d["updated_ms"] for name, d in got if name == "step"]
     assert times == sorted(times)
