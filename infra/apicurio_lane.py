@@ -3,7 +3,7 @@
 Starts Apicurio on loopback, runs pytest with ``SCHEMA_REGISTRY_URL`` at its Confluent API
 and ``CHOREO_EXTERNAL=registry`` (so the stack starts no registry of its own), stops
 Apicurio, and exits with pytest's code. ``make test`` runs it after the main lane:
-``python -m infra.apicurio_lane [pytest args]``.
+``python -m infra.apicurio_lane [more pytest args]``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from choreo.config import REPO_ROOT, settings
 from infra import apicurio
 from infra.process import StackError
 
-PORT = int(os.environ.get("APICURIO_PORT", "18081"))
+# never the shared stack's 8081, the chaos run's 18081 nor the secured stack's 28081
+PORT = int(os.environ.get("APICURIO_PORT", "18480"))
 # the pipeline's own tests, unchanged (tests/integration/test_external_registry.py, in the
 # main lane, covers the stack, the demo and the deploy gate on Apicurio)
 TESTS = ["tests/integration/test_pipeline.py"]
@@ -32,7 +33,7 @@ def main(args: list[str]) -> int:
     env = {**os.environ, "SCHEMA_REGISTRY_URL": apicurio.url(PORT), "CHOREO_EXTERNAL": ",".join(sorted(outside))}
     print(f"apicurio lane: Apicurio Registry {apicurio.VERSION} at {apicurio.url(PORT)}", file=sys.stderr)
     try:
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", *(args or TESTS)],
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", *TESTS, *args],
                               cwd=REPO_ROOT, env=env, check=False).returncode
     finally:
         process.stop()
