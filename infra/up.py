@@ -286,7 +286,7 @@ class Supervisor:
     def _start(self, member: Member, now: float) -> None:
         restart = member.state == "backoff"
         try:
-            member.proc.start(settings().start_timeout_s)
+            new = member.proc.start(settings().start_timeout_s)
         except StackError as exc:
             member.last_exit = str(exc)
             self.say(f"{member.proc.name} did not start: {exc}")
@@ -297,7 +297,8 @@ class Supervisor:
         member.started_at = time.time()
         member._started_mono = now
         member.restarts += int(restart)
-        self.say(f"{member.proc.name} {'restarted' if restart else 'started'} (pid {member.pid})")
+        verb = "restarted" if restart else "started" if new else "adopted (left running by an earlier up)"
+        self.say(f"{member.proc.name} {verb} (pid {member.pid})")
 
     def _back_off(self, member: Member, now: float) -> None:
         policy = self.config.backoff

@@ -183,3 +183,44 @@ def test_two_hosts_with_one_file_run_distinct_ids_and_share_the_work(stack: None
         for proc in procs.values():
             proc.send_signal(signal.SIGTERM)
         assert [proc.wait(120) for proc in procs.values()] == [0, 0]
+
+
+def test_a_killed_up_leaves_its_processes_to_the_next_up_which_adopts_them(stack: None, tmp_path: Path) -> None:
+    topology.create(WORKFLOW)
+    config = tmp_path / "notifier.toml"
+    config.write_text('[services.notifier]\nref = "consumers.notifier:service"\n')
+    name = f"notifier-{ORDINAL}"
+    started: list[subprocess.Popen[bytes]] = []
+    service: list[int] = []
+
+    def up(log: str) -> subprocess.Popen[bytes]:
+        with open(tmp_path / log, "wb") as out:
+            started.append(subprocess.Popen([sys.executable, "-m", "infra.cli", "up", "--no-prepare",
+                                             "--config", str(config)], cwd=REPO, stdout=out,
+                                            stderr=subprocess.STDOUT, env=_env(config)))
+        return started[-1]
+
+    def running_pid() -> int:
+        found = _status(config)
+        return int(found["healthy"] and _by_name(found)[name]["pid"] or 0)
+
+    try:
+        first = up("first.log")
+        service.append(wait_for(running_pid, timeout_s=60, what="notifier running"))
+        first.kill()  # kill -9: no stop hook runs
+        first.wait()
+        assert pid_alive(service[0])
+        second = up("second.log")
+        assert wait_for(running_pid, timeout_s=60, what="the notifier adopted") == service[0]
+        assert f"{name} adopted" in (tmp_path / "second.log").read_text()
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(60) == 0
+        assert not pid_alive(service[0])
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for pid in service:
+            if pid > 0 and pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
