@@ -150,6 +150,8 @@ def _service(name: str, body: Any, path: Path) -> ServiceConfig:
     instances = body.get("instances", 1)
     if not isinstance(instances, int) or instances < 1:
         raise ConfigError(f"{path}: [services.{name}] instances must be a whole number ≥ 1")
+    if name == "ingestion":
+        raise ConfigError(f"{path}: [services.ingestion]: that name is the [ingestion] server's")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise ConfigError(f"{path}: service name {name!r} may hold letters, digits, '.', '_', '-' only")
     return ServiceConfig(name, body["ref"], instances, _environment(body, path, f"services.{name}.environment"))

@@ -53,6 +53,7 @@ def test_instance_ids_are_unique_across_hosts_and_the_same_after_a_restart() -> 
     ("[services.a]\nref = 'm:s'\ninstances = 0", "instances must be"),
     ("[services.a]\nref = 'm:s'\n[services.a.environment]\nX = [1]", "values must be"),
     ("[services", "not valid TOML"),
+    ("[services.ingestion]\nref = 'm:s'", "the [ingestion] server's"),
     ("[services.a]\nref = 'm:s'\n[restart]\nmax = 3", "[restart] knows"),
     ("[services.a]\nref = 'm:s'\n[restart]\nmax_s = 'long'", "values are seconds"),
     ("[services.a]\nref = 'm:s'\nenvironment = 3", "[services.a.environment] must be a table"),
