@@ -134,5 +134,6 @@ def _send(client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
         return [script.queue(items, client)]
     pipes = NodePipelines(client)
     for _, script, _, items in calls:
-        script.queue(items, pipes.on(items[0][0][0]))
+        keys = items[0][0]
+        script.queue(items, pipes.on(keys[0] if keys else None))
     return pipes.execute()

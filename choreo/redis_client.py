@@ -51,18 +51,20 @@ def raise_first(replies: list[Any]) -> list[Any]:
 
 class NodePipelines:
     """Commands pipelined per node, answered in the order they were queued. Queue each
-    command on ``on(its first key)``, exactly one command per call."""
+    command on ``on(its first key)`` (``None`` for a command without keys, which any node
+    may run), exactly one command per call."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
         self._pipes: dict[str, Pipeline] = {}
         self._order: list[tuple[str, int]] = []
 
-    def on(self, key: str) -> Pipeline:
+    def on(self, key: str | None) -> Pipeline:
         name, node_client = "", self.client
         if is_cluster(self.client):
             cluster = cast(redis.RedisCluster, self.client)
-            node = cluster.get_node_from_key(key)  # type: ignore[no-untyped-call]
+            node = (cluster.get_default_node() if key is None  # type: ignore[no-untyped-call]
+                    else cluster.get_node_from_key(key))  # type: ignore[no-untyped-call]
             name, node_client = node.name, cluster.get_redis_connection(node)
         pipe = self._pipes.get(name)
         if pipe is None:

@@ -128,8 +128,8 @@ class InFlight:
     def __init__(self, client: redis.Redis, key: str, cap: int, max_age_s: float,
                  page: int, owner_cap: int) -> None:
         self.client = client
-        self.key = key
         self.keys = inflight_keys(key)
+        self.key = self.keys[0]  # the set itself
         self.cap = cap
         self.owner_cap = owner_cap
         self.max_age_ms = int(max_age_s * 1000)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from confluent_kafka import Consumer, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from fastavro import schemaless_reader
 
 from choreo.kafka import base_config
@@ -181,7 +181,7 @@ def resolve(consumer: Consumer, topic: str, partitions: Iterable[int] | None = N
     after the time (or the end when there is none), which is exactly a half-open bound.
     """
     parts = list(partitions) if partitions is not None else partitions_of(consumer, topic, timeout_s)
-    marks = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s) for p in parts}
+    marks = {p: watermarks(consumer, TopicPartition(topic, p), timeout_s) for p in parts}
     starts = {p: low for p, (low, _) in marks.items()}
     ends = {p: high for p, (_, high) in marks.items()}
     if since_ms is not None:
@@ -195,6 +195,21 @@ def resolve(consumer: Consumer, topic: str, partitions: Iterable[int] | None = N
         parts = [p for p in parts if p in offsets]
     spans = [Span(topic, p, max(starts[p], marks[p][0]), ends[p]) for p in parts]
     return [s for s in spans if s.size > 0]
+
+
+def watermarks(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> tuple[int, int]:
+    """A partition's low and high offsets. A fresh consumer that has no leader for the
+    partition yet (a topic just created, a leader moving) answers "unknown partition" on
+    the first ask and knows it a moment later: asked again until ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=max(0.1, deadline - time.monotonic()))
+            return int(low), int(high)
+        except KafkaException as e:
+            if e.args[0].code() != KafkaError._UNKNOWN_PARTITION or time.monotonic() > deadline:
+                raise
+            consumer.poll(0.1)  # lets the metadata reply land
 
 
 def _at_time(consumer: Consumer, topic: str, parts: list[int], ms: int, ends: dict[int, int],

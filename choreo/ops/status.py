@@ -20,7 +20,7 @@ import redis
 from confluent_kafka import Message, TopicPartition
 
 from choreo.config import settings
-from choreo.ops.records import existing_topics, read, reader, resolve
+from choreo.ops.records import existing_topics, read, reader, resolve, watermarks
 from choreo.redis_client import connect
 from choreo.state import StepStatus, deadline_shards, delivery_key, text, unpack_step
 from choreo.workflow import Workflow
@@ -150,7 +150,7 @@ def lag(workflow: Workflow, extra_groups: dict[str, list[str]] | None = None) ->
             probe = reader(**{"group.id": group})
             try:
                 for tp in probe.committed(tps, timeout=10):
-                    low, high = meta_reader.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)
+                    low, high = watermarks(meta_reader, TopicPartition(tp.topic, tp.partition), 10)
                     behind = high - (tp.offset if tp.offset >= 0 else low)
                     rows.append(LagRow(group, tp.topic, tp.partition, tp.offset, high, max(0, behind)))
             finally:

@@ -26,16 +26,23 @@ from confluent_kafka import Consumer, TopicPartition
 from choreo.config import settings
 from choreo.envelope import derived_id
 from choreo.state import StateTable, StepStatus, delivery_key
+from producers.admission import inflight_keys
 from producers.client import DeliveryClient
 from producers.errors import AdmissionRefused, StoreUnavailable
 from producers.http_server import MAX_HEAD_BYTES
 from producers.model import InvalidRequest
+from producers.settings import IngestionSettings
 from producers.submit import Submission, Submitter, idempotency_redis_key, owner_redis_key
 from tests.factories import request_body
 from tests.helpers import REPO, index_members, wait_for
 from tests.ingestion import TOPIC, end_offsets, ingestion_settings, records_since, serving
 
 pytestmark = pytest.mark.integration
+
+
+def in_flight(cfg: IngestionSettings) -> str:
+    """The in-flight set's key (the admission keeps it hash-tagged)."""
+    return inflight_keys(cfg.inflight_key)[0]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -362,7 +369,7 @@ def test_in_flight_cap_refuses_the_flood_with_429(unique: str, redis_client: red
         for r in refused:
             assert int(r.headers["retry-after"]) >= 1
             assert r.json()["error"] == "overloaded" and r.json()["reason"] == "in_flight"
-        assert redis_client.zcard(cfg.inflight_key) == cap
+        assert redis_client.zcard(in_flight(cfg)) == cap
 
         # every accepted one is in the topic, and only those
         published = [k for k, e, _ in records_since(start) if e.owner_id == f"flood-{unique}"]
@@ -370,14 +377,14 @@ def test_in_flight_cap_refuses_the_flood_with_429(unique: str, redis_client: red
 
         with httpx.Client(base_url=url, timeout=40) as client:
             assert client.post("/deliveries", json=request_body()).status_code == 429
-    redis_client.delete(cfg.inflight_key)
+    redis_client.delete(*inflight_keys(cfg.inflight_key))
 
 
 def test_terminal_deliveries_free_their_places(unique: str, redis_client: redis.Redis) -> None:
     """The lazy trim reads the ``outcome`` the delivery service writes into the state hash.
     Synthetic deliveries (never published) so that running services cannot finish them."""
     cap = 20
-    key = f"test:inflight:{unique}"
+    key = inflight_keys(f"test:inflight:{unique}")[0]
     ids = [str(uuid.uuid4()) for _ in range(cap)]
     now_ms = time.time() * 1000
     redis_client.zadd(key, {d: now_ms for d in ids})
@@ -452,7 +459,7 @@ def test_python_client_submits_and_is_refused_past_the_cap(unique: str) -> None:
         assert len(refused.value.accepted) == 2  # 4 places: one, again, and two of the batch
     published = {k for k, e, _ in records_since(start) if e.owner_id == f"py-{unique}"}
     assert published == {one, again, *refused.value.accepted}
-    redis.Redis.from_url(settings().redis_url).delete(cfg.inflight_key)
+    redis.Redis.from_url(settings().redis_url).delete(*inflight_keys(cfg.inflight_key))
 
 
 def test_a_batch_is_admitted_in_order_and_refused_past_the_cap(unique: str,
@@ -472,14 +479,14 @@ def test_a_batch_is_admitted_in_order_and_refused_past_the_cap(unique: str,
         refusal = results[6]
         assert isinstance(refusal, AdmissionRefused) and refusal.reason == "in_flight"
         accepted = [client.confirm(r) for r in results if isinstance(r, Submission)]
-    assert redis_client.zcard(cfg.inflight_key) == 5
-    assert set(m.decode() for m in redis_client.zrange(cfg.inflight_key, 0, -1)) == set(accepted)
+    assert redis_client.zcard(in_flight(cfg)) == 5
+    assert set(m.decode() for m in redis_client.zrange(in_flight(cfg), 0, -1)) == set(accepted)
     published = [k for k, e, _ in records_since(start) if e.owner_id == owner]
     assert sorted(published) == sorted(accepted)
     table = StateTable(redis_client)
     for delivery_id in accepted:  # the steps the event triggers were opened before it was produced
         assert {s.status for s in table.steps(delivery_id).values()} == {StepStatus.PENDING}
-    redis_client.delete(cfg.inflight_key)
+    redis_client.delete(*inflight_keys(cfg.inflight_key))
 
 
 def test_a_full_local_queue_refuses_the_rest_of_the_batch_and_leaves_nothing(
@@ -508,13 +515,13 @@ def test_a_full_local_queue_refuses_the_rest_of_the_batch_and_leaves_nothing(
         assert submitter.pending == 0
     finally:
         submitter.close()
-    assert {m.decode() for m in redis_client.zrange(cfg.inflight_key, 0, -1)} == set(accepted)
+    assert {m.decode() for m in redis_client.zrange(in_flight(cfg), 0, -1)} == set(accepted)
     published = [k for k, e, _ in records_since(start) if e.owner_id == owner]
     assert sorted(published) == sorted(accepted)
     # the steps opened for the batch and not withdrawn: package and drone, of the accepted only
     opened = {m.decode() for m in set(index_members(redis_client)) - steps_before}
     assert sorted(m.split("|")[0] for m in opened) == sorted(accepted * 2)
-    redis_client.delete(cfg.inflight_key)
+    redis_client.delete(*inflight_keys(cfg.inflight_key))
 
 
 def test_submit_many_stops_at_an_invalid_request_and_says_what_it_accepted(unique: str) -> None:
@@ -528,7 +535,7 @@ def test_submit_many_stops_at_an_invalid_request_and_says_what_it_accepted(uniqu
     assert invalid.value.malformed and len(invalid.value.accepted) == 3
     published = [k for k, e, _ in records_since(start) if e.owner_id == owner]
     assert sorted(published) == sorted(invalid.value.accepted)  # the fifth was never sent
-    redis.Redis.from_url(settings().redis_url).delete(cfg.inflight_key)
+    redis.Redis.from_url(settings().redis_url).delete(*inflight_keys(cfg.inflight_key))
 
 
 def test_a_batch_against_an_unreachable_store_refuses_every_request(unique: str) -> None:
@@ -590,7 +597,7 @@ def test_cli_emit_file_skips_bad_lines_and_reports_them(tmp_path: Path, unique: 
     published = [(k, e) for k, e, _ in records_since(start) if e.owner_id == owner]
     assert sorted(k for k, _ in published) == sorted([*summary["delivery_ids"], single_id])
     assert {e.package_size for k, e in published if k == single_id} == {"MEDIUM"}
-    redis.Redis.from_url(settings().redis_url).delete(env["INGESTION_INFLIGHT_KEY"])
+    redis.Redis.from_url(settings().redis_url).delete(*inflight_keys(env["INGESTION_INFLIGHT_KEY"]))
 
 
 def test_an_unreachable_state_store_is_a_503_not_a_500(unique: str) -> None:
@@ -633,7 +640,7 @@ def test_a_store_failure_while_admitting_leaves_no_claim_and_no_owner_record(
             submitter.submit(body, key, owner=owner)
         [(refused_id, _)] = failures[0]
         assert not redis_client.exists(idempotency_redis_key(owner, key))  # its claim freed
-        assert not redis_client.zscore(cfg.inflight_key, refused_id)  # its place given back
+        assert not redis_client.zscore(in_flight(cfg), refused_id)  # its place given back
         assert redis_client.get(owner_redis_key(refused_id)) is None  # no owner record
         accepted = submitter.wait(submitter.submit(body, key, owner=owner))
         # the key was free: not "in progress", a fresh start (a new delivery id)

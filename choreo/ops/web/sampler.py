@@ -29,7 +29,7 @@ from choreo.config import settings
 from choreo.logs import get_logger
 from choreo.ops import status as ops_status
 from choreo.ops.dlq import DeadLetter, redriven_positions, summary
-from choreo.ops.records import Span, existing_topics, read, reader
+from choreo.ops.records import Span, existing_topics, read, reader, watermarks
 from choreo.ops.trace import kind_of, workflow_topics
 from choreo.workflow import Workflow
 
@@ -71,7 +71,7 @@ def recent_dead_letters(consumer: Consumer, topics: Iterable[str], present: dict
     spans = []
     for topic in topics:
         for partition in range(present.get(topic, 0)):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+            low, high = watermarks(consumer, TopicPartition(topic, partition), 10)
             spans.append(Span(topic, partition, max(low, high - per_partition), high))
     letters = [DeadLetter.of(record, redriven) for record in read(consumer, spans)]
     return sorted(letters, key=lambda d: d.time_ms, reverse=True)
@@ -151,7 +151,7 @@ class Sampler:
 
     @staticmethod
     def _end(consumer: Consumer, topic: str, partitions: int) -> int:
-        return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5)[1] for p in range(partitions))
+        return sum(watermarks(consumer, TopicPartition(topic, p), 5)[1] for p in range(partitions))
 
     def _rates(self) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
         newest = self._history[-1]
