@@ -181,3 +181,13 @@ def index_members(client: Any) -> list[bytes]:
 def indexed(client: Any) -> int:
     """How many steps the deadline indexes hold, over every shard."""
     return sum(int(client.zcard(index)) for index in deadline_shards())
+
+
+# the Redis Cluster lane (Makefile ``test``) names its cluster here: the tests that keep a Redis
+# of their own (a database of the shared node, a private server) use the cluster instead
+CLUSTER_URL = os.environ.get("CHOREO_TEST_REDIS_CLUSTER", "")
+
+
+def own_redis_url(default: str) -> str:
+    """``default`` (a test's own database or server), or the cluster in the cluster lane."""
+    return CLUSTER_URL or default

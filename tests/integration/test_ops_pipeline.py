@@ -33,6 +33,7 @@ from choreo.ops.rebuild import rebuild
 from choreo.ops.trace import trace
 from choreo.envelope import Envelope
 from choreo.publisher import Publish, Publisher
+from choreo.redis_client import connect
 from choreo.release import Releaser, released
 from choreo.runner import RECOVERY_TOPIC
 from choreo.service import retry_topic
@@ -43,7 +44,7 @@ from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
 from infra.chaos import stuck_evidence
 from schemas.models import ALL_EVENTS, DroneScheduled
 from tests.factories import delivery_request
-from tests.helpers import ServiceProcess, read_topic, start_group_at_end, wait_for
+from tests.helpers import CLUSTER_URL, ServiceProcess, read_topic, start_group_at_end, wait_for
 from tests.services import ops_pipeline
 
 pytestmark = pytest.mark.integration
@@ -56,6 +57,11 @@ STARTS = ("state table", "request event before the state table's times", "reques
 
 @pytest.fixture()
 def private_redis() -> Iterator[redis.Redis]:
+    if CLUSTER_URL:  # the cluster lane: the cluster is this test's alone while it runs
+        client = connect(CLUSTER_URL, socket_timeout=5)
+        client.flushall()
+        yield client
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -90,8 +96,8 @@ class IsolatedPipeline:
         return ops_pipeline.workflow(self.prefix, ops_pipeline.build(self.prefix))
 
     def _env(self) -> dict[str, str]:
-        url = self.client.connection_pool.connection_kwargs
-        return {"OPS_PREFIX": self.prefix, "REDIS_URL": f"redis://{url['host']}:{url['port']}/0",
+        url = CLUSTER_URL or "redis://{host}:{port}/0".format(**self.client.connection_pool.connection_kwargs)
+        return {"OPS_PREFIX": self.prefix, "REDIS_URL": url,
                 "DRONE_FLEET_SIZE": str(FLEET), **self.env}
 
     def start(self) -> IsolatedPipeline:

@@ -28,6 +28,7 @@ from choreo.envelope import now_ms
 from choreo.kafka import CommittedOffsets, admin, ensure_topics
 from choreo.lease import holder
 from choreo.publisher import Publisher
+from choreo.redis_client import connect
 from choreo.runner import RECOVERY_TOPIC
 from choreo.runtime_events import CompensationRecord
 from choreo.serde import Decoder, registry_client
@@ -36,7 +37,7 @@ from choreo.state import StateTable
 from consumers.drone_scheduler import fleet
 from schemas.models import DeliveryFailed
 from tests.factories import delivery_request
-from tests.helpers import ServiceProcess, indexed, read_topic, start_group_at_end, wait_for
+from tests.helpers import ServiceProcess, indexed, own_redis_url, read_topic, start_group_at_end, wait_for
 from tests.services import sup_pipeline
 
 pytestmark = pytest.mark.integration
@@ -136,15 +137,16 @@ def _group_ready(group: str, members: int) -> bool:
 @pytest.fixture()
 def world(stack: None, unique: str) -> Iterator[World]:
     prefix = f"t.sup.{unique}."
-    client = redis.Redis(host="127.0.0.1", port=6379, db=DB)
-    client.flushdb()  # this database belongs to the supervisor tests
+    url = own_redis_url(f"redis://127.0.0.1:6379/{DB}")
+    client = connect(url)
+    client.flushdb()  # this database (the cluster, in the cluster lane) belongs to these tests
     services = sup_pipeline.build(prefix, DEADLINE_S, BUDGET, 0)
     topology.create(sup_pipeline.workflow(prefix, services), partitions=3)
     ensure_topics(sup_pipeline.output_topics(prefix), partitions=3)
     ensure_topics([prefix + "compensation.log"], partitions=3, config={"cleanup.policy": "compact"})
     name = f"sup-{unique}"
     env = {
-        "REDIS_URL": f"redis://127.0.0.1:6379/{DB}",
+        "REDIS_URL": url,
         "SUP_PREFIX": prefix, "SUP_DEADLINE_S": str(DEADLINE_S), "SUP_BUDGET": str(BUDGET),
         "SUP_IN_PROCESS_RETRIES": "0", "DRONE_FLEET_SIZE": "40",
         "SUPERVISOR_NAME": name, "SUPERVISOR_TOPIC_PREFIX": prefix,
