@@ -121,9 +121,9 @@ def by_slot(client: redis.Redis, items: Sequence[Item]) -> list[list[int]]:
     node, where any keys may go together)."""
     if not is_cluster(client):
         return [list(range(len(items)))] if items else []
-    groups: dict[int, list[int]] = {}
+    groups: dict[int | None, list[int]] = {}  # None: items without keys, run on any node
     for position, (keys, _) in enumerate(items):
-        groups.setdefault(slot_of(client, keys[0]), []).append(position)
+        groups.setdefault(slot_of(client, keys[0]) if keys else None, []).append(position)
     return list(groups.values())
 
 

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import redis
 import uvicorn
 from confluent_kafka import Consumer, TopicPartition
 
 from choreo.config import settings
 from choreo.envelope import header_value
 from choreo.serde import Decoder, registry_client
+from choreo.redis_client import connect
 from producers.admission import inflight_keys
 from producers.http_server import server_config
 from producers.ingestion import create_app
@@ -52,7 +52,7 @@ def serving(cfg: IngestionSettings, cleanup: bool = True,
         server.should_exit = True
         thread.join(30)
         if cleanup:
-            redis.Redis.from_url(settings().redis_url).delete(*inflight_keys(cfg.inflight_key))
+            connect(settings().redis_url).delete(*inflight_keys(cfg.inflight_key))
 
 
 def end_offsets() -> dict[int, int]:

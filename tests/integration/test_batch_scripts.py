@@ -24,8 +24,8 @@ INCR = "return redis.call('INCRBY', KEYS[1], ARGV[1])"
 
 def test_each_item_gets_its_own_keys_and_args_in_order(redis_client: redis.Redis, unique: str) -> None:
     echo = BatchScript(redis_client, ECHO)
-    answers = echo.run([([f"{unique}:a"], ["1", "2"]), ([], ["x"]), ([f"{unique}:b", f"{unique}:c"], [])])
-    assert answers == [f"{unique}:a|1,2".encode(), b"|x", None]
+    answers = echo.run([([f"{{{unique}}}:a"], ["1", "2"]), ([], ["x"]), ([f"{{{unique}}}:b", f"{{{unique}}}:c"], [])])
+    assert answers == [f"{{{unique}}}:a|1,2".encode(), b"|x", None]
 
 
 def test_items_past_a_chunk_go_in_several_calls_of_one_round_trip(
@@ -33,7 +33,7 @@ def test_items_past_a_chunk_go_in_several_calls_of_one_round_trip(
     monkeypatch.setattr(batch, "CHUNK", 3)
     incr, echo = BatchScript(redis_client, INCR), BatchScript(redis_client, ECHO)
     counted, echoed = run_together(redis_client, [
-        (incr, [([f"{unique}:n"], [1])] * 7),
+        (incr, [([f"{{{unique}}}:n"], [1])] * 7),
         (echo, [([], [str(i)]) for i in range(4)]),
     ])
     assert counted == [1, 2, 3, 4, 5, 6, 7]  # in order, across three calls

@@ -13,12 +13,12 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from choreo import topology
 from choreo.config import settings
 from choreo.publisher import Publisher
 from choreo.state import delivery_key
+from choreo.redis_client import connect
 from consumers.workflow import WORKFLOW
 from producers.submit import owner_redis_key
 from tests.factories import request_body
@@ -96,7 +96,7 @@ def test_the_stream_shows_the_steps_in_order_and_ends_with_the_outcome(
 
 def test_status_after_the_state_expired_is_told_from_kafka_to_its_owner_only(
         api: httpx.Client, owners: dict[str, str]) -> None:
-    client = redis.Redis.from_url(settings().redis_url)
+    client = connect(settings().redis_url)
     delivery_id = submit(api, owners[ALICE], ALICE, weight_kg=99.0)  # no drone carries it: fails
     alice = {"Authorization": f"Bearer {ALICE}"}
     wait_for(lambda: api.get(f"/deliveries/{delivery_id}", headers=alice).json().get("outcome") == "failed",

@@ -26,6 +26,7 @@ from confluent_kafka import Consumer, TopicPartition
 from choreo.config import settings
 from choreo.envelope import derived_id
 from choreo.state import StateTable, StepStatus, delivery_key
+from choreo.redis_client import connect
 from producers.admission import inflight_keys
 from producers.client import DeliveryClient
 from producers.errors import AdmissionRefused, StoreUnavailable
@@ -459,7 +460,7 @@ def test_python_client_submits_and_is_refused_past_the_cap(unique: str) -> None:
         assert len(refused.value.accepted) == 2  # 4 places: one, again, and two of the batch
     published = {k for k, e, _ in records_since(start) if e.owner_id == f"py-{unique}"}
     assert published == {one, again, *refused.value.accepted}
-    redis.Redis.from_url(settings().redis_url).delete(*inflight_keys(cfg.inflight_key))
+    connect(settings().redis_url).delete(*inflight_keys(cfg.inflight_key))
 
 
 def test_a_batch_is_admitted_in_order_and_refused_past_the_cap(unique: str,
@@ -535,7 +536,7 @@ def test_submit_many_stops_at_an_invalid_request_and_says_what_it_accepted(uniqu
     assert invalid.value.malformed and len(invalid.value.accepted) == 3
     published = [k for k, e, _ in records_since(start) if e.owner_id == owner]
     assert sorted(published) == sorted(invalid.value.accepted)  # the fifth was never sent
-    redis.Redis.from_url(settings().redis_url).delete(*inflight_keys(cfg.inflight_key))
+    connect(settings().redis_url).delete(*inflight_keys(cfg.inflight_key))
 
 
 def test_a_batch_against_an_unreachable_store_refuses_every_request(unique: str) -> None:
@@ -597,7 +598,7 @@ def test_cli_emit_file_skips_bad_lines_and_reports_them(tmp_path: Path, unique: 
     published = [(k, e) for k, e, _ in records_since(start) if e.owner_id == owner]
     assert sorted(k for k, _ in published) == sorted([*summary["delivery_ids"], single_id])
     assert {e.package_size for k, e in published if k == single_id} == {"MEDIUM"}
-    redis.Redis.from_url(settings().redis_url).delete(*inflight_keys(env["INGESTION_INFLIGHT_KEY"]))
+    connect(settings().redis_url).delete(*inflight_keys(env["INGESTION_INFLIGHT_KEY"]))
 
 
 def test_an_unreachable_state_store_is_a_503_not_a_500(unique: str) -> None:
