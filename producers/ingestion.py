@@ -448,9 +448,10 @@ def create_app(settings: IngestionSettings | None = None,
             if recorded is not None and not hmac.compare_digest(recorded.encode(), owner.encode()):
                 return None, caller, unknown
         found = await run_in_threadpool(sub_of(request).status, delivery_id)
-        if found is not None:
-            # with tokens, a delivery no owner was recorded for is nobody's to read
-            return (found, caller, None) if owner is None or recorded is not None else (None, caller, unknown)
+        if found is not None and (owner is None or recorded is not None):
+            return found, caller, None
+        # the state expired, or (with tokens) the owner record did: the request on Kafka
+        # says whose the delivery is
         try:
             told = await from_kafka(request, delivery_id)
         except HistoryBusy:
@@ -459,7 +460,7 @@ def create_app(settings: IngestionSettings | None = None,
         if told is None or (owner is not None
                             and not hmac.compare_digest(told.owner_id.encode(), owner.encode())):
             return None, caller, unknown
-        return told.status, caller, None
+        return (found if found is not None else told.status), caller, None
 
     @app.get("/deliveries/{delivery_id}", summary="A delivery's status and step states")
     async def status(delivery_id: str, request: Request) -> Response:

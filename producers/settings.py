@@ -50,8 +50,9 @@ class IngestionSettings(BaseSettings):
     # place for real secrets (mode 0600, outside the repository); the variable is for tests.
     tokens: str = Field("", alias="INGESTION_TOKENS", repr=False)
     tokens_file: Path | None = Field(None, alias="INGESTION_TOKENS_FILE")
-    # How long the delivery -> owner record (who may read its status) is kept.
-    owner_ttl_s: int = Field(30 * 24 * 3600, ge=60, alias="INGESTION_OWNER_TTL_S")
+    # How long the delivery -> owner record (who may read its status) is kept: no longer
+    # than the state it guards; past it, the request on Kafka names the owner.
+    owner_ttl_s: int = Field(24 * 3600, ge=60, alias="INGESTION_OWNER_TTL_S")
 
     # GET /deliveries/{id}/events: how long one stream may last, how many one client (owner,
     # or address without tokens) and the process may hold, how often the state is read

@@ -101,8 +101,10 @@ def test_status_after_the_state_expired_is_told_from_kafka_to_its_owner_only(
     alice = {"Authorization": f"Bearer {ALICE}"}
     wait_for(lambda: api.get(f"/deliveries/{delivery_id}", headers=alice).json().get("outcome") == "failed",
              timeout_s=60, what="the delivery failed")
-    client.delete(delivery_key(delivery_id))  # its state expired (the join's retention)
-    client.delete(owner_redis_key(delivery_id))  # and so did its owner record: the request tells
+    client.delete(owner_redis_key(delivery_id))  # its owner record expired: the request tells whose
+    assert api.get(f"/deliveries/{delivery_id}", headers=alice).json()["outcome"] == "failed"
+    assert api.get(f"/deliveries/{delivery_id}", headers={"Authorization": f"Bearer {BOB}"}).status_code == 404
+    client.delete(delivery_key(delivery_id))  # and its state did (the join's retention)
     answer = api.get(f"/deliveries/{delivery_id}", headers=alice)
     assert answer.status_code == 200, answer.text
     told = answer.json()

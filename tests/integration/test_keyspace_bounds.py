@@ -280,19 +280,8 @@ def summarize(keys: list[Key]) -> None:
               f"{sum(k.memory for k in group)} bytes")
 
 
-# what the runtime is known to keep too long, by prefix (its own test below flips when fixed)
-KNOWN = {"owner": "producers/submit.py: a delivery's owner (owner tokens on) lives "
-                  "INGESTION_OWNER_TTL_S = 30 days, 30 times as long as the delivery is remembered"}
-
-
 def test_every_key_left_by_a_run_has_a_ttl_or_a_declared_bound(walked: Walked) -> None:
     for how, ids in walked.ended.items():  # the walk saw what each ending leaves
         assert all(any(d in k.name for k in walked.keys) for d in ids), how
-    found = [(key, why) for key, why in offenders(walked.keys, settings().dedupe_ttl_s) if key.prefix not in KNOWN]
-    assert not found, report(found)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="; ".join(KNOWN.values()))
-def test_no_key_outlives_the_dedupe_window(walked: Walked) -> None:
-    found = [(key, why) for key, why in offenders(walked.keys, settings().dedupe_ttl_s) if key.prefix in KNOWN]
+    found = offenders(walked.keys, settings().dedupe_ttl_s)
     assert not found, report(found)
