@@ -23,6 +23,7 @@ from typing import Any
 
 import redis
 
+from choreo.config import settings
 from choreo.redis_client import NodePipelines, is_cluster, slot_of
 
 # ARGV: the item count n, n key counts, n arg counts, then every item's args; KEYS: every
@@ -129,7 +130,7 @@ def by_slot(client: redis.Redis, items: Sequence[Item]) -> list[list[int]]:
 
 def _send(client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
     """Every call's reply: one call alone, or one pipeline per node (``NodePipelines``)."""
-    if len(calls) == 1 and not is_cluster(client):
+    if len(calls) == 1 and not is_cluster(client) and not settings().redis_wait_replicas:
         _, script, _, items = calls[0]
         return [script.queue(items, client)]
     pipes = NodePipelines(client)

@@ -47,6 +47,13 @@ class Settings(BaseSettings):
     kafka_sasl_password: str = Field("", validation_alias="KAFKA_SASL_PASSWORD")
     kafka_sasl_password_file: Path | None = Field(None, validation_alias="KAFKA_SASL_PASSWORD_FILE")
     log_level: str = Field("INFO", validation_alias="CHOREO_LOG_LEVEL")
+    # Redis replicates asynchronously: a master that fails before its replica has a write
+    # loses it. When set, every batch of script calls waits until this many replicas of each
+    # master it wrote to have it (WAIT), and fails (the Kafka transaction aborts) when they
+    # do not within the time, so nothing committed to Kafka rests on a write a failover can
+    # lose. 0: off (a single node, or loss accepted and rebuilt from Kafka).
+    redis_wait_replicas: int = Field(0, ge=0, validation_alias="CHOREO_REDIS_WAIT_REPLICAS")
+    redis_wait_ms: int = Field(500, ge=1, validation_alias="CHOREO_REDIS_WAIT_MS")
 
 
 @lru_cache(maxsize=1)

@@ -16,7 +16,24 @@ from typing import Any, cast
 
 import redis
 from redis.client import Pipeline
-from redis.exceptions import ConnectionError as RedisConnectionError, ResponseError, TimeoutError as RedisTimeout
+from redis.exceptions import (AskError, ClusterError, ConnectionError as RedisConnectionError, ReadOnlyError,
+                              ResponseError, SlotNotCoveredError, TimeoutError as RedisTimeout, TryAgainError)
+
+from choreo.config import settings
+
+
+class ReplicationLag(RedisConnectionError):
+    """Fewer replicas than ``CHOREO_REDIS_WAIT_REPLICAS`` acknowledged a batch's writes in
+    time: the batch fails like one whose connection broke, and is done again."""
+
+
+# what a caller retries: the server is unreachable or slow, or a cluster's slots are moving
+# (a failover: MOVED/ASK, CLUSTERDOWN, TRYAGAIN, a demoted master's READONLY), or the
+# replicas lag
+TRANSIENT: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeout, AskError, ClusterError,
+                                          TryAgainError, ReadOnlyError, SlotNotCoveredError)
+# the replies that say the slot map this client holds is out of date
+_MOVED: tuple[type[Exception], ...] = (AskError, ClusterError, TryAgainError, ReadOnlyError)
 
 
 def connect(url: str, **options: Any) -> redis.Redis:
@@ -78,18 +95,30 @@ class NodePipelines:
     def execute(self) -> list[Any]:
         """Every command's reply in queue order, an error reply as an exception in its place.
         A reply that says the slot moved (or a node that cannot be reached) makes the cluster
-        client read the slot map again, so the caller's next try goes to the right node."""
+        client read the slot map again, so the caller's next try goes to the right node.
+
+        With ``CHOREO_REDIS_WAIT_REPLICAS`` set, each node's pipeline ends with a ``WAIT``
+        on the same connection (``WAIT`` counts that connection's writes), and too few
+        acknowledgements raise ``ReplicationLag``."""
+        replicas, wait_ms = settings().redis_wait_replicas, settings().redis_wait_ms
         replies: dict[str, list[Any]] = {}
         try:
             for name, pipe in self._pipes.items():
+                if replicas:
+                    pipe.execute_command("WAIT", replicas, wait_ms)  # type: ignore[no-untyped-call]
                 replies[name] = pipe.execute(raise_on_error=False)
         except (RedisConnectionError, RedisTimeout):
             self._refresh()
             raise
         answers = [replies[name][i] for name, i in self._order]
-        if any(isinstance(a, ResponseError) and str(a).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN"))
-               for a in answers):
+        if any(isinstance(a, _MOVED) for a in answers):
             self._refresh()
+        if replicas:
+            for name, node_replies in replies.items():
+                acked = node_replies[-1]
+                if not isinstance(acked, Exception) and int(acked) < replicas:
+                    raise ReplicationLag(f"{acked} of {replicas} replicas of {name or 'redis'} "
+                                         f"acknowledged the writes within {wait_ms} ms")
         return answers
 
     def _refresh(self) -> None:

@@ -25,7 +25,6 @@ from datetime import UTC, datetime
 from types import FrameType, GeneratorType
 from typing import Any
 
-import redis
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
@@ -38,7 +37,7 @@ from choreo.errors import DeadLetterReason, DeliveryReleased, Rejected, Retryabl
 from choreo.events import Event
 from choreo.logs import get_logger
 from choreo.memory import collect_batch_cycles, settle_garbage_collector
-from choreo.redis_client import connect
+from choreo.redis_client import TRANSIENT, connect
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
 from choreo.effects import RELEASED, EffectCall, Op, run_all
 from choreo import tracing
@@ -47,6 +46,8 @@ from choreo.runtime_events import DeliveryOutcome
 from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerResult, Periodic, Service
 from choreo.state import Begin, Source, StateTable, StepStatus
 from choreo.workflow import Workflow
+
+TRANSIENT_OR_REGISTRY: tuple[type[Exception], ...] = (*TRANSIENT, RegistryUnavailable)
 
 RECOVERY_TOPIC = "recovery"
 LAG_PERIOD_S = 10.0
@@ -297,7 +298,7 @@ class Runner:
             self._commit()
             clock.lap("commit")
             metrics.BATCH_SIZE.labels(self.service.name).observe(len(batch))
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except TRANSIENT as exc:
             self.log.warning("batch.transient", error=f"redis: {exc}")
             self._abort(batch)
             time.sleep(0.5 + random.random())
@@ -341,7 +342,7 @@ class Runner:
                 keyed.append((i, (env.correlation_id, env.event_id, env.attempt, _position(m))))
         try:
             verdicts = self.dedupe.verdicts([item for _, item in keyed])
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except TRANSIENT as exc:
             raise BatchTransient(f"redis: {exc}") from exc
         seen = [Seen.FRESH] * len(batch)
         for (i, _), verdict in zip(keyed, verdicts):
@@ -360,7 +361,7 @@ class Runner:
             for emitted in ctx.emitted:
                 self._produce(emitted, tick)
             self._commit()
-        except (redis.ConnectionError, redis.TimeoutError, RegistryUnavailable) as exc:
+        except TRANSIENT_OR_REGISTRY as exc:
             self.log.warning("tick.transient", error=str(exc))
             self._abort([])
         except KafkaException as exc:

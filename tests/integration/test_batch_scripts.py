@@ -3,12 +3,16 @@ alone, with its own KEYS and ARGV, and sees what the items before it wrote."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 
 from choreo import batch
 from choreo.batch import BatchScript, run_together
+from choreo.config import settings
 from choreo.effects import EffectCall, OnceEffect, run_all
+from choreo.redis_client import TRANSIENT, ReplicationLag, is_cluster
 from choreo.state import StateTable, StepStatus
 
 pytestmark = pytest.mark.integration
@@ -75,3 +79,26 @@ def test_effects_of_a_round_run_in_input_order_across_effects(redis_client: redi
              for i, effect in enumerate([count, count, read, count, read])]
     assert run_all(redis_client, calls) == ["1", "2", "2", "3", "3"]
     assert run_all(redis_client, calls) == ["1", "2", "2", "3", "3"]  # remembered, not run again
+
+
+def test_a_batch_waits_for_a_replica_of_each_master_it_wrote_to(
+        redis_client: redis.Redis, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CHOREO_REDIS_WAIT_REPLICAS``: on the cluster lane every master has a replica and the
+    batch goes through; a single node has none, and the batch fails as transient after the
+    wait, its write not to be trusted."""
+    monkeypatch.setenv("CHOREO_REDIS_WAIT_REPLICAS", "1")
+    monkeypatch.setenv("CHOREO_REDIS_WAIT_MS", "200")
+    settings.cache_clear()
+    try:
+        incr = BatchScript(redis_client, INCR)
+        items = [([f"{{{unique}}}:w"], [1]), ([f"{{{unique}x}}:w"], [1])]  # two slots
+        if is_cluster(redis_client):
+            assert incr.run(items) == [1, 1]
+        else:
+            started = time.monotonic()
+            with pytest.raises(ReplicationLag) as lag:
+                incr.run(items)
+            assert "0 of 1 replicas" in str(lag.value) and time.monotonic() - started >= 0.19
+            assert isinstance(lag.value, TRANSIENT)  # the runner aborts and reads the batch again
+    finally:
+        settings.cache_clear()
