@@ -22,6 +22,10 @@ class Settings(BaseSettings):
     # off: producers only look their schema up (contracts are registered at deploy time by
     # ``choreo schemas register``); on: a development convenience for throwaway topics
     schema_registry_auto_register: bool = Field(False, validation_alias="SCHEMA_REGISTRY_AUTO_REGISTER")
+    # TLS: the CA librdkafka trusts on an SSL or SASL_SSL listener (``ssl.ca.location``; unset:
+    # the system's CAs). HTTPS clients (httpx, the registry client) and Redis's ``rediss://``
+    # read the standard SSL_CERT_FILE themselves, so they need no setting of ours.
+    kafka_ssl_ca_location: Path | None = Field(None, validation_alias="KAFKA_SSL_CA_LOCATION")
     data_dir: Path = Field(REPO_ROOT / ".stack", validation_alias="CHOREO_DATA_DIR")
     kafka_libs: Path = Field(
         Path.home() / ".cache" / "dronepipe" / "kafka-4.1.2" / "libs", validation_alias="KAFKA_LIBS"

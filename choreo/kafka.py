@@ -14,19 +14,24 @@ from choreo.config import settings
 
 def base_config(bootstrap: str | None = None) -> dict[str, Any]:
     """Connection settings every client shares: the bootstrap servers and, when configured,
-    SASL credentials (each service runs as its own principal under the broker's ACLs)."""
+    SASL credentials (each service runs as its own principal under the broker's ACLs) and
+    the CA that a TLS listener's certificate must chain to."""
     cfg = settings()
     config: dict[str, Any] = {"bootstrap.servers": bootstrap or cfg.kafka_bootstrap_servers}
-    if cfg.kafka_security_protocol != "PLAINTEXT":
+    protocol = cfg.kafka_security_protocol.upper()
+    if protocol != "PLAINTEXT":
+        config["security.protocol"] = protocol
+    if protocol.startswith("SASL_"):
         password = cfg.kafka_sasl_password
         if cfg.kafka_sasl_password_file is not None:
             password = cfg.kafka_sasl_password_file.read_text().strip()
         config.update({
-            "security.protocol": cfg.kafka_security_protocol,
             "sasl.mechanism": cfg.kafka_sasl_mechanism,
             "sasl.username": cfg.kafka_sasl_username,
             "sasl.password": password,
         })
+    if protocol.endswith("SSL") and cfg.kafka_ssl_ca_location is not None:
+        config["ssl.ca.location"] = str(cfg.kafka_ssl_ca_location)
     return config
 
 

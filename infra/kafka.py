@@ -20,6 +20,12 @@ controller listener would have to make ``User:ANONYMOUS`` a super user, i.e. any
 reach its port). The admin's SCRAM credential is added when storage is formatted; every
 other principal and its ACLs come from ``infra.security``. The properties file then holds the
 admin password: it is written with mode 0600 into the node's own (private) data dir.
+
+With ``KafkaSecurity(tls=KafkaTls(...))`` every listener speaks TLS instead: clients and
+brokers on ``SASL_SSL``, the controller on ``SASL_SSL`` too. The broker's key and certificate
+come from a PEM keystore file and the CA from a PEM truststore (``ssl.keystore.type=PEM``,
+``ssl.truststore.type=PEM``), as ``infra.tls`` makes them; the broker checks the controller's
+name like any client (``ssl.endpoint.identification.algorithm=https``, Kafka's default).
 """
 
 from __future__ import annotations
@@ -60,7 +66,17 @@ def java_binary() -> str:
 
 
 SASL_LISTENER = "SASL_PLAINTEXT"
+SASL_SSL_LISTENER = "SASL_SSL"
 STANDARD_AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+
+
+@dataclass(frozen=True)
+class KafkaTls:
+    """The PEM files a TLS listener needs: the CA clients and brokers trust, and the
+    broker's keystore (its private key followed by its certificate chain, mode 0600)."""
+
+    ca_file: Path
+    keystore_file: Path
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,12 @@ class KafkaSecurity:
     admin_user: str = "admin"
     mechanism: str = "SCRAM-SHA-256"
     scram_iterations: int = 8192
+    tls: KafkaTls | None = None  # None: SASL_PLAINTEXT; else every listener is SASL_SSL
+
+    @property
+    def listener(self) -> str:
+        """The client (and inter-broker) listener's name, which is also its protocol."""
+        return SASL_LISTENER if self.tls is None else SASL_SSL_LISTENER
 
     def __post_init__(self) -> None:
         for value in (self.admin_user, self.admin_password):
@@ -84,12 +106,15 @@ class KafkaSecurity:
 
     def client_config(self) -> dict[str, Any]:
         """librdkafka settings for the admin principal."""
-        return {
-            "security.protocol": SASL_LISTENER,
+        config = {
+            "security.protocol": self.listener,
             "sasl.mechanism": self.mechanism,
             "sasl.username": self.admin_user,
             "sasl.password": self.admin_password,
         }
+        if self.tls is not None:
+            config["ssl.ca.location"] = str(self.tls.ca_file)
+        return config
 
     def scram_argument(self) -> str:
         """``StorageTool format --add-scram`` value that creates the admin's credential."""
@@ -103,10 +128,18 @@ class KafkaSecurity:
         plain_jaas = (f'org.apache.kafka.common.security.plain.PlainLoginModule required '
                       f'username="{self.admin_user}" password="{self.admin_password}" '
                       f'user_{self.admin_user}="{self.admin_password}";')
+        tls = [] if self.tls is None else [
+            "ssl.keystore.type=PEM",
+            f"ssl.keystore.location={self.tls.keystore_file}",
+            "ssl.truststore.type=PEM",
+            f"ssl.truststore.location={self.tls.ca_file}",
+            "ssl.client.auth=none",  # clients prove who they are with SCRAM, not certificates
+        ]
         return [
+            *tls,
             f"sasl.enabled.mechanisms={self.mechanism}",
             f"sasl.mechanism.inter.broker.protocol={self.mechanism}",
-            f"listener.name.{SASL_LISTENER.lower()}.{self.mechanism.lower()}.sasl.jaas.config={scram_jaas}",
+            f"listener.name.{self.listener.lower()}.{self.mechanism.lower()}.sasl.jaas.config={scram_jaas}",
             "sasl.mechanism.controller.protocol=PLAIN",
             "listener.name.controller.sasl.enabled.mechanisms=PLAIN",
             f"listener.name.controller.plain.sasl.jaas.config={plain_jaas}",
@@ -138,7 +171,7 @@ class KafkaCluster:
     @property
     def listener(self) -> str:
         """The client (and inter-broker) listener's name, which is also its protocol."""
-        return "PLAINTEXT" if self.security is None else SASL_LISTENER
+        return "PLAINTEXT" if self.security is None else self.security.listener
 
     def client_config(self) -> dict[str, Any]:
         """What an admin client needs to reach this cluster (SASL credentials when secured)."""
@@ -176,7 +209,7 @@ class KafkaCluster:
             protocols = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
             secured: list[str] = []
         else:
-            protocols = f"{SASL_LISTENER}:{SASL_LISTENER},CONTROLLER:SASL_PLAINTEXT"
+            protocols = f"{self.listener}:{self.listener},CONTROLLER:{self.security.listener}"
             secured = self.security.properties()
         return [
             "controller.listener.names=CONTROLLER",

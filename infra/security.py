@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
     from choreo.topology import Topology
     from choreo.workflow import Workflow
+    from infra.tls import TlsFiles
 
 ADMIN = "admin"
 OPS = "ops"
@@ -241,6 +242,13 @@ class Secrets:
         write_private(path, secret)
         return secret
 
+    @property
+    def tls(self) -> TlsFiles:
+        """The secured stack's CA and server certificate (``infra.tls``), under ``<root>/tls``."""
+        from infra.tls import TlsFiles
+
+        return TlsFiles(self.root / "tls")
+
     def password_file(self, user: str, kind: str = "kafka") -> Path:
         """A file holding ``user``'s password (written from the environment when it came from there)."""
         path = self.file(kind, user)
@@ -255,7 +263,8 @@ def client_env(user: str, bootstrap: str, secrets: Secrets) -> dict[str, str]:
     """Environment for a process that runs as ``user`` (what ``choreo.kafka.base_config`` reads)."""
     return {
         "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
-        "KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+        "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "KAFKA_SSL_CA_LOCATION": str(secrets.tls.ca_cert),
         "KAFKA_SASL_MECHANISM": MECHANISM,
         "KAFKA_SASL_USERNAME": user,
         "KAFKA_SASL_PASSWORD_FILE": str(secrets.password_file(user)),
@@ -266,7 +275,8 @@ def client_config(user: str, bootstrap: str, secrets: Secrets) -> dict[str, Any]
     """librdkafka settings for ``user`` (tests and tools that build clients directly)."""
     return {
         "bootstrap.servers": bootstrap,
-        "security.protocol": "SASL_PLAINTEXT",
+        "security.protocol": "SASL_SSL",
+        "ssl.ca.location": str(secrets.tls.ca_cert),
         "sasl.mechanism": MECHANISM,
         "sasl.username": user,
         "sasl.password": secrets.password(user),
@@ -344,12 +354,14 @@ def default_data_dir() -> Path:
 
 def secured_cluster(data_dir: Path, secrets: Secrets, base_port: int = SECURED_KAFKA_PORT,
                     heap: str | None = None) -> Any:
-    """The secured single-node broker of ``data_dir`` (its own data, never the shared stack's)."""
+    """The secured single-node broker of ``data_dir`` (its own data, never the shared stack's),
+    on ``SASL_SSL`` with the stack's certificate (``up`` makes it first)."""
     from choreo.config import settings
-    from infra.kafka import KafkaCluster, KafkaSecurity
+    from infra.kafka import KafkaCluster, KafkaSecurity, KafkaTls
 
+    tls = KafkaTls(ca_file=secrets.tls.ca_cert, keystore_file=secrets.tls.keystore)
     cluster = KafkaCluster(data_dir=data_dir, libs=settings().kafka_libs, base_port=base_port,
-                           security=KafkaSecurity(admin_password=secrets.password(ADMIN)))
+                           security=KafkaSecurity(admin_password=secrets.password(ADMIN), tls=tls))
     return replace(cluster, heap=heap) if heap else cluster
 
 
@@ -538,7 +550,10 @@ def up(data_dir: Path, timeout_s: float = 90.0, *, partitions: int | None = None
 
     from infra.redis_server import redis_process
 
+    from infra.tls import ensure_certificates
+
     secrets = Secrets(data_dir / "secrets")
+    ensure_certificates(secrets.tls.root)
     cluster = secured_cluster(data_dir, secrets, heap=heap)
     cluster.start(timeout_s)
     policy = derive_policy(WORKFLOW)

@@ -1,8 +1,8 @@
 """Kafka with SASL/SCRAM and ACLs (KRaft StandardAuthorizer), on a private secured broker.
 
-The broker is the project's own ``KafkaCluster`` in secured mode, on 29092 (SASL_PLAINTEXT)
-and 29093 (controller), with a data dir of this module's own; the shared stack is not
-touched. Users and ACLs come from ``infra.security.derive_policy(WORKFLOW)``: what the
+The broker is the project's own ``KafkaCluster`` in secured mode, on 29092 (SASL_SSL) and
+29093 (controller, SASL_SSL too), with a data dir of this module's own and a CA and broker
+certificate made by ``infra.tls``; the shared stack is not touched. Users and ACLs come from ``infra.security.derive_policy(WORKFLOW)``: what the
 services declare, nothing kept by hand. Each test is a real client as one principal.
 """
 
@@ -23,9 +23,10 @@ from confluent_kafka.admin import AdminClient
 
 from choreo.config import settings
 from consumers.workflow import WORKFLOW
-from infra.kafka import FORMAT_ARGS, KafkaCluster, KafkaSecurity, java_binary
+from infra.kafka import FORMAT_ARGS, KafkaCluster, KafkaSecurity, KafkaTls, java_binary
 from infra.process import port_in_use
 from infra.security import ADMIN, OPS, Secrets, apply, client_config, derive_policy, secured_topics
+from infra.tls import ensure_certificates
 
 pytestmark = pytest.mark.integration
 
@@ -53,9 +54,11 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
         assert not taken, f"ports {taken} are taken; is another secured broker running?"
         data = tmp_path_factory.mktemp("secured-kafka")
         secrets = Secrets(data / "secrets")
+        tls = ensure_certificates(secrets.tls.root)
         cluster = KafkaCluster(data_dir=data, libs=settings().kafka_libs, base_port=BASE_PORT,
                                heap="-Xms128m -Xmx512m",
-                               security=KafkaSecurity(admin_password=secrets.password(ADMIN)))
+                               security=KafkaSecurity(admin_password=secrets.password(ADMIN),
+                                                      tls=KafkaTls(tls.ca_cert, tls.keystore)))
         try:
             cluster.start(timeout_s=90)
             secured_topics(WORKFLOW, cluster.client_config(), partitions=2)
@@ -124,6 +127,34 @@ def test_unauthenticated_and_wrong_password_are_refused(secured: Secured) -> Non
         plain.list_topics(timeout=5)
     # the right password works (the same code path, so the refusals above are about secrets)
     assert "delivery.requested" in AdminClient(secured.config("package")).list_topics(timeout=10).topics
+
+
+def test_the_broker_speaks_tls_only(secured: Secured, tmp_path: Path) -> None:
+    """Every listener is SASL_SSL with the local CA's certificate: a client that speaks SASL
+    without TLS, or TLS without trusting that CA, never gets metadata; the key is private."""
+    props = (secured.cluster.node_dir(0) / "server.properties").read_text()
+    assert "listener.security.protocol.map=SASL_SSL:SASL_SSL,CONTROLLER:SASL_SSL\n" in props
+    assert "PLAINTEXT" not in props
+    assert secured.secrets.tls.keystore.stat().st_mode & 0o777 == 0o600
+    assert secured.secrets.tls.root.stat().st_mode & 0o777 == 0o700
+    config = secured.config("package")
+    assert config["security.protocol"] == "SASL_SSL"
+    no_tls = client_errors({**config, "security.protocol": "SASL_PLAINTEXT"}, timeout_s=8)
+    assert no_tls, "a SASL_PLAINTEXT client met no error"
+    with pytest.raises(KafkaException):
+        AdminClient({**config, "security.protocol": "SASL_PLAINTEXT"}).list_topics(timeout=5)
+    # a CA of its own (not the broker's): the certificate does not verify
+    stranger = ensure_certificates(tmp_path / "other-ca")
+    untrusting = client_errors({**config, "ssl.ca.location": str(stranger.ca_cert)}, timeout_s=8)
+    assert any(e.code() == KafkaError._SSL for e in untrusting), untrusting
+    with pytest.raises(KafkaException):
+        AdminClient({**config, "ssl.ca.location": str(stranger.ca_cert)}).list_topics(timeout=5)
+    # the system's CAs do not know the local one either
+    system = {k: v for k, v in config.items() if k != "ssl.ca.location"}
+    with pytest.raises(KafkaException):
+        AdminClient(system).list_topics(timeout=5)
+    # the same client with the stack's CA is served
+    assert "delivery.requested" in AdminClient(config).list_topics(timeout=10).topics
 
 
 def test_a_service_cannot_write_another_services_topic(secured: Secured) -> None:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from choreo.config import settings
 from choreo.kafka import (
-    pipeline_producer_config, transactional_consumer_config, transactional_producer_config,
+    base_config, pipeline_producer_config, transactional_consumer_config, transactional_producer_config,
 )
 
 
@@ -61,3 +61,27 @@ def test_a_fetch_setting_out_of_bounds_is_refused_at_start(monkeypatch: pytest.M
     monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError, match=name):
         settings()
+
+
+def test_tls_and_sasl_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a secured stack's env file sets reaches every client (SASL_SSL with the local CA);
+    without a protocol nothing of it is used."""
+    for name in ("KAFKA_SASL_PASSWORD_FILE", "KAFKA_SECURITY_PROTOCOL", "KAFKA_SSL_CA_LOCATION"):
+        monkeypatch.delenv(name, raising=False)
+    assert set(base_config("h:1")) == {"bootstrap.servers"}
+    monkeypatch.setenv("KAFKA_SSL_CA_LOCATION", "/secrets/tls/ca.pem")
+    settings.cache_clear()
+    assert set(base_config("h:1")) == {"bootstrap.servers"}  # PLAINTEXT: no CA either
+    monkeypatch.setenv("KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+    monkeypatch.setenv("KAFKA_SASL_USERNAME", "package")
+    monkeypatch.setenv("KAFKA_SASL_PASSWORD", "pw")
+    settings.cache_clear()
+    config = transactional_consumer_config("package", "package-0")
+    assert config["security.protocol"] == "SASL_SSL" and config["ssl.ca.location"] == "/secrets/tls/ca.pem"
+    assert config["sasl.username"] == "package" and config["sasl.mechanism"] == "SCRAM-SHA-256"
+    monkeypatch.setenv("KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
+    settings.cache_clear()
+    assert "ssl.ca.location" not in base_config() and base_config()["security.protocol"] == "SASL_PLAINTEXT"
+    monkeypatch.setenv("KAFKA_SECURITY_PROTOCOL", "SSL")  # TLS without SASL: no credentials sent
+    settings.cache_clear()
+    assert "sasl.username" not in base_config() and base_config()["ssl.ca.location"] == "/secrets/tls/ca.pem"

@@ -11,7 +11,7 @@ import pytest
 from choreo.runner import dlq_topic
 from choreo.topology import derive
 from consumers.workflow import WORKFLOW
-from infra.kafka import KafkaCluster, KafkaSecurity
+from infra.kafka import KafkaCluster, KafkaSecurity, KafkaTls
 from infra.redis_server import acl_file_text
 from registry.api import Endpoint
 from registry.auth import BasicAuth, parse_users
@@ -99,6 +99,22 @@ def test_kafka_default_mode_is_unchanged_and_secured_mode_is_complete(tmp_path: 
         assert line in secured.splitlines()
     with pytest.raises(ValueError):
         KafkaSecurity(admin_password='bad"quote')
+
+
+def test_kafka_with_tls_puts_every_listener_on_sasl_ssl(tmp_path: Path) -> None:
+    tls = KafkaTls(ca_file=tmp_path / "ca.pem", keystore_file=tmp_path / "server.keystore.pem")
+    security = KafkaSecurity(admin_password="p4ss", tls=tls)
+    props = KafkaCluster(data_dir=tmp_path, libs=tmp_path, base_port=29092,
+                         security=security)._properties(0).splitlines()
+    for line in ("listeners=SASL_SSL://127.0.0.1:29092,CONTROLLER://127.0.0.1:29093",
+                 "inter.broker.listener.name=SASL_SSL",
+                 "listener.security.protocol.map=SASL_SSL:SASL_SSL,CONTROLLER:SASL_SSL",
+                 "ssl.keystore.type=PEM", f"ssl.keystore.location={tls.keystore_file}",
+                 "ssl.truststore.type=PEM", f"ssl.truststore.location={tls.ca_file}"):
+        assert line in props
+    assert not any("PLAINTEXT" in line for line in props)
+    assert security.client_config()["security.protocol"] == "SASL_SSL"
+    assert security.client_config()["ssl.ca.location"] == str(tls.ca_file)
 
 
 def test_owner_tokens_parse_both_formats_and_refuse_bad_entries() -> None:
