@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import redis
 
 from choreo.logs import get_logger
+from choreo.redis_client import connect
 from registry.auth import Peers
 
 log = get_logger(component="registry.leader")
@@ -73,14 +74,21 @@ class Lease:
 LEASE_PREFIX = "registry:leader:"  # the only keys the registry keeps in Redis
 
 
+def lease_key(topic: str) -> str:
+    """``registry:leader:{<topic>}``: the lease and its term counter (``:token``) share a
+    hash slot, since one script takes both (on a Redis Cluster too)."""
+    return f"{LEASE_PREFIX}{{{topic}}}"
+
+
 class LeaderElection:
     """Keeps trying to hold the lease (when eligible) and tells who holds it."""
 
     def __init__(self, redis_url: str, topic: str, instance_id: str, url: str,
                  ttl_ms: int = 6000, eligible: bool = True, peers: Peers | None = None) -> None:
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        self.key = f"{LEASE_PREFIX}{topic}"
-        self.token_key = f"{LEASE_PREFIX}{topic}:token"
+        self.redis_url = redis_url
+        self._client: redis.Redis | None = None
+        self.key = lease_key(topic)
+        self.token_key = f"{self.key}:token"
         self.instance_id = instance_id
         self.url = url
         self.ttl_ms = ttl_ms
@@ -91,6 +99,14 @@ class LeaderElection:
         self._valid_until = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def client(self) -> redis.Redis:
+        """Connected on first use, so a Redis that is away when the registry starts only
+        delays the election (``connect`` asks the server whether it is a cluster node)."""
+        if self._client is None:
+            self._client = connect(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        return self._client
 
     # -- the loop -----------------------------------------------------------------------
 

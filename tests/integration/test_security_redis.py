@@ -28,7 +28,7 @@ from infra.process import ManagedProcess, port_in_use
 from infra.redis_server import redis_process
 from infra.security import Secrets, derive_policy, redis_key_prefixes, redis_passwords
 from producers.submit import owner_redis_key
-from registry.leader import LEASE_PREFIX
+from registry.leader import lease_key as registry_lease_key
 
 pytestmark = pytest.mark.integration
 
@@ -128,7 +128,7 @@ def test_a_service_cannot_touch_what_other_principals_own(acl_redis: AclRedis) -
         "fleet:free", "fleet:{fleet}:free",         # the drone scheduler's pool
         owner_redis_key(delivery),                  # who may read a delivery (ingestion)
         "ingestion:inflight",                       # ingestion's admission places
-        f"{LEASE_PREFIX}_schemas",                  # the registry's leader: where writes go
+        registry_lease_key("_schemas"),                  # the registry's leader: where writes go
         "release:supervisor:0",                     # the supervisor's release queue
     ]
     for key in owned_elsewhere:
@@ -143,7 +143,7 @@ def test_a_service_cannot_touch_what_other_principals_own(acl_redis: AclRedis) -
     # the same keys are theirs to write
     acl_redis.client("ingestion").set(owner_redis_key(delivery), "owner-1", ex=60)
     acl_redis.client("notifier").hset(f"notified:{{{delivery}}}", "at", "1")
-    acl_redis.client("schema-registry").get(f"{LEASE_PREFIX}_schemas")
+    acl_redis.client("schema-registry").get(registry_lease_key("_schemas"))
     # and ops (rebuild-state, redrive) reaches every key
     assert acl_redis.client("ops").get(owner_redis_key(delivery)) == b"owner-1"
     # the registry reaches nothing of the pipeline's

@@ -23,7 +23,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 from choreo.config import settings
 from choreo.redis_client import connect
 from infra.security import new_secret, write_private
-from registry.leader import LEASE_PREFIX
+from registry.leader import lease_key as registry_lease_key
 from tests.helpers import free_port
 from tests.integration.test_registry_instances import Starter, instances  # noqa: F401 (fixture)
 
@@ -173,7 +173,7 @@ def plant_lease(url: str, fake: str) -> None:
     """What anyone who can write the registry's Redis key could do."""
     topic = httpx.get(f"{url}/_health").json()["topic"]
     lease = json.dumps({"id": "impostor", "url": fake, "token": 99, "sig": "0" * 64})
-    connect(settings().redis_url).set(f"{LEASE_PREFIX}{topic}", lease, px=60_000)
+    connect(settings().redis_url).set(registry_lease_key(topic), lease, px=60_000)
 
 
 @pytest.mark.parametrize("with_peer_secret", [True, False])
