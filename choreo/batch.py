@@ -109,6 +109,8 @@ def run_together(client: redis.Redis, batches: Sequence[tuple[BatchScript, Seque
                 calls.append((b, script, chunk, [items[p] for p in chunk]))
     answers: list[list[Any]] = [[None] * len(items) for _, items in batches]
     for (b, _, positions, _), reply in zip(calls, _send(client, calls)):
+        if isinstance(reply, Exception):  # the whole call refused (MOVED, NOSCRIPT, ...)
+            raise reply
         for answer in reply:  # an item's error reply comes nested, where redis-py leaves it
             if isinstance(answer, Exception):
                 raise answer

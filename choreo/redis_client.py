@@ -37,16 +37,38 @@ _MOVED: tuple[type[Exception], ...] = (AskError, ClusterError, TryAgainError, Re
 
 
 def connect(url: str, **options: Any) -> redis.Redis:
-    """A client of the server at ``url``: a cluster client when it is a cluster node."""
-    probe = redis.Redis.from_url(url, **options)
-    try:
-        clustered = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
-    except ResponseError:  # a server or proxy that does not answer INFO cluster
-        clustered = False
-    if not clustered:
-        return probe
-    probe.close()
-    return cast(redis.Redis, redis.RedisCluster.from_url(url, **options))
+    """A client of the server at ``url``: a cluster client when it is a cluster node.
+
+    ``url`` may name several seed nodes of one cluster (``redis://h1:p1,h2:p2/0``): the
+    first that answers is asked, so a process starting while one node is down (a failover
+    in progress) still finds the cluster, whose client then learns every node from it."""
+    unreachable: RedisConnectionError | None = None
+    for seed in seeds(url):
+        probe = redis.Redis.from_url(seed, **options)
+        try:
+            clustered = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+        except ResponseError:  # a server or proxy that does not answer INFO cluster
+            clustered = False
+        except RedisConnectionError as exc:
+            probe.close()
+            unreachable = exc
+            continue
+        if not clustered:
+            return probe
+        probe.close()
+        return cast(redis.Redis, redis.RedisCluster.from_url(seed, **options))
+    assert unreachable is not None
+    raise unreachable
+
+
+def seeds(url: str) -> list[str]:
+    """One URL per host of ``url`` (``scheme://[user@]h1:p1,h2:p2/db``), in order."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return [url]
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    return [f"{scheme}://{userinfo}{at}{host}{slash}{path}" for host in hosts.split(",") if host] or [url]
 
 
 def is_cluster(client: Any) -> bool:

@@ -121,7 +121,7 @@ def log(message: str) -> None:
 @dataclass(frozen=True)
 class Fault:
     at_s: float  # seconds after the traffic started
-    kind: str  # kill | broker | pause | redis
+    kind: str  # kill | broker | pause | redis (lost, rebuilt) | redis_master (killed, failed over)
     target: int
 
 
@@ -137,6 +137,7 @@ class Plan:
     broker_kills: int
     pause_s: float
     redis_loss: bool
+    redis_cluster: bool
     duplicate_rate: float
     max_copy_delay_s: float
     settle_timeout_s: float
@@ -148,7 +149,7 @@ class Plan:
 
 
 def make_plan(deliveries: int, seed: int, short: bool, *, services: int,
-              rate_per_s: float | None = None, redis_loss: bool = True,
+              rate_per_s: float | None = None, redis_loss: bool = True, redis_cluster: bool = False,
               settle_timeout_s: float | None = None) -> Plan:
     rng = random.Random(f"faults-{seed}")
     rate = rate_per_s or (25.0 if short else 60.0)
@@ -166,11 +167,13 @@ def make_plan(deliveries: int, seed: int, short: bool, *, services: int,
         at = traffic_s * (i + 1) / (broker_kills + 1) + rng.uniform(-0.05, 0.05) * traffic_s
         faults.append(Fault(round(max(2.0, at), 2), "broker", rng.randrange(3)))
     faults.append(Fault(round(traffic_s * rng.uniform(0.12, 0.3), 2), "pause", rng.randrange(services)))
-    if redis_loss:
-        faults.append(Fault(round(traffic_s * rng.uniform(0.55, 0.7), 2), "redis", 0))
+    if redis_loss:  # on a cluster, one master is killed under traffic instead
+        faults.append(Fault(round(traffic_s * rng.uniform(0.55, 0.7), 2),
+                            "redis_master" if redis_cluster else "redis", 0))
     return Plan(
         deliveries=deliveries, seed=seed, short=short, rate_per_s=rate, kill_every_s=kill_every,
         broker_kills=broker_kills, pause_s=SESSION_TIMEOUT_S + 4.0, redis_loss=redis_loss,
+        redis_cluster=redis_cluster,
         duplicate_rate=0.03 if short else 0.01, max_copy_delay_s=8.0,
         settle_timeout_s=settle_timeout_s or (150.0 if short else 600.0),
         faults=tuple(sorted(faults, key=lambda f: f.at_s)),
@@ -189,16 +192,27 @@ class Ports:
     def bootstrap(self) -> str:
         return ",".join(f"{HOST}:{self.kafka_base + 2 * n}" for n in range(3))
 
-    def all(self) -> list[int]:
-        return [*range(self.kafka_base, self.kafka_base + 6), self.redis, self.registry]
+    def all(self, redis_cluster: bool = False) -> list[int]:
+        from infra.redis_cluster import BUS_OFFSET, MASTERS, REPLICAS_PER_MASTER
+
+        nodes = range(self.redis, self.redis + MASTERS * (1 + REPLICAS_PER_MASTER)) if redis_cluster else []
+        return [*range(self.kafka_base, self.kafka_base + 6), self.redis, self.registry,
+                *nodes, *(port + BUS_OFFSET for port in nodes)]
 
 
-def private_env(ports: Ports, data_dir: Path) -> dict[str, str]:
+def private_env(ports: Ports, data_dir: Path, redis_cluster: bool = False) -> dict[str, str]:
+    """The private stack's addresses. On a Redis Cluster (its first node on the Redis port)
+    every batch waits for a replica of each master it wrote to: a master killed under
+    traffic then loses nothing a committed Kafka transaction rests on."""
+    from infra.redis_cluster import MASTERS, REPLICAS_PER_MASTER
+
+    nodes = MASTERS * (1 + REPLICAS_PER_MASTER) if redis_cluster else 1  # every node a seed
     return {
         "KAFKA_BOOTSTRAP_SERVERS": ports.bootstrap,
-        "REDIS_URL": f"redis://{HOST}:{ports.redis}/0",
+        "REDIS_URL": "redis://" + ",".join(f"{HOST}:{ports.redis + n}" for n in range(nodes)) + "/0",
         "SCHEMA_REGISTRY_URL": f"http://{HOST}:{ports.registry}",
         "CHOREO_DATA_DIR": str(data_dir),
+        **({"CHOREO_REDIS_WAIT_REPLICAS": "1", "CHOREO_REDIS_WAIT_MS": "1000"} if redis_cluster else {}),
     }
 
 
@@ -247,7 +261,8 @@ class Stack:
     """The private cluster, Redis, registry and service processes of one chaos run."""
 
     def __init__(self, cfg: Settings, ports: Ports, service_env: dict[str, str],
-                 leader_rebalance_s: int = LEADER_REBALANCE_S) -> None:
+                 leader_rebalance_s: int = LEADER_REBALANCE_S, redis_cluster: bool = False) -> None:
+        from infra.redis_cluster import RedisCluster
         from infra.redis_server import redis_process
         from infra.registry_process import registry_process
         from infra.services import pipeline_specs, service_process
@@ -258,7 +273,8 @@ class Stack:
         # and coordinators under load (one once crashed both supervisors)
         self.cluster: KafkaCluster = replace(kafka_cluster(cfg, nodes=3), base_port=ports.kafka_base,
                                              leader_rebalance_s=leader_rebalance_s)
-        self.redis = redis_process(cfg.redis_url, cfg.data_dir)
+        self.redis = redis_process(f"redis://{HOST}:{ports.redis}/0", cfg.data_dir)
+        self.redis_cluster = RedisCluster(cfg.data_dir, base_port=ports.redis) if redis_cluster else None
         self.registry = registry_process(cfg, port=ports.registry, name="registry")
         self.services: list[ManagedProcess] = [
             service_process(spec, service_env, cfg) for spec in pipeline_specs(instances=2)
@@ -266,7 +282,14 @@ class Stack:
         self.groups = sorted({p.name.rsplit("-", 1)[0] for p in self.services})
 
     def infra(self) -> list[ManagedProcess]:
-        return [*self.cluster.processes(), self.redis, self.registry]
+        redis_nodes = self.redis_cluster.processes() if self.redis_cluster else [self.redis]
+        return [*self.cluster.processes(), *redis_nodes, self.registry]
+
+    def start_redis(self) -> None:
+        if self.redis_cluster:
+            self.redis_cluster.start(timeout_s=60)
+        else:
+            self.redis.start(timeout_s=30)
 
     def stop_everything(self) -> None:
         for proc in self.services:  # a paused process cannot act on SIGTERM
@@ -274,6 +297,8 @@ class Stack:
         stop_all(self.services, timeout_s=15)
         self.registry.stop(timeout_s=15)
         self.redis.stop(timeout_s=15)
+        if self.redis_cluster:
+            self.redis_cluster.stop(timeout_s=15)
         for n in range(self.cluster.nodes):
             self.cluster.node(n).terminate(signal.SIGCONT)
         self.cluster.stop()
@@ -581,6 +606,7 @@ class FaultLog:
     broker_kills: int = 0
     pauses: int = 0
     redis_losses: int = 0
+    redis_master_kills: int = 0
     rebuild: dict[str, Any] = field(default_factory=dict)
     skipped: int = 0
     isr_waits_s: float = 0.0
@@ -672,11 +698,28 @@ class Chaos:
             self.busy.add(node.name)
             self.faults.note(self._now(), f"kill -9 broker {node.name}; restart in {down:.1f}s")
             self._later(down, node.name, partial(_start, node, 120))
+        elif fault.kind == "redis_master":
+            self._kill_redis_master()
         elif fault.kind == "redis":
             outage = time.monotonic()
             self._lose_redis()
             # the traffic was paused meanwhile: the rest of the plan keeps its spacing
             self.started += time.monotonic() - outage
+
+    def _kill_redis_master(self) -> None:
+        """kill -9 one master under traffic; its replica takes over, and the killed node comes
+        back a few seconds later as the new master's replica (until then the batches on its
+        slots fail their wait for a replica and are done again)."""
+        cluster = self.stack.redis_cluster
+        assert cluster is not None
+        started = time.monotonic()
+        killed, promoted = cluster.kill_master(timeout_s=60)
+        self.faults.redis_master_kills += 1
+        node = cluster.node(killed)
+        self.busy.add(node.name)
+        self.faults.note(self._now(), f"kill -9 redis master {killed}; {promoted} took over in "
+                                      f"{time.monotonic() - started:.1f}s; the old master back in 5s")
+        self._later(5.0, node.name, partial(_start, node, 30))
 
     def _lose_redis(self) -> None:
         from choreo.ops.rebuild import rebuild
@@ -981,7 +1024,7 @@ def stuck_evidence(deliveries: list[str], client: redis.Redis, workflow: Workflo
 
 def run(deliveries: int, seed: int, short: bool, *, ports: Ports | None = None,
         data_dir: Path | None = None, rate_per_s: float | None = None, redis_loss: bool = True,
-        settle_timeout_s: float | None = None, log_level: str = "WARNING",
+        redis_cluster: bool = False, settle_timeout_s: float | None = None, log_level: str = "WARNING",
         leader_rebalance_s: int = LEADER_REBALANCE_S) -> dict[str, Any]:
     """One chaos run on a private stack; the summary dict (``ok`` false on any violation).
 
@@ -989,17 +1032,18 @@ def run(deliveries: int, seed: int, short: bool, *, ports: Ports | None = None,
     """
     ports = ports or Ports()
     data_dir = data_dir or (REPO_ROOT / ".stack" / "chaos")
-    env = private_env(ports, data_dir)
+    env = private_env(ports, data_dir, redis_cluster)
     service_env = {**env, **AGENT_ENV, "CHOREO_LOG_LEVEL": log_level}
     plan = make_plan(deliveries, seed, short, services=10, rate_per_s=rate_per_s,
-                     redis_loss=redis_loss, settle_timeout_s=settle_timeout_s)
+                     redis_loss=redis_loss, redis_cluster=redis_cluster, settle_timeout_s=settle_timeout_s)
     t0 = time.monotonic()
     summary: dict[str, Any] = {
         "seed": seed, "form": "short" if short else "full", "deliveries": deliveries,
         "rate_per_s": plan.rate_per_s, "settle_timeout_s": plan.settle_timeout_s,
+        "redis": "cluster" if redis_cluster else "single",
     }
     with cluster_lock(ports), using(env) as cfg:
-        stack = Stack(cfg, ports, service_env, leader_rebalance_s)
+        stack = Stack(cfg, ports, service_env, leader_rebalance_s, redis_cluster)
         submitter = Submitter(plan)
         duplicator = Duplicator(plan)
         tracker = Tracker()
@@ -1017,6 +1061,7 @@ def run(deliveries: int, seed: int, short: bool, *, ports: Ports | None = None,
         summary["faults"] = {
             "service_kills": chaos.faults.service_kills, "broker_kills": chaos.faults.broker_kills,
             "pauses": chaos.faults.pauses, "redis_losses": chaos.faults.redis_losses,
+            "redis_master_kills": chaos.faults.redis_master_kills,
             "skipped": chaos.faults.skipped, "copies_injected": sum(duplicator.copies.values()),
             "rebuild": chaos.faults.rebuild,
         }
@@ -1030,7 +1075,7 @@ def run(deliveries: int, seed: int, short: bool, *, ports: Ports | None = None,
 def _clean_previous(stack: Stack, data_dir: Path, ports: Ports) -> None:
     """Stop what a previous (crashed) run left behind, then start from empty data."""
     stack.stop_everything()
-    taken = [p for p in ports.all() if port_in_use(HOST, p)]
+    taken = [p for p in ports.all(stack.redis_cluster is not None) if port_in_use(HOST, p)]
     if taken:
         raise StackError(f"ports {taken} are taken by another process (another three-node cluster "
                          f"or chaos run?); choose others with --kafka-port/--redis-port/--registry-port")
@@ -1050,7 +1095,7 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     started = time.monotonic()
     log(f"starting the private stack in {stack.cfg.data_dir}")
     stack.cluster.start(stack.cfg.start_timeout_s)
-    stack.redis.start(timeout_s=30)
+    stack.start_redis()
     topology.create(WORKFLOW)
     # the registry creates its store topic itself, but on a fresh multi-node cluster it then
     # asks for the watermarks before the metadata has spread and exits (reported): create it
@@ -1122,6 +1167,9 @@ def chaos_command(
     seed: int = typer.Option(0, help="seed of every random choice (0: pick one and print it)"),
     rate: float = typer.Option(0.0, help="deliveries per second (default: 25 short, 60 full)"),
     no_redis_loss: bool = typer.Option(False, "--no-redis-loss", help="skip the Redis loss and rebuild"),
+    redis_cluster: bool = typer.Option(False, "--redis-cluster",
+                                       help="a six-node Redis Cluster from the Redis port on; one master "
+                                            "is killed under traffic instead of the Redis loss"),
     settle_timeout: float = typer.Option(0.0, help="seconds every delivery has to end after the faults"),
     kafka_port: int = typer.Option(19092, help="first broker port (three brokers + controller use 6)"),
     redis_port: int = typer.Option(16379, help="the private Redis port"),
@@ -1137,7 +1185,7 @@ def chaos_command(
     chosen_seed = seed or random.SystemRandom().randrange(1, 2**31)
     count = deliveries or (SHORT_DELIVERIES if short else FULL_DELIVERIES)
     summary = run(count, chosen_seed, short, ports=Ports(kafka_port, redis_port, registry_port),
-                  rate_per_s=rate or None, redis_loss=not no_redis_loss,
+                  rate_per_s=rate or None, redis_loss=not no_redis_loss, redis_cluster=redis_cluster,
                   settle_timeout_s=settle_timeout or None, log_level=log_level,
                   leader_rebalance_s=leader_rebalance)
     if not verbose:
