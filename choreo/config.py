@@ -26,6 +26,10 @@ class Settings(BaseSettings):
     # the system's CAs). HTTPS clients (httpx, the registry client) and Redis's ``rediss://``
     # read the standard SSL_CERT_FILE themselves, so they need no setting of ours.
     kafka_ssl_ca_location: Path | None = Field(None, validation_alias="KAFKA_SSL_CA_LOCATION")
+    # TLS of this process's HTTP server (ingestion, the registry, the ops view): with both
+    # set, uvicorn serves HTTPS only (``choreo.http_serving.uvicorn_config``)
+    http_tls_cert_file: Path | None = Field(None, validation_alias="CHOREO_HTTP_TLS_CERT_FILE")
+    http_tls_key_file: Path | None = Field(None, validation_alias="CHOREO_HTTP_TLS_KEY_FILE")
     data_dir: Path = Field(REPO_ROOT / ".stack", validation_alias="CHOREO_DATA_DIR")
     kafka_libs: Path = Field(
         Path.home() / ".cache" / "dronepipe" / "kafka-4.1.2" / "libs", validation_alias="KAFKA_LIBS"

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from choreo.config import settings
 from choreo.logs import get_logger
 
 log = get_logger(component="http")
@@ -271,11 +272,25 @@ def guarded_protocol(limits: HttpLimits, error_body: ErrorBody) -> type[GuardedH
     return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"guard": _Guard(limits, error_body)})
 
 
+def tls_options() -> dict[str, str]:
+    """uvicorn's ``ssl_certfile``/``ssl_keyfile`` from ``CHOREO_HTTP_TLS_CERT_FILE`` and
+    ``CHOREO_HTTP_TLS_KEY_FILE``: with them the server speaks HTTPS only, so a secured
+    deployment switches every HTTP server by environment, like its Kafka clients. One without
+    the other is refused at start rather than silently serving plain HTTP."""
+    cfg = settings()
+    cert, key = cfg.http_tls_cert_file, cfg.http_tls_key_file
+    if cert is None and key is None:
+        return {}
+    if cert is None or key is None:
+        raise ValueError("set both CHOREO_HTTP_TLS_CERT_FILE and CHOREO_HTTP_TLS_KEY_FILE, or neither")
+    return {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
+
+
 def uvicorn_config(app: Any, host: str, port: int, limits: HttpLimits, error_body: ErrorBody,
                    **options: Any) -> uvicorn.Config:
     """uvicorn's configuration held to ``limits``: uvicorn's own settings where it has them
-    (keep-alive, connection limit), the guarded protocol for the rest, on uvloop, and no
-    websockets (neither server speaks them)."""
+    (keep-alive, connection limit), the guarded protocol for the rest, on uvloop, no
+    websockets (neither server speaks them), and TLS when configured (``tls_options``)."""
     return uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limits, error_body),
                           loop="uvloop", ws="none", timeout_keep_alive=limits.keep_alive_s,
-                          limit_concurrency=limits.max_connections, **options)
+                          limit_concurrency=limits.max_connections, **{**tls_options(), **options})

@@ -10,6 +10,7 @@ import httpx
 
 from choreo.config import REPO_ROOT, Settings
 from infra.process import ManagedProcess
+from infra.tls import verify_for
 
 
 def registry_process(cfg: Settings, *, port: int | None = None, topic: str | None = None,
@@ -18,13 +19,15 @@ def registry_process(cfg: Settings, *, port: int | None = None, topic: str | Non
     url = urlparse(cfg.schema_registry_url)
     host = url.hostname or "127.0.0.1"
     bind_port = port or url.port or 8081
+    scheme = url.scheme or "http"  # https when its env names a certificate (CHOREO_HTTP_TLS_*)
     argv = [sys.executable, "-m", "registry", "serve", "--host", host, "--port", str(bind_port)]
     if topic:
         argv += ["--topic", topic]
 
     def ready() -> bool:
         # the port opens only after the store was read to its end, so 200 here means caught up
-        return httpx.get(f"http://{host}:{bind_port}/", timeout=1.0).status_code == 200
+        return httpx.get(f"{scheme}://{host}:{bind_port}/", timeout=1.0,
+                         verify=verify_for(env)).status_code == 200
 
     return ManagedProcess(
         name=name,

@@ -439,11 +439,25 @@ def redis_passwords(secrets: Secrets, users: Iterable[str]) -> dict[str, str]:
 
 
 def registry_url(user: str | None, secrets: Secrets, port: int = SECURED_REGISTRY_PORT) -> str:
-    """The secured registry's URL; with ``user``'s basic-auth login in it when given
+    """The secured registry's URL (HTTPS); with ``user``'s basic-auth login in it when given
     (confluent-kafka's ``SchemaRegistryClient`` and httpx both take credentials from the URL)."""
     if user is None:
-        return f"http://{SECURED_HOST}:{port}"
-    return f"http://{user}:{secrets.password(user, kind='registry')}@{SECURED_HOST}:{port}"
+        return f"https://{SECURED_HOST}:{port}"
+    return f"https://{user}:{secrets.password(user, kind='registry')}@{SECURED_HOST}:{port}"
+
+
+def https_server_env(secrets: Secrets) -> dict[str, str]:
+    """What makes a process's HTTP server speak HTTPS only, with the stack's certificate
+    (``choreo.http_serving.tls_options``): the registry's and ingestion's."""
+    return {"CHOREO_HTTP_TLS_CERT_FILE": str(secrets.tls.server_cert),
+            "CHOREO_HTTP_TLS_KEY_FILE": str(secrets.tls.server_key)}
+
+
+def trust_env(secrets: Secrets) -> dict[str, str]:
+    """What makes a process's HTTPS clients trust the stack's CA: ``SSL_CERT_FILE``, which
+    httpx and confluent-kafka's ``SchemaRegistryClient`` read themselves (it replaces the
+    system's CAs for that process)."""
+    return {"SSL_CERT_FILE": str(secrets.tls.ca_cert)}
 
 
 def registry_users(policy: Policy) -> list[str]:
@@ -490,6 +504,8 @@ def registry_env(data_dir: Path, secrets: Secrets, bootstrap: str, users_file: P
     url = registry_url(None, secrets, port)
     return {
         **client_env(REGISTRY, bootstrap, secrets),
+        **https_server_env(secrets),
+        **trust_env(secrets),  # writes forwarded to the leader go over HTTPS too
         "KAFKA_SASL_PASSWORD": "",
         "REDIS_URL": redis_url(secrets, REGISTRY),
         "CHOREO_DATA_DIR": str(data_dir),
@@ -514,7 +530,7 @@ def secured_registry(data_dir: Path, env: dict[str, str] | None = None,
     from infra.registry_process import registry_process
 
     cfg = settings().model_copy(update={
-        "data_dir": data_dir, "schema_registry_url": f"http://{SECURED_HOST}:{port}",
+        "data_dir": data_dir, "schema_registry_url": f"https://{SECURED_HOST}:{port}",
         **({"kafka_bootstrap_servers": env["KAFKA_BOOTSTRAP_SERVERS"],
             "redis_url": env["REDIS_URL"]} if env else {}),
     })
@@ -524,9 +540,12 @@ def secured_registry(data_dir: Path, env: dict[str, str] | None = None,
 def principal_env(user: str, bootstrap: str, secrets: Secrets, data_dir: Path,
                   registry_login: bool, redis_login: bool) -> dict[str, str]:
     """What ``<data>/env/<user>.env`` holds: this principal's Kafka identity and nobody
-    else's, its own Redis user if it has one, and the registry (with its login if it has one)."""
+    else's, its own Redis user if it has one, the registry (with its login if it has one),
+    the CA its HTTPS clients trust, and for ingestion the certificate it serves HTTPS with."""
     return {
         **client_env(user, bootstrap, secrets),
+        **trust_env(secrets),
+        **(https_server_env(secrets) if user == INGESTION else {}),
         "REDIS_URL": redis_url(secrets, user if redis_login else None),
         "SCHEMA_REGISTRY_URL": registry_url(user if registry_login else None, secrets),
         "SCHEMA_REGISTRY_AUTO_REGISTER": "false",  # contracts are registered by the admin at deploy

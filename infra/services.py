@@ -13,6 +13,7 @@ import httpx
 
 from choreo.config import REPO_ROOT, Settings, settings
 from infra.process import ManagedProcess
+from infra.tls import verify_for
 
 PIPELINE = {
     "package": "consumers.package:service",
@@ -65,7 +66,7 @@ def http_server_process(name: str, module_args: list[str], url: str,
     host, port = parts.hostname or "127.0.0.1", parts.port or 8000
 
     def ready() -> bool:
-        return httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200
+        return httpx.get(f"{url}/readyz", timeout=1.0, verify=verify_for(env)).status_code == 200
 
     where = ["--host", host, "--port", str(port)]
     return ManagedProcess(

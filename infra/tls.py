@@ -23,8 +23,11 @@ somehow, and the keys already sit in the stack's private secrets dir, like its p
 
 from __future__ import annotations
 
+import os
 import shutil
+import ssl
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +66,13 @@ class TlsFiles:
     def complete(self) -> bool:
         return all(p.is_file() for p in (self.ca_cert, self.ca_key, self.server_cert,
                                          self.server_key, self.keystore))
+
+
+def verify_for(env: Mapping[str, str] | None) -> ssl.SSLContext | bool:
+    """What a readiness probe of a process trusts: the CA its own environment names
+    (``SSL_CERT_FILE``, which its clients read too), else what this process trusts."""
+    ca = (env or {}).get("SSL_CERT_FILE") or os.environ.get("SSL_CERT_FILE")
+    return ssl.create_default_context(cafile=ca) if ca else True
 
 
 def _openssl(*args: str) -> None:

@@ -1,11 +1,12 @@
 """The whole pipeline, end to end, on the secured stack: every process as its own principal.
 
-``infra.security.up`` starts the SASL/SCRAM + ACL broker (29092/29093), the ACL Redis (26379)
-and the registry with basic auth on writes (28081, itself running on that broker as
-``schema-registry``) in a private data dir. The admin registers the contracts with the
+``infra.security.up`` starts the SASL/SCRAM + ACL broker (SASL_SSL on 29092/29093), the ACL
+Redis (26379) and the registry with basic auth (HTTPS on 28081, itself running on that broker
+as ``schema-registry``) in a private data dir, every server with the certificate of a CA it
+made for the stack (``infra.tls``). The admin registers the contracts with the
 documented command (``choreo schemas register`` with ``env/admin.env``); then every workflow
 service and the ingestion API start as real processes, each with nothing but its own
-principal's env file. Deliveries are submitted over HTTP with an owner token and read back as
+principal's env file. Deliveries are submitted over HTTPS with an owner token and read back as
 the admin from the committed terminal topics. A service started with another service's
 credentials must be refused by the broker's ACLs, so the setup cannot pass by being open.
 
@@ -19,6 +20,7 @@ import fcntl
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import certifi
 import httpx
 import pytest
 import redis
@@ -49,7 +52,7 @@ from infra.security import (
 )
 from infra.services import PIPELINE, ServiceSpec, ingestion_process, service_process
 from producers.submit import owner_redis_key
-from registry.leader import LEASE_PREFIX
+from registry.leader import lease_key as registry_lease_key
 from tests.factories import request_body
 from tests.helpers import wait_for
 
@@ -129,7 +132,7 @@ def start_pipeline(data: Path, envs: dict[str, Path]) -> tuple[dict[str, Managed
     for name, ref in PIPELINE.items():
         env = {**read_env_file(envs[name]), **AGENTS}
         procs[name] = service_process(ServiceSpec(name, ref), env=env, cfg=cfg)
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"https://127.0.0.1:{free_port()}"  # ingestion.env names its certificate
     tokens = json.dumps({OWNER_TOKEN: "owner-secured", OTHER_TOKEN: "other-secured"})
     procs["ingestion"] = ingestion_process(url, cfg=cfg, env={**read_env_file(envs["ingestion"]),
                                                                "INGESTION_TOKENS": tokens})
@@ -146,6 +149,9 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredPipeli
         assert not taken, f"ports {taken} are taken; is another secured stack running?"
         data = tmp_path_factory.mktemp("secured-pipeline")
         procs: dict[str, ManagedProcess] = {}
+        # this process is a client too: its HTTPS calls trust the stack's CA the usual way
+        env = held.enter_context(pytest.MonkeyPatch.context())
+        env.setenv("SSL_CERT_FILE", str(Secrets(data / "secrets").tls.ca_cert))
         try:
             envs = up(data, 120, partitions=2, heap="-Xms128m -Xmx512m")
             registered = cli(read_env_file(envs[ADMIN]), "schemas", "register")
@@ -239,6 +245,24 @@ def test_the_registry_runs_on_the_broker_as_its_own_principal_and_refuses_anonym
     # the store is on the secured broker, written by User:schema-registry (the only one with ACLs on it)
     topics = AdminClient(pipeline.admin_config()).list_topics(timeout=20).topics
     assert "_schemas" in topics
+
+
+def test_the_registry_and_ingestion_speak_https_only(pipeline: SecuredPipeline) -> None:
+    """Both serve the stack's certificate: plain HTTP to their ports gets no answer, and a
+    client that trusts only the public CAs refuses the certificate."""
+    registry = registry_url(None, pipeline.secrets)
+    assert registry.startswith("https://") and pipeline.ingestion_url.startswith("https://")
+    for user in pipeline.envs:
+        assert pipeline.env(user)["SSL_CERT_FILE"] == str(pipeline.secrets.tls.ca_cert)
+        if user != "schema-registry":
+            assert pipeline.env(user)["SCHEMA_REGISTRY_URL"].startswith("https://"), user
+    public = ssl.create_default_context(cafile=certifi.where())
+    for base in (registry, pipeline.ingestion_url):
+        assert httpx.get(f"{base}/_health" if base == registry else f"{base}/healthz").status_code == 200
+        with pytest.raises(httpx.TransportError):
+            httpx.get(base.replace("https://", "http://", 1) + "/", timeout=10)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"{base}/", verify=public, timeout=10)
 
 
 def test_services_only_read_the_registry_and_the_admin_alone_changes_it(
@@ -353,7 +377,7 @@ def test_each_process_is_its_own_redis_user_limited_to_its_keys(
     assert "@" not in pipeline.env(ADMIN)["REDIS_URL"]  # the Kafka admin has no Redis login
     package = redis.Redis.from_url(pipeline.env("package")["REDIS_URL"])
     one = pipeline.accepted[0]
-    for key in (lease_key("supervisor"), f"notified:{{{one}}}", owner_redis_key(one), f"{LEASE_PREFIX}_schemas"):
+    for key in (lease_key("supervisor"), f"notified:{{{one}}}", owner_redis_key(one), registry_lease_key("_schemas")):
         with pytest.raises(redis.exceptions.NoPermissionError):
             package.set(key, "x")
     ops = redis.Redis.from_url(redis_url(pipeline.secrets, "ops"))

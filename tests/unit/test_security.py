@@ -117,6 +117,27 @@ def test_kafka_with_tls_puts_every_listener_on_sasl_ssl(tmp_path: Path) -> None:
     assert security.client_config()["ssl.ca.location"] == str(tls.ca_file)
 
 
+def test_the_http_servers_speak_https_when_both_files_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from choreo.config import settings
+    from choreo.http_serving import tls_options
+
+    for name in ("CHOREO_HTTP_TLS_CERT_FILE", "CHOREO_HTTP_TLS_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    settings.cache_clear()
+    try:
+        assert tls_options() == {}  # the default: plain HTTP, as before
+        monkeypatch.setenv("CHOREO_HTTP_TLS_CERT_FILE", "/tls/server.pem")
+        settings.cache_clear()
+        with pytest.raises(ValueError, match="both"):  # never plain HTTP by a half setting
+            tls_options()
+        monkeypatch.setenv("CHOREO_HTTP_TLS_KEY_FILE", "/tls/server.key")
+        settings.cache_clear()
+        assert tls_options() == {"ssl_certfile": "/tls/server.pem", "ssl_keyfile": "/tls/server.key"}
+    finally:
+        monkeypatch.undo()
+        settings.cache_clear()
+
+
 def test_owner_tokens_parse_both_formats_and_refuse_bad_entries() -> None:
     assert parse_tokens(f"{TOKEN}=alice, {TOKEN}b=bob") == {TOKEN: "alice", f"{TOKEN}b": "bob"}
     assert parse_tokens(f'{{"{TOKEN}": "alice"}}') == {TOKEN: "alice"}
