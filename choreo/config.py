@@ -23,8 +23,8 @@ class Settings(BaseSettings):
     # ``choreo schemas register``); on: a development convenience for throwaway topics
     schema_registry_auto_register: bool = Field(False, validation_alias="SCHEMA_REGISTRY_AUTO_REGISTER")
     # TLS: the CA librdkafka trusts on an SSL or SASL_SSL listener (``ssl.ca.location``; unset:
-    # the system's CAs). HTTPS clients (httpx, the registry client) and Redis's ``rediss://``
-    # read the standard SSL_CERT_FILE themselves, so they need no setting of ours.
+    # the system's CAs). HTTPS clients (httpx, the registry client) read the standard
+    # SSL_CERT_FILE themselves, and redis-py ``ssl_ca_certs`` from a ``rediss://`` URL.
     kafka_ssl_ca_location: Path | None = Field(None, validation_alias="KAFKA_SSL_CA_LOCATION")
     # TLS of this process's HTTP server (ingestion, the registry, the ops view): with both
     # set, uvicorn serves HTTPS only (``choreo.http_serving.uvicorn_config``)

@@ -39,8 +39,9 @@ def fail(message: str) -> None:
 
 REDIS_CLUSTER_HELP = ("a Redis Cluster too, beside the single Redis: three masters with one replica "
                       "each on 127.0.0.1:7000-7005 (REDIS_URL=redis://127.0.0.1:7000)")
-SECURE_HELP = ("the secured stack instead (SECURITY.md): SASL/SCRAM + ACL broker on 29092, "
-               "ACL Redis on 26379, registry with basic auth on 28081, under $CHOREO_DATA_DIR/secured")
+SECURE_HELP = ("the secured stack instead (SECURITY.md), all over TLS with a local CA: SASL/SCRAM + "
+               "ACL broker on 29092 (SASL_SSL), ACL Redis on 26379 (rediss), registry with basic auth "
+               "on https://127.0.0.1:28081, under $CHOREO_DATA_DIR/secured")
 
 
 @stack_app.command("start")

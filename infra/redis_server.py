@@ -8,6 +8,13 @@ prefixes, each allowing ``<prefix>`` and ``<prefix>:*``; every key when none is 
 on no pub/sub channel; the ``default`` user is switched off, so a connection without
 credentials, or with a wrong password, is refused. A password never goes on the command
 line: ``requirepass`` (a URL with a password and no user) is written to a private config file.
+
+TLS mode (``tls=TlsFiles``, off by default; the secured stack's Redis): the port given
+speaks TLS only (``tls-port``, and ``port 0``: no plain listener), with the server
+certificate and key and the CA of ``infra.tls``; clients are not asked for certificates
+(``tls-auth-clients no``: they log in as their ACL user). These settings go into a private
+config file, not on the command line. Clients use ``rediss://...?ssl_ca_certs=<ca.pem>``,
+which redis-py reads from the URL.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import redis
 
 from infra.process import ManagedProcess
 from infra.security import write_private
+from infra.tls import TlsFiles
 
 
 INSTALL_HINT = "Install it with: apt-get install -y redis-server (bash infra/setup.sh does this)."
@@ -56,12 +64,13 @@ def acl_file_text(users: Mapping[str, str], keys: Mapping[str, Sequence[str]] | 
 
 def redis_process(url: str, data_dir: Path, users: Mapping[str, str] | None = None,
                   name: str = "redis", extra_args: Sequence[str] = (),
-                  keys: Mapping[str, Sequence[str]] | None = None) -> ManagedProcess:
+                  keys: Mapping[str, Sequence[str]] | None = None,
+                  tls: TlsFiles | None = None) -> ManagedProcess:
     """Redis for ``url``, with its files under ``data_dir/<name>``.
 
     ACL mode when the URL names a user other than ``default`` or ``users`` is given (see the
     module doc); otherwise exactly the local stack's Redis (``requirepass`` if the URL has a
-    password).
+    password). TLS only on the URL's port when ``tls`` is given.
 
     The binary is looked up lazily (start raises a clear sentence when it is missing), so that
     status and stop work on a machine without it.
@@ -74,7 +83,7 @@ def redis_process(url: str, data_dir: Path, users: Mapping[str, str] | None = No
     argv = [
         binary,
         "--bind", host,
-        "--port", str(port),
+        *(["--port", str(port)] if tls is None else []),  # TLS: the port is in tls.conf
         "--dir", str(workdir),
         "--appendonly", "yes",
         "--appendfsync", "everysec",
@@ -96,10 +105,17 @@ def redis_process(url: str, data_dir: Path, users: Mapping[str, str] | None = No
         acl_file = workdir / "users.acl"
         write_private(acl_file, acl_file_text(acl_users, keys))
         argv += ["--aclfile", str(acl_file)]
-    elif password:  # the config file must be the first argument
-        auth_file = workdir / "auth.conf"
-        write_private(auth_file, f'requirepass "{password}"\n')
-        argv.insert(1, str(auth_file))
+    config: list[str] = []  # one private config file, which must be the first argument
+    if not acl_users and password:
+        config.append(f'requirepass "{password}"')
+    if tls is not None:
+        config += ["port 0", f"tls-port {port}", f'tls-cert-file "{tls.server_cert}"',
+                   f'tls-key-file "{tls.server_key}"', f'tls-ca-cert-file "{tls.ca_cert}"',
+                   "tls-auth-clients no"]
+    if config:
+        config_file = workdir / ("tls.conf" if tls is not None else "auth.conf")
+        write_private(config_file, "".join(f"{line}\n" for line in config))
+        argv.insert(1, str(config_file))
 
     def ready() -> bool:
         with redis.Redis.from_url(url, socket_timeout=1) as client:

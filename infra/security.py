@@ -367,10 +367,14 @@ def secured_cluster(data_dir: Path, secrets: Secrets, base_port: int = SECURED_K
 
 def redis_url(secrets: Secrets, user: str | None, port: int = SECURED_REDIS_PORT) -> str:
     """The ACL Redis's URL with ``user``'s own credentials (what its ``REDIS_URL`` holds);
-    without a user, the bare address (every command is refused: no login)."""
-    if user is None:
-        return f"redis://{SECURED_HOST}:{port}/0"
-    return f"redis://{user}:{secrets.password(user, kind='redis')}@{SECURED_HOST}:{port}/0"
+    without a user, the bare address (every command is refused: no login). TLS
+    (``rediss://``), trusting the stack's CA: redis-py reads ``ssl_ca_certs`` from the URL,
+    so every client that takes ``REDIS_URL`` needs nothing else."""
+    from urllib.parse import quote
+
+    login = "" if user is None else f"{user}:{secrets.password(user, kind='redis')}@"
+    ca = quote(str(secrets.tls.ca_cert), safe="/")
+    return f"rediss://{login}{SECURED_HOST}:{port}/0?ssl_ca_certs={ca}"
 
 
 def _prefix(key: str) -> str:
@@ -578,7 +582,7 @@ def up(data_dir: Path, timeout_s: float = 90.0, *, partitions: int | None = None
     policy = derive_policy(WORKFLOW)
     redis_users = redis_key_prefixes(WORKFLOW, policy)
     redis_process(redis_url(secrets, OPS), data_dir, users=redis_passwords(secrets, redis_users),
-                  keys=redis_users, name="redis-acl").start(timeout_s)
+                  keys=redis_users, name="redis-acl", tls=secrets.tls).start(timeout_s)
     admin_config = cluster.client_config()
     secured_topics(WORKFLOW, admin_config, partitions)
     apply(_Admin(admin_config), policy, secrets)  # the registry's principal must exist first

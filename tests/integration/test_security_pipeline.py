@@ -1,9 +1,9 @@
 """The whole pipeline, end to end, on the secured stack: every process as its own principal.
 
 ``infra.security.up`` starts the SASL/SCRAM + ACL broker (SASL_SSL on 29092/29093), the ACL
-Redis (26379) and the registry with basic auth (HTTPS on 28081, itself running on that broker
-as ``schema-registry``) in a private data dir, every server with the certificate of a CA it
-made for the stack (``infra.tls``). The admin registers the contracts with the
+Redis (TLS on 26379) and the registry with basic auth (HTTPS on 28081, itself running on that
+broker as ``schema-registry``) in a private data dir, every server with the certificate of a
+CA it made for the stack (``infra.tls``). The admin registers the contracts with the
 documented command (``choreo schemas register`` with ``env/admin.env``); then every workflow
 service and the ingestion API start as real processes, each with nothing but its own
 principal's env file. Deliveries are submitted over HTTPS with an owner token and read back as
@@ -373,7 +373,7 @@ def test_each_process_is_its_own_redis_user_limited_to_its_keys(
     """The pipeline ran with one Redis user per principal; none reaches another's keys."""
     for service in WORKFLOW.services:
         url = pipeline.env(service.name)["REDIS_URL"]
-        assert url.startswith(f"redis://{service.name}:"), url
+        assert url.startswith(f"rediss://{service.name}:"), url  # TLS
     assert "@" not in pipeline.env(ADMIN)["REDIS_URL"]  # the Kafka admin has no Redis login
     package = redis.Redis.from_url(pipeline.env("package")["REDIS_URL"])
     one = pipeline.accepted[0]
@@ -382,6 +382,20 @@ def test_each_process_is_its_own_redis_user_limited_to_its_keys(
             package.set(key, "x")
     ops = redis.Redis.from_url(redis_url(pipeline.secrets, "ops"))
     assert ops.get(owner_redis_key(one)) == pipeline.owner.encode()  # untouched
+
+
+def test_redis_speaks_tls_only(pipeline: SecuredPipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every process reached Redis over TLS (``rediss://`` with the stack's CA in the URL); the
+    port answers nothing else, and a client that does not trust that CA refuses the server."""
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)  # only what the URL says is trusted
+    url = pipeline.env("package")["REDIS_URL"]
+    assert url.endswith(f"?ssl_ca_certs={pipeline.secrets.tls.ca_cert}")
+    plain = url.replace("rediss://", "redis://", 1).split("?")[0]
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(plain, socket_timeout=5).ping()
+    with pytest.raises(redis.ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+        redis.Redis.from_url(url.split("?")[0], socket_timeout=5).ping()
+    assert redis.Redis.from_url(url, socket_timeout=5).ping()
 
 
 def leaked_into_logs(data: Path, secrets: dict[str, str]) -> list[str]:

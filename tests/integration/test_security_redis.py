@@ -1,10 +1,12 @@
 """Redis in ACL mode: one user per principal, each limited to the keys it owns.
 
 ``infra.security.redis_key_prefixes`` derives each principal's key prefixes from the
-workflow's declarations; a private ``redis-server`` runs with those users (the URL carries a
-principal's credentials, ``redis://package:<secret>@127.0.0.1:26379/0``, what its
-``REDIS_URL`` holds); the ``default`` user is off, so a connection without them, or with a
-wrong password, is refused. A service runs the pipeline's scripts on its own keys and is
+workflow's declarations; a private ``redis-server`` runs with those users, on TLS only with
+the certificate of a CA made for the module (``infra.tls``), as in the secured stack (the URL
+carries a principal's credentials and the CA,
+``rediss://package:<secret>@127.0.0.1:26379/0?ssl_ca_certs=<ca.pem>``, what its ``REDIS_URL``
+holds); the ``default`` user is off, so a connection without them, or with a wrong password,
+is refused, and so is one without TLS or that does not trust the CA. A service runs the pipeline's scripts on its own keys and is
 refused (NOPERM) on the supervisor's lease, another service's record or pool, ingestion's
 owner records and the registry's leader lease; admin commands are refused to everyone.
 """
@@ -26,7 +28,8 @@ from choreo.state import Begin, StateTable, StepStatus, delivery_key
 from consumers.workflow import WORKFLOW
 from infra.process import ManagedProcess, port_in_use
 from infra.redis_server import redis_process
-from infra.security import Secrets, derive_policy, redis_key_prefixes, redis_passwords
+from infra.security import Secrets, derive_policy, redis_key_prefixes, redis_passwords, redis_url
+from infra.tls import ensure_certificates
 from producers.submit import owner_redis_key
 from registry.leader import lease_key as registry_lease_key
 
@@ -41,7 +44,11 @@ class AclRedis:
         self.proc = proc
 
     def url(self, user: str) -> str:
-        return f"redis://{user}:{self.secrets.password(user, kind='redis')}@127.0.0.1:{PORT}/0"
+        return redis_url(self.secrets, user, PORT)
+
+    def bare(self, login: str = "") -> str:
+        """The server's TLS URL with ``login`` (``user:password@``) as given."""
+        return redis_url(self.secrets, None, PORT).replace("rediss://", f"rediss://{login}", 1)
 
     def client(self, user: str) -> redis.Redis:
         return redis.Redis.from_url(self.url(user), socket_timeout=5)
@@ -54,9 +61,10 @@ def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclRedis]:
         assert not port_in_use("127.0.0.1", PORT), f"port {PORT} is taken"
         data = tmp_path_factory.mktemp("acl-redis")
         secrets = Secrets(data / "secrets")
+        tls = ensure_certificates(secrets.tls.root)
         users = redis_key_prefixes(WORKFLOW, derive_policy(WORKFLOW))
-        proc = redis_process(f"redis://ops:{secrets.password('ops', kind='redis')}@127.0.0.1:{PORT}/0",
-                             data, users=redis_passwords(secrets, users), keys=users, name="redis-acl")
+        proc = redis_process(redis_url(secrets, "ops", PORT), data, users=redis_passwords(secrets, users),
+                             keys=users, name="redis-acl", tls=tls)
         try:
             proc.start(timeout_s=30)
             yield AclRedis(secrets, proc)
@@ -75,13 +83,29 @@ def test_the_acl_file_is_private_and_holds_no_clear_password(acl_redis: AclRedis
 
 def test_without_credentials_or_with_a_wrong_password_redis_refuses(acl_redis: AclRedis) -> None:
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis.from_url(f"redis://127.0.0.1:{PORT}/0").set("k", "v")
+        redis.Redis.from_url(acl_redis.bare()).set("k", "v")
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis.from_url(f"redis://package:wrong-password@127.0.0.1:{PORT}/0").ping()
+        redis.Redis.from_url(acl_redis.bare("package:wrong-password@")).ping()
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis.from_url(f"redis://default:@127.0.0.1:{PORT}/0").ping()
+        redis.Redis.from_url(acl_redis.bare("default:@")).ping()
     with pytest.raises(redis.AuthenticationError):  # one principal's password is not another's
         redis.Redis.from_url(acl_redis.url("package").replace("package:", "supervisor:")).ping()
+    assert acl_redis.client("package").ping()
+
+
+def test_redis_speaks_tls_only(acl_redis: AclRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No plain listener (``port 0``), the TLS settings in a private config file rather than on
+    the command line; a client that does not trust the stack's CA refuses the certificate."""
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)  # only what the URL says is trusted
+    config = acl_redis.proc.workdir / "tls.conf"
+    assert acl_redis.proc.argv[1] == str(config) and config.stat().st_mode & 0o777 == 0o600
+    assert "port 0\n" in config.read_text() and f"tls-port {PORT}\n" in config.read_text()
+    assert not any("tls" in arg for arg in acl_redis.proc.argv[2:])
+    login = f"package:{acl_redis.secrets.password('package', kind='redis')}@"
+    with pytest.raises(redis.ConnectionError):  # the server closes a connection that is not TLS
+        redis.Redis.from_url(f"redis://{login}127.0.0.1:{PORT}/0", socket_timeout=5).ping()
+    with pytest.raises(redis.ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+        redis.Redis.from_url(acl_redis.url("package").split("?")[0], socket_timeout=5).ping()
     assert acl_redis.client("package").ping()
 
 
