@@ -88,6 +88,8 @@ def _secure_start(nodes: int) -> None:
     console.print(f"secured stack up: Kafka {security.SECURED_HOST}:{security.SECURED_KAFKA_PORT}, "
                   f"Redis {security.SECURED_HOST}:{security.SECURED_REDIS_PORT}, registry "
                   f"{security.registry_url(None, security.Secrets(data_dir / 'secrets'))}")
+    console.print(f"every connection is TLS; clients trust {security.Secrets(data_dir / 'secrets').tls.ca_cert} "
+                  "(KAFKA_SSL_CA_LOCATION, SSL_CERT_FILE and REDIS_URL in the env files name it)")
     console.print(f"run as a principal: set -a; . {data_dir / 'env'}/<user>.env; set +a")
 
 
