@@ -47,6 +47,8 @@ from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerR
 from choreo.state import Begin, Source, StateTable, StepStatus
 from choreo.workflow import Workflow
 
+# in-process tries of a replayed completed step before its batch is read again
+REPLAY_TRIES = 5
 TRANSIENT_OR_REGISTRY: tuple[type[Exception], ...] = (*TRANSIENT, RegistryUnavailable)
 
 RECOVERY_TOPIC = "recovery"
@@ -515,16 +517,21 @@ class Runner:
         run.tries += 1
         metrics.RETRIES.labels(self.service.name, w.topic).inc()
         run.delay_s = min(2.0, 0.05 * 2 ** run.tries) * (0.5 + random.random() / 2)
+        if w.verdict is Begin.REPLAY:
+            # the step completed in a batch that never committed: this replay is the only way
+            # its outputs get published, so the input must not be consumed without them (a
+            # report would not help: the supervisor leaves a completed step alone). Its tries
+            # spend no budget: the step succeeded once, within its budget, and each reading of
+            # the batch tries it afresh (a budget spent by earlier readings would stop the
+            # partition for good on a handler that fails its first try)
+            if run.tries <= REPLAY_TRIES:
+                return True
+            raise BatchTransient(f"replay of the completed step {step} failed: {str(error)[:200]}")
         in_time = step is None or self._before_deadline(envelope, run.delay_s)
         budget_left = step is None or self.state.try_again(
             envelope.correlation_id, step, envelope.attempt) <= self.service.retry_budget
         if run.tries <= self.service.in_process_retries and in_time and budget_left:
             return True
-        if w.verdict is Begin.REPLAY:
-            # the step completed in a batch that never committed: this replay is the only way
-            # its outputs get published, so the input must not be consumed without them (a
-            # report would not help: the supervisor leaves a completed step alone)
-            raise BatchTransient(f"replay of the completed step {step} failed: {str(error)[:200]}")
         if step is None:
             self._dead_letter(message, DeadLetterReason.REJECTED, f"retries exhausted: {error}")
             return False

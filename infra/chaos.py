@@ -216,6 +216,8 @@ def private_env(ports: Ports, data_dir: Path, redis_cluster: bool = False) -> di
     }
 
 
+PUBLISH_RETRY_S = 30.0
+CLUSTER_REDIS_PORT = 16400  # the Redis Cluster form's first node
 CLUSTER_LOCK = Path("/tmp/choreo-kafka-cluster3.lock")  # the three-node test's lock, too
 
 
@@ -404,6 +406,7 @@ class Submitter(threading.Thread):
         self.lock = threading.Lock()  # held for one publish: a pause waits for it
         self.accepted: dict[str, float] = {}
         self.unconfirmed: set[str] = set()
+        self.refusals = 0  # publishes refused and asked again
         self.sent = 0
         self.error = ""
         self.finished = threading.Event()
@@ -478,11 +481,21 @@ class Submitter(threading.Thread):
 
     def _publish(self, publisher: Any, request: Any, event_id: str,
                  confirmed: Callable[[KafkaError | None, Message | None], None]) -> None:
-        try:
-            publisher.publish(request, event_id, on_delivery=confirmed)
-        except Exception as exc:  # noqa: BLE001 - refused: counted, not accepted
-            self.unconfirmed.add(request.delivery_id)
-            log(f"publish refused: {type(exc).__name__}: {str(exc)[:200]}")
+        """Publish, asking again for up to ``PUBLISH_RETRY_S`` when refused, as a client
+        retries a 503: the edge refuses while it cannot open the steps (a Redis master
+        failing over). Still refused then: counted, not accepted."""
+        deadline = time.monotonic() + PUBLISH_RETRY_S
+        while True:
+            try:
+                publisher.publish(request, event_id, on_delivery=confirmed)
+                break
+            except Exception as exc:  # noqa: BLE001 - refused: asked again, or counted
+                if time.monotonic() >= deadline:
+                    self.unconfirmed.add(request.delivery_id)
+                    log(f"publish refused: {type(exc).__name__}: {str(exc)[:200]}")
+                    break
+                self.refusals += 1
+                publisher.poll(0.5)
         self.sent += 1
 
 
@@ -973,6 +986,7 @@ def judge(submitter: Submitter, found: Findings, fleet_history: FleetHistory,
     return {
         "accepted": len(accepted),
         "unconfirmed": len(submitter.unconfirmed),
+        "publish_refusals_retried": submitter.refusals,
         "unconfirmed_landed": len(landed_unconfirmed),
         "requested_in_topic": len(found.requested),
         "shipped": len(found.shipped & universe),
@@ -1172,7 +1186,9 @@ def chaos_command(
                                             "is killed under traffic instead of the Redis loss"),
     settle_timeout: float = typer.Option(0.0, help="seconds every delivery has to end after the faults"),
     kafka_port: int = typer.Option(19092, help="first broker port (three brokers + controller use 6)"),
-    redis_port: int = typer.Option(16379, help="the private Redis port"),
+    redis_port: int = typer.Option(0, help="the private Redis port (the cluster's first node); "
+                                           "default 16379, on a cluster 16400 (its bus ports "
+                                           "26400-26405 stay clear of the secured stack's 26379)"),
     registry_port: int = typer.Option(18081, help="the private registry port"),
     log_level: str = typer.Option("WARNING", help="the services' log level"),
     verbose: bool = typer.Option(False, "--verbose", help="keep the fault log in the JSON line"),
@@ -1184,6 +1200,7 @@ def chaos_command(
     """Run the chaos test on a private three-node stack; print one JSON line; exit 1 on any violation."""
     chosen_seed = seed or random.SystemRandom().randrange(1, 2**31)
     count = deliveries or (SHORT_DELIVERIES if short else FULL_DELIVERIES)
+    redis_port = redis_port or (CLUSTER_REDIS_PORT if redis_cluster else Ports().redis)
     summary = run(count, chosen_seed, short, ports=Ports(kafka_port, redis_port, registry_port),
                   rate_per_s=rate or None, redis_loss=not no_redis_loss, redis_cluster=redis_cluster,
                   settle_timeout_s=settle_timeout or None, log_level=log_level,
