@@ -13,6 +13,7 @@ What differs is pipelining scripts: redis-py's cluster pipeline refuses ``EVALSH
 from __future__ import annotations
 
 from typing import Any, cast
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.client import Pipeline
@@ -63,12 +64,10 @@ def connect(url: str, **options: Any) -> redis.Redis:
 
 def seeds(url: str) -> list[str]:
     """One URL per host of ``url`` (``scheme://[user@]h1:p1,h2:p2/db``), in order."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return [url]
-    netloc, slash, path = rest.partition("/")
-    userinfo, at, hosts = netloc.rpartition("@")
-    return [f"{scheme}://{userinfo}{at}{host}{slash}{path}" for host in hosts.split(",") if host] or [url]
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    return [urlunsplit(parts._replace(netloc=f"{userinfo}{at}{host}"))
+            for host in hosts.split(",") if host] or [url]
 
 
 def is_cluster(client: Any) -> bool:
@@ -138,7 +137,9 @@ class NodePipelines:
         if replicas:
             for name, node_replies in replies.items():
                 acked = node_replies[-1]
-                if not isinstance(acked, Exception) and int(acked) < replicas:
+                if isinstance(acked, Exception):  # WAIT refused (an ACL, a proxy): not waited
+                    raise ReplicationLag(f"WAIT failed on {name or 'redis'}: {acked}")
+                if int(acked) < replicas:
                     raise ReplicationLag(f"{acked} of {replicas} replicas of {name or 'redis'} "
                                          f"acknowledged the writes within {wait_ms} ms")
         return answers

@@ -59,7 +59,7 @@ from functools import partial
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
-from typing import Any
+from typing import Any, cast
 
 import redis
 import typer
@@ -723,10 +723,21 @@ class Chaos:
         """kill -9 one master under traffic; its replica takes over, and the killed node comes
         back a few seconds later as the new master's replica (until then the batches on its
         slots fail their wait for a replica and are done again)."""
+        from consumers.drone_scheduler import fleet
+
         cluster = self.stack.redis_cluster
         assert cluster is not None
         started = time.monotonic()
-        killed, promoted = cluster.kill_master(timeout_s=60)
+        # the master of the drone pool: a hold it loses would book a drone twice. What the
+        # pool's history says at the kill is judged apart from what follows it, as across
+        # the single node's loss
+        client = connect(self.stack.cfg.redis_url, socket_timeout=10)
+        node = cast(redis.RedisCluster, client).get_node_from_key(fleet.free_key)  # type: ignore[no-untyped-call]
+        pool_master = int(node.port)
+        self.fleet_before_loss = fleet.history(client)
+        self.redis_lost_at_ms = int(time.time() * 1000)
+        client.close()
+        killed, promoted = cluster.kill_master(timeout_s=60, port=pool_master)
         self.faults.redis_master_kills += 1
         node = cluster.node(killed)
         self.busy.add(node.name)
@@ -1145,7 +1156,11 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     died = died_on_their_own(stack.services)
     stop_all(stack.services, timeout_s=20)
     client = connect(stack.cfg.redis_url, socket_timeout=10)
-    history = FleetHistory(chaos.fleet_before_loss, fleet.history(client), chaos.redis_lost_at_ms)
+    since = fleet.history(client)
+    if stack.redis_cluster is not None and chaos.fleet_before_loss:
+        # the stream outlived the master kill: what came after it is what follows its last entry
+        since = [entry for entry in since if _stream_id(entry[0]) > _stream_id(chaos.fleet_before_loss[-1][0])]
+    history = FleetHistory(chaos.fleet_before_loss, since, chaos.redis_lost_at_ms)
     held_at_end = int(client.hlen(fleet.held_key))
     found = read_everything()
     result = judge(submitter, found, history, pending)
@@ -1167,6 +1182,11 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
                    "settle_s": round(settle_s, 1), "drones_held_at_end": held_at_end,
                    "fault_log": chaos.faults.events[-60:]})
     return result
+
+
+def _stream_id(raw: bytes) -> tuple[int, int]:
+    ms, _, seq = raw.decode().partition("-")
+    return int(ms), int(seq or 0)
 
 
 # -- the command ----------------------------------------------------------------------------

@@ -153,12 +153,13 @@ class RedisCluster:
                 raise StackError(f"Redis Cluster not ok within {timeout_s:g}s; see the logs in {self.workdir}")
             time.sleep(0.2)
 
-    def kill_master(self, timeout_s: float = 30.0) -> tuple[int, int]:
-        """kill -9 the master on the lowest port, wait until its replica is promoted and the cluster is
-        ok again; (the killed port, the promoted port). ``start`` brings the killed node back,
-        as a replica of the one that took over."""
+    def kill_master(self, timeout_s: float = 30.0, port: int | None = None) -> tuple[int, int]:
+        """kill -9 the master on ``port`` (default: the lowest), wait until its replica is
+        promoted and the cluster is ok again; (the killed port, the promoted port). ``start``
+        brings the killed node back, as a replica of the one that took over."""
         view = self.nodes()
-        victim = min((n for n in view if n.master and n.alive and n.slots), key=lambda n: n.port)
+        victim = min((n for n in view if n.master and n.alive and n.slots and port in (None, n.port)),
+                     key=lambda n: n.port)
         replicas = {n.port for n in view if n.master_id == victim.node_id}
         if not replicas:
             raise StackError(f"Redis Cluster: master {victim.port} has no replica to take over")

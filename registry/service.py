@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 import uvicorn
 
 from choreo.config import Settings
-from choreo.http_serving import HttpLimits, uvicorn_config
+from choreo.http_serving import HttpLimits, tls_options, uvicorn_config
 from choreo.logs import get_logger
 
 from registry.api import Api, create_app, refusal
@@ -58,7 +58,9 @@ class RegistryConfig:
             lease_ms=int(env.get("SCHEMA_REGISTRY_LEASE_MS", "6000")),
             leader_eligible=env.get("SCHEMA_REGISTRY_LEADER_ELIGIBLE", "true").strip().lower() != "false",
             max_body=int(env.get("SCHEMA_REGISTRY_MAX_BODY", str(1 << 20))),
-            advertised_url=env.get("SCHEMA_REGISTRY_ADVERTISED_URL", f"http://{bind_host}:{bind_port}"),
+            # a follower forwards writes here: https when this server speaks only that
+            advertised_url=env.get("SCHEMA_REGISTRY_ADVERTISED_URL",
+                                   f"{'https' if tls_options() else 'http'}://{bind_host}:{bind_port}"),
             auth=auth_from_env(env),
             peers=peers_from_env(env),
             compat_timeout_s=float(env.get("SCHEMA_REGISTRY_COMPAT_TIMEOUT_S", "2")),

@@ -16,3 +16,5 @@ def test_each_seed_keeps_the_login_database_and_options() -> None:
         "rediss://svc:secret@a:7000/0?ssl_cert_reqs=required",
         "rediss://svc:secret@b:7001/0?ssl_cert_reqs=required"]
     assert seeds("redis://a:1,,b:2") == ["redis://a:1", "redis://b:2"]
+    assert seeds("rediss://u:p@h1:1,h2:2?ssl_ca_certs=/ca.pem") == [  # options without a database
+        "rediss://u:p@h1:1?ssl_ca_certs=/ca.pem", "rediss://u:p@h2:2?ssl_ca_certs=/ca.pem"]
