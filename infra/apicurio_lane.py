@@ -9,11 +9,11 @@ Apicurio, and exits with pytest's code. ``make test`` runs it after the main lan
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
-from choreo.config import REPO_ROOT, settings
+from choreo.config import settings
 from infra import apicurio
+from infra.lanes import run_pytest
 from infra.process import StackError
 
 # never the shared stack's 8081, the chaos run's 18081 nor the secured stack's 28081
@@ -29,12 +29,9 @@ def main(args: list[str]) -> int:
     except StackError as exc:
         print(f"apicurio lane: {exc}", file=sys.stderr)
         return 1
-    outside = {*os.environ.get("CHOREO_EXTERNAL", "").split(","), "registry"} - {""}
-    env = {**os.environ, "SCHEMA_REGISTRY_URL": apicurio.url(PORT), "CHOREO_EXTERNAL": ",".join(sorted(outside))}
     print(f"apicurio lane: Apicurio Registry {apicurio.VERSION} at {apicurio.url(PORT)}", file=sys.stderr)
     try:
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", *TESTS, *args],
-                              cwd=REPO_ROOT, env=env, check=False).returncode
+        return run_pytest("registry", {"SCHEMA_REGISTRY_URL": apicurio.url(PORT)}, TESTS, args)
     finally:
         process.stop()
 

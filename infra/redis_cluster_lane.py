@@ -11,10 +11,10 @@ lanes: ``python -m infra.redis_cluster_lane [more pytest args]``.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
-from choreo.config import REPO_ROOT, settings
+from choreo.config import settings
+from infra.lanes import run_pytest
 from infra.process import StackError
 from infra.redis_cluster import RedisCluster
 
@@ -34,13 +34,9 @@ def main(args: list[str]) -> int:
         cluster.stop()
         return 1
     url = f"{cluster.url}/0"
-    outside = {*os.environ.get("CHOREO_EXTERNAL", "").split(","), "redis"} - {""}
-    env = {**os.environ, "REDIS_URL": url, "CHOREO_TEST_REDIS_CLUSTER": url,
-           "CHOREO_EXTERNAL": ",".join(sorted(outside))}
     print(f"redis cluster lane: {len(cluster.ports)} nodes at {cluster.url}", file=sys.stderr)
     try:
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", *TESTS, *args],
-                              cwd=REPO_ROOT, env=env, check=False).returncode
+        return run_pytest("redis", {"REDIS_URL": url, "CHOREO_TEST_REDIS_CLUSTER": url}, TESTS, args)
     finally:
         cluster.stop()
 
