@@ -26,6 +26,12 @@ well. ``check`` refuses every schema that allows either, and bounds the rest:
 * A decimal on ``bytes`` has no size bound and converting n bytes to a ``Decimal`` takes
   O(n²) (18 s for 512 KB): only a decimal on a ``fixed`` of at most ``MAX_DECIMAL_BYTES``.
 
+A schema with references (Confluent's schema references: named types defined by other
+registered schemas) is judged as the schema it resolves to: ``resolve`` collects what it
+references (no cycles, at most ``MAX_REFERENCES`` schemas, ``MAX_REFERENCE_DEPTH`` levels),
+and the size, depth and cost limits apply to all of it together, so splitting a schema into
+references gets around none of them.
+
 Nothing else is judged here: a node of a schema the Avro parsers refuse counts as an ordinary
 one-byte value, and the parser refuses the schema next.
 No dependencies, so the registry and the decoder share it.
@@ -33,14 +39,19 @@ No dependencies, so the registry and the decoder share it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 MAX_SCHEMA_CHARS = 256 * 1024  # a schema's JSON text
 MAX_DEPTH = 32  # nesting levels of the expanded schema
 MAX_NODES = 10_000  # types in the expanded schema, each use of a named type counted again
 MAX_STEPS_PER_BYTE = 4  # nodes an array item or map entry may visit per byte it takes
 MAX_DECIMAL_BYTES = 64  # the largest fixed a decimal may use (153 digits)
+MAX_REFERENCES = 64  # schemas one schema references, directly or through others
+MAX_REFERENCE_DEPTH = 8  # levels of references below a schema
+
+K = TypeVar("K")
 
 PRIMITIVES = frozenset({"null", "boolean", "int", "long", "float", "double", "bytes", "string"})
 _PRIMITIVE_BYTES = {"null": 0, "boolean": 1, "int": 1, "long": 1, "float": 4, "double": 8,
@@ -63,16 +74,59 @@ def namespace_of(name: str) -> str | None:
     return name.rsplit(".", 1)[0] if "." in name else None
 
 
-def check_size(text: str) -> None:
-    """Refuse a schema text too long to parse and walk cheaply (before ``json.loads``)."""
-    if len(text) > MAX_SCHEMA_CHARS:
-        raise UnboundedSchema(f"the schema text is {len(text)} characters, over {MAX_SCHEMA_CHARS}")
+def check_size(text: str, dependencies: Sequence[str] = ()) -> None:
+    """Refuse a schema text too long to parse and walk cheaply (before ``json.loads``); the
+    texts of the schemas it references count towards the same limit."""
+    total = len(text) + sum(len(t) for t in dependencies)
+    if total > MAX_SCHEMA_CHARS:
+        raise UnboundedSchema(f"the schema text is {total} characters, over {MAX_SCHEMA_CHARS}")
 
 
-def check(schema: Any) -> None:
+def check(schema: Any, dependencies: Sequence[Any] = ()) -> None:
     """Raise ``UnboundedSchema`` if decoding with ``schema`` (parsed JSON) is not bounded
-    by the size of the value (the module docstring says how it is bounded)."""
-    _Walk().cost(schema, None, 1)
+    by the size of the value (the module docstring says how it is bounded). ``dependencies``
+    are the schemas it references (as ``resolve`` orders them): their named types are defined
+    first and each use of one in ``schema`` is costed as a use of a type defined in it."""
+    walk = _Walk()
+    for dependency in dependencies:
+        walk.cost(dependency, None, 1)
+    walk.cost(schema, None, 1)
+
+
+def resolve(references: Sequence[K], fetch: Callable[[K], tuple[Hashable, str, Sequence[K]]]) -> list[str]:
+    """The texts of the schemas ``references`` name, directly or through others, each once and
+    after the schemas it references itself (the order their named types must be defined in).
+
+    ``fetch`` turns a reference into (the referenced schema's identity, e.g. its id; its text;
+    its own references) and raises if there is none. Refused with ``UnboundedSchema``: a cycle,
+    more than ``MAX_REFERENCES`` schemas (or references of one schema), more than
+    ``MAX_REFERENCE_DEPTH`` levels. Each schema is fetched at most once per reference to it.
+    """
+    order: list[str] = []
+    done: set[Hashable] = set()
+
+    def visit(reference: K, path: tuple[Hashable, ...]) -> None:
+        handle, text, children = fetch(reference)
+        if handle in path:
+            raise UnboundedSchema("the schema references form a cycle")
+        if handle in done:
+            return
+        if len(path) >= MAX_REFERENCE_DEPTH:
+            raise UnboundedSchema(f"the schema references are nested deeper than {MAX_REFERENCE_DEPTH} levels")
+        if len(children) > MAX_REFERENCES:
+            raise UnboundedSchema(f"a schema has more than {MAX_REFERENCES} references")
+        for child in children:
+            visit(child, (*path, handle))
+        done.add(handle)
+        order.append(text)
+        if len(order) > MAX_REFERENCES:
+            raise UnboundedSchema(f"the schema references more than {MAX_REFERENCES} schemas")
+
+    if len(references) > MAX_REFERENCES:
+        raise UnboundedSchema(f"a schema has more than {MAX_REFERENCES} references")
+    for reference in references:
+        visit(reference, ())
+    return order
 
 
 @dataclass(frozen=True)
