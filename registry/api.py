@@ -101,8 +101,7 @@ def _associations(call: Call) -> Any:
 
 
 def _referenced_by(call: Call) -> list[int]:
-    call.registry.version(call.subject(), call.params["version"], False)
-    return []
+    return call.registry.referenced_by(call.subject(), call.params["version"])
 
 
 def _all_schemas(call: Call) -> list[dict[str, Any]]:

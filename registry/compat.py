@@ -6,12 +6,12 @@ maps, fixed sizes, named types and field aliases. One flaw is corrected here ins
 re-implementing the rules: it compares a reader's *type* aliases as written (``"Old"``)
 with the writer's full name (``"ns.Old"``), so a rename through a relative alias was
 refused. We hand it schemas whose aliases are fully qualified, which is what the
-specification says aliases mean.
+specification says aliases mean. A schema with references is checked as it resolves: the
+types it uses from other subjects are compared like its own.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -25,7 +25,7 @@ from avro.compatibility import (
 )
 
 from registry import errors
-from registry.avro_schema import ParsedSchema, normalize
+from registry.avro_schema import ParsedSchema, checker_form
 
 
 class Level(str, Enum):
@@ -63,11 +63,6 @@ class Level(str, Enum):
 DEFAULT_LEVEL = Level.BACKWARD
 
 
-def _for_checker(schema: ParsedSchema) -> avro.schema.Schema:
-    """The schema re-parsed from its normalized form, so every alias is fully qualified."""
-    return avro.schema.parse(json.dumps(normalize(json.loads(schema.text))))
-
-
 class CheckTimeout(Exception):
     """The compatibility walk passed its deadline."""
 
@@ -94,7 +89,7 @@ def reader_writer_problems(reader: ParsedSchema, writer: ParsedSchema,
     """Why data written with ``writer`` cannot be read with ``reader`` (empty: it can);
     ``CheckTimeout`` once ``deadline`` has passed."""
     checker = _DeadlineChecker(deadline)
-    result = checker.get_compatibility(_for_checker(reader), _for_checker(writer))
+    result = checker.get_compatibility(checker_form(reader), checker_form(writer))
     if result.compatibility is not SchemaCompatibilityType.incompatible:
         return []
     kinds = sorted({kind.name.upper() for kind in result.incompatibilities}) or ["INCOMPATIBLE"]

@@ -33,6 +33,7 @@ INVALID_VERSION = 42202
 INVALID_COMPATIBILITY_LEVEL = 42203
 INVALID_MODE = 42204
 OPERATION_NOT_PERMITTED = 42205
+REFERENCE_EXISTS = 42206
 INVALID_SUBJECT = 42208
 STORE_ERROR = 50001
 OPERATION_TIMEOUT = 50002
@@ -154,6 +155,16 @@ def invalid_mode() -> RegistryError:
 
 def operation_not_permitted(message: str) -> RegistryError:
     return RegistryError(HTTP_UNPROCESSABLE, OPERATION_NOT_PERMITTED, message)
+
+
+def reference_not_found(subject: str, version: int) -> RegistryError:
+    """Confluent refuses a reference to nothing as an invalid schema, with this wording."""
+    return invalid_schema(f'No schema reference found for subject "{subject}" and version {version}')
+
+
+def reference_exists(subject: str, version: int) -> RegistryError:
+    return RegistryError(HTTP_UNPROCESSABLE, REFERENCE_EXISTS,
+                         f"One or more references exist to the schema {{subject={subject}, version={version}}}")
 
 
 def invalid_subject(shown: str) -> RegistryError:

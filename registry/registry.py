@@ -18,6 +18,7 @@ import threading
 import time
 import unicodedata
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any, NamedTuple, TypeVar
 
@@ -29,6 +30,7 @@ from registry.state import (
     MAX_INT,
     Record,
     State,
+    StoredSchema,
     SubjectVersion,
     config_record,
     mode_record,
@@ -45,7 +47,7 @@ RESERVED_SUBJECTS = frozenset({"__GLOBAL", "__EMPTY"})
 MODES = ("READWRITE", "READONLY", "READONLY_OVERRIDE", "IMPORT")
 READ_ONLY_MODES = ("READONLY", "READONLY_OVERRIDE")
 CONFIG_EXTRAS = {"normalize": bool, "validateFields": bool, "alias": str, "compatibilityGroup": str}
-LATEST = -1
+LATEST = avro_schema.LATEST
 
 
 def check_subject(subject: str) -> str:
@@ -75,19 +77,6 @@ def parse_schema_id(raw: str) -> int:
     if text.lstrip("-").isdigit() and len(text) <= 11 and -(2**31) <= int(text) <= MAX_INT:
         return int(text)
     raise errors.http_error(404, "Not Found")
-
-
-def _schema_text(body: dict[str, Any]) -> avro_schema.ParsedSchema:
-    kind = body.get("schemaType", "AVRO")
-    if kind is None:
-        kind = "AVRO"
-    if not isinstance(kind, str) or kind.upper() != "AVRO":
-        raise errors.invalid_schema(
-            f"schemaType {kind!r} is not supported by this registry; only AVRO schemas are accepted"
-        )
-    if body.get("references"):
-        raise errors.invalid_schema("schema references are not supported by this registry")
-    return avro_schema.parse(body.get("schema"))
 
 
 def _optional_number(body: dict[str, Any], key: str) -> int | None:
@@ -177,7 +166,48 @@ class Registry:
 
     def _describe(self, sv: SubjectVersion) -> dict[str, Any]:
         return {"subject": sv.subject, "version": sv.version, "id": sv.schema_id,
-                "schema": self.state.schemas[sv.schema_id].text}
+                **self._schema_fields(self.state.schemas[sv.schema_id])}
+
+    @staticmethod
+    def _schema_fields(stored: StoredSchema) -> dict[str, Any]:
+        """A stored schema as Confluent answers it: ``references`` only when there are some."""
+        if not stored.references:
+            return {"schema": stored.text}
+        return {"schema": stored.text, "references": [r.as_json() for r in stored.references]}
+
+    def _parsed_body(self, body: dict[str, Any]) -> avro_schema.ParsedSchema:
+        """The schema of a request, its references pinned to versions and resolved (42201 if
+        any is not). Only the resolution holds the lock; the parse runs outside it."""
+        kind = body.get("schemaType", "AVRO")
+        if kind is None:
+            kind = "AVRO"
+        if not isinstance(kind, str) or kind.upper() != "AVRO":
+            raise errors.invalid_schema(
+                f"schemaType {kind!r} is not supported by this registry; only AVRO schemas are accepted"
+            )
+        try:
+            requested = avro_schema.references_of(body.get("references"), allow_latest=True)
+        except ValueError as exc:
+            raise errors.invalid_schema(str(exc)) from None
+        with self.state.lock:
+            references = tuple(self._pinned(r) for r in requested)
+            dependencies = self.state.dependencies(references)
+        return avro_schema.parse(body.get("schema"), references, dependencies)
+
+    def _pinned(self, reference: avro_schema.Reference) -> avro_schema.Reference:
+        """A reference to a live version; ``latest`` (-1) is replaced by that version's number,
+        as Confluent stores it, so a later version of the subject changes nothing here."""
+        found = [sv for sv in self._live(reference.subject) if reference.version in (LATEST, sv.version)]
+        if not found:
+            raise errors.reference_not_found(reference.subject, reference.version)
+        return replace(reference, version=found[-1].version)
+
+    def _unreferenced(self, subject: str, versions: list[SubjectVersion]) -> None:
+        """Refuse to delete a version another schema references (42206, as Confluent): that
+        schema would no longer resolve. A soft-deleted referrer counts, it is still read by id."""
+        for sv in versions:
+            if self.state.referrers(subject, sv.version, include_deleted=True):
+                raise errors.reference_exists(subject, sv.version)
 
     def _basis(self, subject: str) -> _Basis:
         return _Basis(self._mode(subject), self._level(subject),
@@ -260,7 +290,7 @@ class Registry:
             versions = self._live(subject, deleted)
             if not versions:
                 raise errors.subject_not_found(subject)
-        parsed = _schema_text(body)
+        parsed = self._parsed_body(body)
         with self.state.lock:
             for sv in reversed(versions):
                 if self.state.schemas[sv.schema_id].identity == parsed.identity:
@@ -275,7 +305,7 @@ class Registry:
         return None
 
     def register(self, subject: str, body: dict[str, Any]) -> dict[str, Any]:
-        parsed = _schema_text(body)
+        parsed = self._parsed_body(body)
         wanted_id = _optional_number(body, "id")
         wanted_version = _optional_number(body, "version")
         deadline = time.monotonic() + self.check_timeout_s
@@ -312,6 +342,8 @@ class Registry:
         it since (then the schema is not registered yet either: ``_BasisMoved``)."""
         if self._basis(subject) != basis:
             raise _BasisMoved()
+        for reference in parsed.references:  # not deleted since it was resolved
+            self._pinned(reference)
         records: list[Record] = []
         if wanted_id is not None:
             schema_id = wanted_id
@@ -321,7 +353,7 @@ class Registry:
         else:
             schema_id = self.state.by_identity.get(parsed.identity, 0) or self.state.max_id + 1
         if schema_id not in self.state.schemas:
-            records.append(schema_id_record(schema_id, parsed.text))
+            records.append(schema_id_record(schema_id, parsed.text, parsed.references))
         all_versions = self._live(subject, include_deleted=True)
         if wanted_version is not None:
             version = wanted_version
@@ -339,6 +371,7 @@ class Registry:
                 raise errors.subject_not_found(subject)
             self._writable(subject)
             live = [sv for sv in every if not sv.deleted]
+            self._unreferenced(subject, every if permanent else live)
             if permanent:
                 if live:
                     raise errors.subject_not_soft_deleted(subject)
@@ -368,6 +401,7 @@ class Registry:
                 if not matches:
                     raise errors.version_not_found(number)
                 sv = matches[0]
+            self._unreferenced(subject, [sv])
             if permanent:
                 if not sv.deleted:
                     raise errors.version_not_soft_deleted(subject, sv.version)
@@ -392,7 +426,14 @@ class Registry:
             usages = self.state.usages(schema_id, include_deleted=True)
             if stored is None or not usages:
                 raise errors.schema_not_found(schema_id)
-            return {"schema": stored.text}
+            return self._schema_fields(stored)
+
+    def referenced_by(self, subject: str, version: str) -> list[int]:
+        """The ids of the live schemas that reference this version."""
+        number = parse_version(version)
+        with self.state.lock:
+            sv = self._find(subject, number)
+            return self.state.referrers(subject, sv.version)
 
     def schema_subjects(self, raw_id: str, deleted: bool, subject: str | None) -> list[str]:
         return sorted({sv["subject"] for sv in self.schema_versions(raw_id, deleted, subject)})
@@ -410,7 +451,7 @@ class Registry:
 
     def check(self, subject: str, version: str | None, body: dict[str, Any], verbose: bool) -> dict[str, Any]:
         number = None if version is None else parse_version(version)
-        parsed = _schema_text(body)
+        parsed = self._parsed_body(body)
         with self.state.lock:
             level = self._level(subject)
             previous = self._previous(subject)

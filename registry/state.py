@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from registry import avro_schema
+from choreo import avro_bounds
+from registry import avro_schema, errors
 
 Record = tuple[bytes, bytes | None]
 
@@ -30,9 +31,12 @@ def _value(payload: dict[str, Any] | None) -> bytes | None:
     return None if payload is None else json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def schema_id_record(schema_id: int, text: str) -> Record:
-    return (_key({"keytype": "SCHEMA_ID", "id": schema_id, "magic": 0}),
-            _value({"id": schema_id, "schema": text, "schemaType": "AVRO"}))
+def schema_id_record(schema_id: int, text: str, references: Sequence[avro_schema.Reference] = ()) -> Record:
+    """``references`` only when there are some: a record without them is what it always was."""
+    value: dict[str, Any] = {"id": schema_id, "schema": text, "schemaType": "AVRO"}
+    if references:
+        value["references"] = [r.as_json() for r in references]
+    return _key({"keytype": "SCHEMA_ID", "id": schema_id, "magic": 0}), _value(value)
 
 
 def version_record(subject: str, version: int, schema_id: int | None, deleted: bool = False) -> Record:
@@ -80,6 +84,7 @@ class StoredSchema:
     schema_id: int
     text: str
     identity: str
+    references: tuple[avro_schema.Reference, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,9 +98,17 @@ class SubjectVersion:
 _Parsed = tuple[StoredSchema, "avro_schema.ParsedSchema | None"]
 
 
-def _parsed_schema(schema_id: int, text: str) -> _Parsed:
+def _parsed_schema(schema_id: int, text: str, references: tuple[avro_schema.Reference, ...] = ()) -> _Parsed:
     """A stored schema and its parse (None: a schema valid under older rules, which stays
-    readable by id, its identity its text)."""
+    readable by id, its identity its text). A schema with references is parsed when it is
+    first needed (``State.parsed``): what they resolve to is the state's to say, and a log
+    replayed in another order (compaction) may not hold them yet."""
+    if references:
+        try:
+            identity = avro_schema.identity_of(json.loads(text), references)
+        except (ValueError, RecursionError):
+            identity = json.dumps({"schema": text, "references": [r.as_json() for r in references]})
+        return StoredSchema(schema_id, text, identity, references), None
     try:
         parsed = avro_schema.parse(text)
     except Exception:  # the parsers raise a zoo of types; any of them means "not parsed"
@@ -149,7 +162,8 @@ class State:
         """The change a record makes, once every field has been checked."""
         kind = k["keytype"]
         if kind == "SCHEMA_ID" and v is not None:
-            return partial(self._add_schema, _parsed_schema(_number(v["id"]), _text(v["schema"])))
+            return partial(self._add_schema, _parsed_schema(_number(v["id"]), _text(v["schema"]),
+                                                            avro_schema.references_of(v.get("references"))))
         if kind == "SCHEMA":
             subject, version = _text(k["subject"]), _number(k["version"])
             if v is None:
@@ -161,7 +175,7 @@ class State:
             # records written by other registries carry the text along (``schemas`` is ours
             # to read without the lock: only this thread writes it)
             text = v.get("schema")
-            schema = (_parsed_schema(found.schema_id, text)
+            schema = (_parsed_schema(found.schema_id, text, avro_schema.references_of(v.get("references")))
                       if isinstance(text, str) and found.schema_id not in self.schemas else None)
             return partial(self._add_version, found, schema)
         if kind == "CONFIG":
@@ -193,7 +207,44 @@ class State:
     # -- queries (callers hold ``lock``) -------------------------------------------------
 
     def parsed(self, schema_id: int) -> avro_schema.ParsedSchema | None:
-        return self._parsed.get(schema_id)
+        """The parse of a stored schema; one with references is resolved now and remembered
+        (None: it cannot be, e.g. its references form a cycle, or it is invalid)."""
+        found = self._parsed.get(schema_id)
+        stored = self.schemas.get(schema_id)
+        if found is not None or stored is None or not stored.references:
+            return found
+        try:
+            found = avro_schema.parse(stored.text, stored.references, self.dependencies(stored.references))
+        except Exception:  # the parsers raise a zoo of types; any of them means "not parsed"
+            return None
+        self._parsed[schema_id] = found
+        return found
+
+    def dependencies(self, references: Sequence[avro_schema.Reference]) -> list[str]:
+        """The texts ``references`` resolve to, in definition order (``avro_bounds.resolve``);
+        ``RegistryError`` 42201 names a reference that resolves to nothing, or why the whole
+        cannot be resolved in bounds. A soft-deleted version still resolves: the schemas that
+        reference it stay readable."""
+        try:
+            return avro_bounds.resolve(references, self._referenced)
+        except avro_bounds.UnboundedSchema as exc:
+            raise errors.invalid_schema(f"the schema cannot be decoded in bounded work: {exc}") from None
+
+    def _referenced(self, reference: avro_schema.Reference) -> tuple[int, str, tuple[avro_schema.Reference, ...]]:
+        sv = self.subjects.get(reference.subject, {}).get(reference.version)
+        stored = None if sv is None else self.schemas.get(sv.schema_id)
+        if stored is None:
+            raise errors.reference_not_found(reference.subject, reference.version)
+        return stored.schema_id, stored.text, stored.references
+
+    def referrers(self, subject: str, version: int, include_deleted: bool = False) -> list[int]:
+        """The ids of the schemas that reference ``subject`` ``version`` and are in use (by a
+        live version, or by any version with ``include_deleted``)."""
+        return sorted(
+            stored.schema_id for stored in self.schemas.values()
+            if any(r.subject == subject and r.version == version for r in stored.references)
+            and self.usages(stored.schema_id, include_deleted)
+        )
 
     def versions(self, subject: str, include_deleted: bool = False) -> list[SubjectVersion]:
         found = self.subjects.get(subject, {})
