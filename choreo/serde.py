@@ -15,10 +15,11 @@ from __future__ import annotations
 import io
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from functools import partial
 from typing import Any, Generic, TypeVar
 
-from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry import SchemaReference, SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from confluent_kafka.serialization import MessageField, SerializationContext
@@ -108,8 +109,7 @@ class Decoder(Generic[E]):
     A writer schema is dead-lettered as incompatible when its id is not registered under the
     topic's subject ``<topic>-value`` (a soft-deleted version still counts: records written
     before the delete stay readable), when decoding with it is not bounded by the value's
-    size (``avro_bounds``), and when it has references to other subjects or data-contract
-    rules. A refusal (these, or an unknown id) is remembered for ``REFUSAL_TTL_S``, so a
+    size (``avro_bounds``, references included), and when it has data-contract rules. A refusal (these, or an unknown id) is remembered for ``REFUSAL_TTL_S``, so a
     flood of such records costs a registry round trip per id and period, not per record; not
     for good, as a registry instance that lags may not know yet of an id the subject just got.
     """
@@ -188,27 +188,51 @@ class Decoder(Generic[E]):
 
 
 def bounded_writer(client: SchemaRegistryClient, schema_id: int) -> Any:
-    """The writer schema of ``schema_id``, parsed, if it is a self-contained Avro schema that
-    decodes in bounded work (``choreo.avro_bounds``); else ``DecodeFailure`` says why."""
+    """The writer schema of ``schema_id``, parsed, if it is an Avro schema that decodes in
+    bounded work (``choreo.avro_bounds``); else ``DecodeFailure`` says why. Its references
+    are fetched through the client (each version once, soft-deleted ones too: what was
+    written with them stays readable) and parsed first; the bounds apply to the whole."""
     schema = _ask(schema_id, lambda: client.get_schema(schema_id))
-    if (schema.schema_type or "AVRO") != "AVRO" or schema.references:
+    if (schema.schema_type or "AVRO") != "AVRO":
         raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
-                            f"schema id {schema_id} is not a self-contained Avro schema")
+                            f"schema id {schema_id} is not an Avro schema")
     if schema.rule_set is not None:  # e.g. encrypted fields: read as they are, they would pass
         raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
                             f"schema id {schema_id} has data-contract rules this decoder does not apply")
     text = schema.schema_str or ""
     try:
-        avro_bounds.check_size(text)
+        dependencies = avro_bounds.resolve(schema.references or [], partial(_referenced, client, schema_id))
+        avro_bounds.check_size(text, dependencies)
         document = json.loads(text)
-        avro_bounds.check(document)
-        return parse_schema(document)
+        before = [json.loads(dependency) for dependency in dependencies]
+        avro_bounds.check(document, before)
+        named: dict[str, Any] = {}
+        for dependency in before:
+            parse_schema(dependency, named_schemas=named)
+        return parse_schema(document, named_schemas=named)
+    except (DecodeFailure, RegistryUnavailable):
+        raise
     except avro_bounds.UnboundedSchema as exc:
         raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
                             f"schema id {schema_id} cannot be decoded in bounded work: {exc}") from exc
     except Exception as exc:  # the registry holds it, but it is no Avro schema we can read
         raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
                             f"schema id {schema_id}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+def _referenced(client: SchemaRegistryClient, schema_id: int,
+                reference: SchemaReference) -> tuple[Hashable, str, list[SchemaReference]]:
+    """What ``avro_bounds.resolve`` needs of one reference of ``schema_id``'s schema."""
+    if reference.subject is None or reference.version is None:
+        raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                            f"schema id {schema_id} has a reference without subject or version")
+    subject, version = reference.subject, reference.version
+    found = _ask(schema_id, lambda: client.get_version(subject, version, deleted=True))
+    if (found.schema.schema_type or "AVRO") != "AVRO":
+        raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                            f"schema id {schema_id} references a schema that is not Avro")
+    handle = found.schema_id if found.schema_id is not None else (subject, version)
+    return handle, found.schema.schema_str or "", list(found.schema.references or [])
 
 
 def _ask(schema_id: int, call: Callable[[], T]) -> T:

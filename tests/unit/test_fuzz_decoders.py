@@ -27,6 +27,7 @@ from typing import Any
 import fastavro
 import pytest
 from confluent_kafka.schema_registry import (
+    RegisteredSchema,
     Rule, RuleKind, RuleMode, RuleSet, Schema, SchemaReference, SchemaRegistryClient,
 )
 from confluent_kafka.schema_registry.error import SchemaRegistryError
@@ -51,6 +52,17 @@ MISROUTED = 9  # a 404 that is not the registry's "schema not found" (a wrong UR
 PROTOBUF, WITH_REFERENCES, NOT_AVRO, WITH_RULES = 5, 6, 7, 8  # schemas a decoder cannot read
 FOREIGN = 10  # our own schema, but registered under another subject only
 HOSTILE = 11  # a BACKWARD-compatible v2 whose new field is an array of nulls
+REFERRING = 12  # a v2 whose new field's type comes from the "location-value" subject
+REFERRING_HOSTILE = 13  # a v2 whose referenced type, fine on its own, is an array of nulls here
+REFERENCED_LOCATION = {"type": "record", "name": "Location", "namespace": "com.example",
+            "fields": [{"name": "lat", "type": "double"}, {"name": "lon", "type": "double"}]}
+EMPTY_RECORD = {"type": "record", "name": "Nothing", "namespace": "com.example", "fields": []}
+# subject, version → (id, schema, references); "loop" references itself
+VERSIONS: dict[tuple[str, int], tuple[int, str, list[SchemaReference]]] = {
+    ("location-value", 1): (20, json.dumps(REFERENCED_LOCATION), []),
+    ("nothing-value", 1): (21, json.dumps(EMPTY_RECORD), []),
+    ("loop-value", 1): (22, json.dumps(REFERENCED_LOCATION), [SchemaReference("com.example.Loop", "loop-value", 1)]),
+}
 
 
 def with_fields(*extra: dict[str, Any]) -> str:
@@ -69,7 +81,13 @@ class StandInRegistry(SchemaRegistryClient):
         self.schemas = {OURS: PackageReady.avro_schema(), OTHER: DeliveryRequested.avro_schema(),
                         FOREIGN: PackageReady.avro_schema(),
                         HOSTILE: with_fields({"name": "x", "type": {"type": "array", "items": "null"},
-                                              "default": []})}
+                                              "default": []}),
+                        REFERRING: with_fields({"name": "at", "type": "com.example.Location"}),
+                        REFERRING_HOSTILE: with_fields({"name": "x", "type": {
+                            "type": "array", "items": "com.example.Nothing"}, "default": []})}
+        self.references = {REFERRING: [SchemaReference("com.example.Location", "location-value", 1)],
+                           REFERRING_HOSTILE: [SchemaReference("com.example.Nothing", "nothing-value", 1)],
+                           WITH_REFERENCES: [SchemaReference("com.example.Loop", "loop-value", 1)]}
         self.asked: list[int] = []
         self.asked_subjects: list[int] = []
 
@@ -104,15 +122,23 @@ class StandInRegistry(SchemaRegistryClient):
         if schema_id == PROTOBUF:
             return Schema('syntax = "proto3"; message M {}', "PROTOBUF")
         if schema_id == WITH_REFERENCES:
-            return Schema(PackageReady.avro_schema(), "AVRO",
-                          [SchemaReference("com.example.Size", "size-value", 1)])
+            return Schema(PackageReady.avro_schema(), "AVRO", self.references[WITH_REFERENCES])
         if schema_id == NOT_AVRO:
             return Schema('{"type": "record"}', "AVRO")
         if schema_id == WITH_RULES:
             rule = Rule("encrypt-address", None, RuleKind.TRANSFORM, RuleMode.WRITEREAD, "ENCRYPT",
                         ["PII"], None, None, None, None, False)
             return Schema(PackageReady.avro_schema(), "AVRO", rule_set=RuleSet(None, [rule]))
-        return Schema(self.schemas[schema_id], "AVRO")
+        return Schema(self.schemas[schema_id], "AVRO", self.references.get(schema_id, []))
+
+    def get_version(self, subject_name: str, version: int | str = "latest",  # type: ignore[override]
+                    deleted: bool = False, fmt: str | None = None) -> RegisteredSchema:
+        """The referenced versions (``VERSIONS``), as a registry answers them."""
+        assert isinstance(version, int)
+        if (subject_name, version) not in VERSIONS:
+            raise SchemaRegistryError(404, 40402, "Version not found")
+        schema_id, text, references = VERSIONS[subject_name, version]
+        return RegisteredSchema(subject_name, version, schema_id, None, Schema(text, "AVRO", references))
 
 
 @pytest.fixture(scope="module")
@@ -539,8 +565,24 @@ def test_any_bytes_and_headers_are_a_clear_answer(http: Any, raw: bytes, content
     assert_clear(http.post("/deliveries", content=raw, headers=headers))
 
 
+def test_a_writer_schema_with_references_is_resolved_through_the_registry() -> None:
+    """A writer schema that uses a type registered in another subject decodes (the referenced
+    schema is fetched and parsed first), and the bounds judge the resolved schema: a referenced
+    type harmless on its own is refused where the referring schema makes an array of it."""
+    registry = StandInRegistry()
+    decoder = Decoder(PackageReady, "package.ready", registry)
+    writer = json.loads(registry.schemas[REFERRING])
+    writer["fields"][-1]["type"] = REFERENCED_LOCATION  # the same schema, self-contained, to encode with
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, fastavro.parse_schema(writer), {**GOOD.to_avro(), "at": {"lat": 1.5, "lon": 2.0}})
+    assert decoder(framed(REFERRING, out.getvalue())) == GOOD
+    outcome = decode_or_classify(decoder, framed(REFERRING_HOSTILE, avro(GOOD) + b"\x02"))
+    assert isinstance(outcome, DecodeFailure) and outcome.reason is DeadLetterReason.INCOMPATIBLE_SCHEMA
+    assert "bounded work" in str(outcome)
+
+
 def test_a_writer_schema_it_cannot_read_is_incompatible_and_asked_for_once_when_good() -> None:
-    """Other schema types, references to other subjects, data-contract rules (an encrypted
+    """Other schema types, references that form a cycle, data-contract rules (an encrypted
     field would decode as ciphertext) and broken schemas are dead-lettered; a good writer
     schema is fetched once per decoder, however many messages carry its id."""
     registry = StandInRegistry()
