@@ -8,9 +8,15 @@ import json
 from typing import Any
 
 import pytest
+from confluent_kafka.schema_registry import Schema, SchemaReference, SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
+from confluent_kafka.schema_registry.error import SchemaRegistryError
+from confluent_kafka.serialization import MessageField, SerializationContext
+from starlette.testclient import TestClient
 
 from choreo import avro_bounds
 from registry import errors
+from registry.api import Api, create_app
 from registry.avro_schema import Reference, identity_of, parse
 from registry.compat import Level, problems
 from registry.registry import Registry
@@ -235,3 +241,22 @@ def test_a_cycle_written_to_the_log_is_refused(registry: Registry) -> None:
     user = {"type": "record", "name": "U", "fields": [{"name": "a", "type": "geo.A"}]}
     assert "cycle" in refused(42201, registry.register, "u",
                               {"schema": text(user), "references": [{"name": "a", "subject": "a", "version": 1}]})
+
+
+def test_confluent_clients_serialize_with_references_over_the_api(registry: Registry) -> None:
+    """confluent-kafka's client, AvroSerializer and AvroDeserializer against the REST API in
+    process (the client's HTTP session swapped for Starlette's test client: no port)."""
+    with TestClient(create_app(Api(registry), lambda: None, lambda: None)) as http:
+        sr = SchemaRegistryClient({"url": "http://testserver"})
+        sr._rest_client.session = http
+        sr.register_schema("location", Schema(text(LOCATION), "AVRO"))
+        schema = Schema(text(DELIVERY), "AVRO", [SchemaReference("geo.Location", "location", 1)])
+        delivery = sr.register_schema("deliveries-value", schema)
+        assert sr.get_schema(delivery).references == [SchemaReference("geo.Location", "location", 1)]
+        assert http.get("/subjects/location/versions/1/referencedby").json() == [delivery]
+        ctx = SerializationContext("deliveries", MessageField.VALUE)
+        value = {"id": "d-1", "at": {"lat": 59.3, "lon": 18.1}}
+        assert AvroDeserializer(sr)(AvroSerializer(sr, schema)(value, ctx), ctx) == value
+        with pytest.raises(SchemaRegistryError) as info:
+            sr.delete_version("location", 1)
+        assert (info.value.http_status_code, info.value.error_code) == (422, 42206)
