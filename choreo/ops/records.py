@@ -209,7 +209,7 @@ def watermarks(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> tupl
         except KafkaException as e:
             if e.args[0].code() != KafkaError._UNKNOWN_PARTITION or time.monotonic() > deadline:
                 raise
-            consumer.poll(0.1)  # lets the metadata reply land
+            time.sleep(0.1)  # librdkafka's own thread asks for the leader meanwhile; a poll here could eat a record of an assigned partition
 
 
 def _at_time(consumer: Consumer, topic: str, parts: list[int], ms: int, ends: dict[int, int],
