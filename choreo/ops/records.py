@@ -209,7 +209,9 @@ def watermarks(consumer: Consumer, tp: TopicPartition, timeout_s: float) -> tupl
         except KafkaException as e:
             if e.args[0].code() != KafkaError._UNKNOWN_PARTITION or time.monotonic() > deadline:
                 raise
-            time.sleep(0.1)  # librdkafka's own thread asks for the leader meanwhile; a poll here could eat a record of an assigned partition
+            # librdkafka's own thread asks for the leader meanwhile (a poll here could
+            # consume a record of a partition the caller has assigned)
+            time.sleep(0.1)
 
 
 def _at_time(consumer: Consumer, topic: str, parts: list[int], ms: int, ends: dict[int, int],
