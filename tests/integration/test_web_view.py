@@ -159,6 +159,11 @@ def test_the_live_view_shows_the_flow_a_stopped_service_and_a_timeline(running: 
             page.click(f"{dlq_row} button.redrive")
             page.wait_for_selector("#redrive-result .done", timeout=60_000)
             assert "redriven 2, skipped 0" in page.inner_text("#redrive-result")
+            # the answer stays through the view's next refreshes
+            with page.expect_response(lambda response: response.url.endswith("/live")):
+                pass
+            page.wait_for_timeout(2_500)
+            assert "redriven 2, skipped 0" in page.inner_text("#redrive-result")
 
             # the package service stops: its group falls behind and its steps pass their deadline
             [proc] = [p for p in running.procs if p.ref.endswith(":package")]
