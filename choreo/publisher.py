@@ -20,7 +20,7 @@ from confluent_kafka import KafkaError, Message, Producer
 from choreo.kafka import pipeline_producer_config
 from choreo.config import settings
 from choreo.envelope import Envelope, now_ms
-from choreo import tracing
+from choreo import layout, tracing
 from choreo.events import Event
 from choreo.redis_client import connect
 from choreo.serde import Encoder, registry_client
@@ -56,6 +56,8 @@ class Publisher:
         self.workflow = workflow
         tracing.configure(name)
         self.redis = redis_client or connect(cfg.redis_url, socket_timeout=5)
+        if workflow is not None:  # it opens the workflow's first steps
+            layout.claim(self.redis)
         self.state = StateTable(self.redis)
         self.registry = registry_client()
         self._encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}

@@ -40,7 +40,7 @@ from choreo.memory import collect_batch_cycles, settle_garbage_collector
 from choreo.redis_client import TRANSIENT, connect
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
 from choreo.effects import RELEASED, EffectCall, Op, run_all
-from choreo import tracing
+from choreo import layout, tracing
 from choreo.outcomes import REPLIES, ReplyTopics, outcome_of
 from choreo.runtime_events import DeliveryOutcome
 from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerResult, Periodic, Service
@@ -205,6 +205,7 @@ class Runner:
         tracing.configure(self.service.name)
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        layout.claim(self.redis)
         for hook in self.service.startup:
             hook(self.redis)
         settle_garbage_collector()

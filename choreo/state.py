@@ -101,8 +101,10 @@ local function is_step_record(name, value)
 end
 local function step_flush()
   for id, where in pairs(step_dirty) do
+    -- values past STEP_FIELDS were written by a newer version running beside this one
+    -- (choreo.layout): kept as they are
     local record, last = step_records[id], 0
-    for i = 1, #STEP_FIELDS do
+    for i = 1, math.max(#STEP_FIELDS, table.maxn(record)) do
       if record[i] ~= nil and record[i] ~= cjson.null then last = i end
     end
     -- no status, no step: a late answer or a try for a step the table does not know (Redis

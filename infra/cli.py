@@ -149,6 +149,7 @@ def run_service(
     """Run one instance of a service until SIGTERM, after creating the topics it declares
     that do not exist yet (a new subscriber needs no manual step)."""
     from choreo import topology
+    from choreo.layout import LayoutMismatch
     from choreo.runner import Runner, RunnerOptions
     from choreo.service import load_service
 
@@ -160,7 +161,10 @@ def run_service(
         topology.ensure_service(service, flow)
     except topology.TopicsMissing as exc:
         fail(str(exc))
-    Runner(service, RunnerOptions(instance=instance, metrics_port=metrics_port), workflow=flow).run()
+    try:
+        Runner(service, RunnerOptions(instance=instance, metrics_port=metrics_port), workflow=flow).run()
+    except LayoutMismatch as exc:
+        fail(str(exc))
 
 
 def _load_workflow(ref: str) -> "Workflow | None":

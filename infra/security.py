@@ -388,18 +388,21 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
     hand-kept list per service; only the part before the first ``:`` counts, so a key gaining
     a shard's hash tag (``dl:{s12}...``) stays in its prefix:
 
-    * every service: the step table and the deadline index (``choreo.state``), its dedupe
-      entries (``choreo.dedupe``) and effect answers (``choreo.effects``), which are per
-      delivery and shared by the steps, plus the records and pools it declares itself;
+    * every service: the step table and the deadline index (``choreo.state``), the layout
+      version (``choreo.layout``), its dedupe entries (``choreo.dedupe``) and effect answers
+      (``choreo.effects``), which are per delivery and shared by the steps, plus the records
+      and pools it declares itself;
     * the supervisor: also its lease (``choreo.lease``), the release queue
       (``choreo.release``) and the records that go with a finished delivery, which it deletes;
-    * ingestion: the step table and the deadline index (it opens a delivery's first step),
-      its in-flight places, owner records and idempotency keys (``producers``);
+    * ingestion: the step table, the deadline index and the layout version (it opens a
+      delivery's first step), its in-flight places, owner records and idempotency keys
+      (``producers``);
     * the registry: its leader lease (``registry.leader``) and nothing else;
     * ops: every key (rebuild-state and redrive rewrite any of them); no admin commands either.
     """
     from choreo.dedupe import seen_key
     from choreo.effects import memo_key
+    from choreo.layout import LAYOUT_KEY
     from choreo.lease import lease_key
     from choreo.release import awaiting_key
     from choreo.state import delivery_key
@@ -408,7 +411,7 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
     from registry.leader import LEASE_PREFIX
 
     one = "x"
-    step_table = {_prefix(delivery_key(one)), DEADLINE_PREFIX}
+    step_table = {_prefix(delivery_key(one)), DEADLINE_PREFIX, _prefix(LAYOUT_KEY)}
     runtime = step_table | {_prefix(seen_key(one)), _prefix(memo_key(one))}
     prefixes: dict[str, set[str]] = {}
     for service in workflow.services:

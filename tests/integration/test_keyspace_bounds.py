@@ -77,6 +77,7 @@ BOUNDED = {
     "release": Bound("terminals awaiting release, capped per partition by the releaser",
                      {"zset": 200_000}),  # Releaser's cap
     "lease": Bound("a supervisor lease's fence counter, one per supervisor name", {"string": INTEGER}),
+    "layout": Bound("the state's layout version: one key (choreo.layout)", {"string": INTEGER}),
 }
 
 

@@ -11,7 +11,7 @@ from infra.redis_server import acl_file_text, key_rules
 from infra.security import derive_policy, redis_key_prefixes
 from tests.customs.workflow import WORKFLOW as CUSTOMS
 
-STEP_STATE = {"dl", "deadlines", "seen", "fx"}
+STEP_STATE = {"dl", "deadlines", "layout", "seen", "fx"}
 
 
 def test_every_principal_has_a_user_and_owns_only_what_it_declares() -> None:
@@ -23,7 +23,7 @@ def test_every_principal_has_a_user_and_owns_only_what_it_declares() -> None:
     assert set(users["delivery"]) == STEP_STATE
     # the supervisor's lease and release queue, and the records released with a delivery
     assert set(users["supervisor"]) == STEP_STATE | {"lease", "release", "pkg"}
-    assert set(users["ingestion"]) == {"dl", "deadlines", "ingestion", "owner", "idem"}
+    assert set(users["ingestion"]) == {"dl", "deadlines", "layout", "ingestion", "owner", "idem"}
     assert users["schema-registry"] == ["registry"] and users["ops"] == ["*"]
 
 
