@@ -217,6 +217,8 @@ def memo_key(delivery_id: str) -> str:
     return layout.of_delivery("fx", delivery_id)
 
 
-def memo_field(service: str, effect: OnceEffect, event_id: str) -> str:
-    """``<service>:<effect>:<event id>`` (the service's prefix: see ``seen_field``)."""
-    return f"{service}:{effect.name}:{compact_id(event_id)}"
+def memo_field(service: str, effect: OnceEffect, event_id: str, nth: int = 0) -> str:
+    """``<service>:<effect>:<event id>`` (the service's prefix: see ``seen_field``), and
+    ``#<n>`` after it for the n-th further effect of the kind for the same event."""
+    field = f"{service}:{effect.name}:{compact_id(event_id)}"
+    return f"{field}#{nth}" if nth else field

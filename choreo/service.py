@@ -110,6 +110,7 @@ class Context:
     emitted: list[Emitted] = field(default_factory=list)
     keep_step_open: bool = False
     refuse_released: bool = False  # a workflow service: see choreo.effects
+    asked: dict[str, int] = field(default_factory=dict)  # effects asked for so far, by kind
 
     def keep_open(self) -> None:
         """The step is not done with this input (a fan-in still waiting for its other half):
@@ -169,8 +170,13 @@ class Context:
         """``effect`` for this input event, to ``yield`` from the handler: the runner runs the
         effects of every event of the batch in one Redis round trip and sends each handler its
         answer (what ``once`` would have returned). A round trip per event was the largest
-        cost of every service (bench/README.md)."""
-        return EffectCall(effect, self.delivery_id, memo_field(self.service, effect, self.event_id),
+        cost of every service (bench/README.md).
+
+        The n-th effect of a kind for this event has its own answer: a handler that updates a
+        record twice gets each update's answer, and a replay asks in the same order."""
+        nth = self.asked.get(effect.name, 0)
+        self.asked[effect.name] = nth + 1
+        return EffectCall(effect, self.delivery_id, memo_field(self.service, effect, self.event_id, nth),
                           tuple(keys), tuple(args), self.once_ttl_s, self.refuse_released)
 
 

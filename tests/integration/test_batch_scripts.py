@@ -4,6 +4,7 @@ alone, with its own KEYS and ARGV, and sees what the items before it wrote."""
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 import redis
@@ -12,7 +13,9 @@ from choreo import batch
 from choreo.batch import BatchScript, run_together
 from choreo.config import settings
 from choreo.effects import EffectCall, OnceEffect, run_all
+from choreo.envelope import Envelope
 from choreo.redis_client import TRANSIENT, ReplicationLag, is_cluster
+from choreo.service import Context
 from choreo.state import StateTable, StepStatus
 
 pytestmark = pytest.mark.integration
@@ -79,6 +82,20 @@ def test_effects_of_a_round_run_in_input_order_across_effects(redis_client: redi
              for i, effect in enumerate([count, count, read, count, read])]
     assert run_all(redis_client, calls) == ["1", "2", "2", "3", "3"]
     assert run_all(redis_client, calls) == ["1", "2", "2", "3", "3"]  # remembered, not run again
+
+
+def test_each_effect_of_a_kind_for_one_event_gets_its_own_answer(redis_client: redis.Redis, unique: str) -> None:
+    """A handler that asks the same effect twice for one event (a record updated twice) gets
+    each call's answer, not the first one's again; a replay gets the same answers in order."""
+    count = OnceEffect("count", "return tostring(redis.call('INCRBY', KEYS[1], 1))")
+    envelope = Envelope.first(str(uuid.uuid4()), str(uuid.uuid4()), "Probe", "test")
+
+    def handle() -> list[str | None]:
+        ctx = Context("probe", envelope, "t", 0, 0, redis_client, None)
+        return run_all(redis_client, [ctx.effect(count, [f"{unique}:n"]), ctx.effect(count, [f"{unique}:n"])])
+
+    assert handle() == ["1", "2"]
+    assert handle() == ["1", "2"]  # remembered, not run again
 
 
 def test_a_batch_waits_for_a_replica_of_each_master_it_wrote_to(
