@@ -22,7 +22,7 @@ from infra.redis_cluster import RedisCluster
 BASE_PORT = int(os.environ.get("CLUSTER_LANE_PORT", "7100"))
 TESTS = [f"tests/integration/{name}.py" for name in (
     "test_batch_scripts", "test_pipeline", "test_supervisor", "test_release", "test_admission",
-    "test_ops_replay", "test_ops_pipeline")]
+    "test_ops_replay", "test_ops_pipeline", "test_layout", "test_rolling_upgrade")]
 
 
 def main(args: list[str]) -> int:

@@ -9,6 +9,11 @@ service names, and re-routes what they emit onto the prefixed topics.
 ``OPS_FAIL_FIRST_<ROLE>=1`` makes the first attempt of that role's forward step fail with a
 transient error on every try (so the step is reported, and requeued by a supervisor run
 against this pipeline, whose attempt 2 then works).
+
+``OPS_PACKAGE_VERSION=2`` runs the package service's next version (``tests.services.v2``);
+``OPS_PACKAGE_PUTS_OFF_KG=<kg>`` makes the package service answer a parcel of exactly that
+weight with a transient error, every time, so another instance takes it from the retry topic
+(the rolling-upgrade test hands steps from one version to the other so).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from choreo.join import Joined, JoinFailed
 from choreo.runtime_events import UndoRequested
 from choreo.service import Context, Service
 from choreo.workflow import Workflow
+from tests.services import v2 as package_v2
 from tests.services.routing import private_workflow, routed
 from consumers import delivery as delivery_rules
 from consumers import drone_scheduler as drone_rules
@@ -47,15 +53,32 @@ def _fail_first(role: str) -> Callable[[Any, Context], None] | None:
     return fail
 
 
+def _puts_off(weight_kg: str, then: Callable[[Any, Context], None] | None) -> Callable[[Any, Context], None] | None:
+    if not weight_kg:
+        return then
+
+    def put_off(request: Any, ctx: Context) -> None:
+        if request.weight_kg == float(weight_kg):
+            raise Retryable(f"parcels of {weight_kg} kg are left to another instance (OPS_PACKAGE_PUTS_OFF_KG)")
+        if then is not None:
+            then(request, ctx)
+
+    return put_off
+
+
 def build(prefix: str, batch: int = 500) -> dict[str, Service]:
     t = lambda name: prefix + name  # noqa: E731
+    # OPS_PACKAGE_VERSION=2: the package service's next version (the rolling-upgrade test)
+    v2 = os.environ.get("OPS_PACKAGE_VERSION", "1") == "2"
+    ready, cancelled = (package_v2.PackageReady, package_v2.PackageCancelled) if v2 else (PackageReady, PackageCancelled)
+    rules: Any = package_v2 if v2 else package_rules
     package = Service(t("package"), batch_size=batch)
     package.records.append(package_rules.packages)
     package.on(t("delivery.requested"), step="package", deadline_s=30,
-               produces=[PackageReady, PackageFailed])(routed(package_rules.prepare, DeliveryRequested, prefix,
-                                                                _fail_first("package")))
-    package.undo("package", step="cancel_package", confirmed_by=PackageCancelled,
-                 prefix=prefix)(routed(package_rules.cancel, UndoRequested, prefix))
+               produces=[ready, PackageFailed])(routed(rules.prepare, DeliveryRequested, prefix, _puts_off(
+                   os.environ.get("OPS_PACKAGE_PUTS_OFF_KG", ""), _fail_first("package"))))
+    package.undo("package", step="cancel_package", confirmed_by=cancelled,
+                 prefix=prefix)(routed(rules.cancel, UndoRequested, prefix))
     drone = Service(t("drone-scheduler"), batch_size=batch)
     drone.pool(drone_rules.fleet)
     drone.on(t("delivery.requested"), step="drone", deadline_s=30,
