@@ -41,7 +41,7 @@ from choreo.redis_client import TRANSIENT, connect
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
 from choreo.effects import RELEASED, EffectCall, Op, run_all
 from choreo import layout, tracing
-from choreo.outcomes import REPLIES, ReplyTopics, outcome_of
+from choreo.outcomes import REPLIES, ReplyTopics, outcome_of, told
 from choreo.runtime_events import DeliveryOutcome
 from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerResult, Periodic, Service
 from choreo.state import Begin, Source, StateTable, StepStatus
@@ -181,8 +181,6 @@ class Runner:
         self.joinable = frozenset(s.name for s in service.steps() if len(s.triggers) > 1)
         self.encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}
         self._dead_lettered: set[str] = set()  # deliveries of the batch's dead letters
-        # the events that decide a delivery: each gets a copy on its reply topic
-        self.outcome_labels = workflow.outcome_labels if workflow is not None else {}
         self.replies = ReplyTopics(self._topic_exists)
         self.running = False
         self.consumer = Consumer(transactional_consumer_config(
@@ -603,7 +601,7 @@ class Runner:
                                   headers=envelope.to_headers())
         self.producer.poll(0)
         metrics.child(metrics.EVENTS_OUT, self.service.name, emitted.topic).inc()
-        label = self.outcome_labels.get(type(emitted.event))
+        label = told(emitted.event, self.workflow)  # an event that decides what its submitter is told
         if label is not None and envelope.reply_to:
             self._reply(outcome_of(emitted.event, label, envelope), envelope)
 

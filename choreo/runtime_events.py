@@ -41,6 +41,10 @@ class CompensationRecord(Event):
     attempt: int
     reason: str = ""
     recorded_at: datetime
+    # on the record that ends a delivery's compensation: what its submitter is told
+    # (``choreo.outcomes``) and the steps the compensation covered
+    outcome: Literal["", "compensated", "failed"] = ""
+    undone: list[str] = []
 
 
 def undo_topic(step: str) -> str:

@@ -154,7 +154,33 @@ class Policies:
 
 # -- the transitions (Lua) -------------------------------------------------------------------
 
-_SUPERVISE = with_steps("""
+_SETTLE = """
+-- A failure's compensation has ended when an undo failed for good ('failed') or when no step
+-- of ``undo.order`` is left compensating ('compensated' if one was undone, else 'failed').
+-- The first answer is kept in ``outcome.told`` and returned once, so the delivery's
+-- submitter is told exactly once (``choreo.outcomes``), an undo recovered later included.
+local function settle(key)
+  if redis.call('HEXISTS', key, 'outcome.told') == 1 then return '' end
+  local order = redis.call('HGET', key, 'undo.order') or ''
+  if order == '' then return '' end
+  local told = 'failed'
+  for s in string.gmatch(order, '[^,]+') do
+    local st = step_get(key, s, 'status')
+    if st == 'compensation_failed' then
+      told = 'failed'
+      break
+    elseif st == 'compensating' then
+      told = ''
+    elseif st == 'compensated' and told ~= '' then
+      told = 'compensated'
+    end
+  end
+  if told ~= '' then redis.call('HSET', key, 'outcome.told', told) end
+  return told
+end
+"""
+
+_SUPERVISE = with_steps(_SETTLE + """
 if redis.call('GET', KEYS[3]) ~= ARGV[1] then return cjson.encode({a = 'fenced'}) end
 local step, member, now = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local score = redis.call('ZSCORE', KEYS[2], member)
@@ -259,11 +285,13 @@ if tries >= tonumber(ARGV[5]) then
     local target = ARGV[11]
     local before = of(target, 'status') or ''
     -- the undo failed for good, whether or not its request was recorded yet (topics race)
+    local told = ''
     if before ~= '' and before ~= 'compensated' and before ~= 'compensation_failed' then
       step_set(KEYS[1], target, {status = 'compensation_failed', updated = now, error = detail})
+      told = settle(KEYS[1])
     end
     return cjson.encode({a = 'comp_failed', target = target, before = before, attempt = attempt,
-      tries = tries, detail = detail})
+      tries = tries, detail = detail, told = told, undone = get('undo.order') or ''})
   end
   -- fail the delivery: steps that may have side effects, the abandoned ones first, then
   -- the completed ones newest first (reverse order of completion)
@@ -344,8 +372,12 @@ end
 # Recording facts seen on topics: safe on any instance (not fenced), remembered per event id
 # so an aborted-and-replayed batch is told the same answer and writes the same log records.
 # ARGV: now, delivery, the failed step, the reason, then the steps to undo, newest first.
-MARK_COMPENSATING = OnceEffect("mark_compensating", with_steps(_NEXT_UNDO + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return '{}' end
+MARK_COMPENSATING = OnceEffect("mark_compensating", with_steps(_SETTLE + _NEXT_UNDO + """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  -- its state is gone (past its retention): nothing is left to undo it from
+  if #ARGV >= 5 then return cjson.encode({told = 'failed'}) end
+  return '{}'
+end
 local now, delivery = tonumber(ARGV[1]), ARGV[2]
 redis.call('HSET', KEYS[1], 'fail.seen', now)
 if not redis.call('HGET', KEYS[1], 'outcome') then redis.call('HSET', KEYS[1], 'outcome', 'failed') end
@@ -362,7 +394,7 @@ for i = 5, #ARGV do
     table.insert(marked, {step = s, before = st, attempt = step_get(KEYS[1], s, 'attempt') or 1})
   end
 end
-local answer = {next = next_undo(KEYS[1])}
+local answer = {next = next_undo(KEYS[1]), told = settle(KEYS[1])}
 if #marked > 0 then answer.marked = marked end
 return cjson.encode(answer)
 """))
@@ -370,14 +402,16 @@ return cjson.encode(answer)
 # The undo is a fact whatever order the topics are read in: a cancellation read before the
 # delivery.failed that asked for it still marks the step compensated (and that one then
 # skips it), so the two events never race each other into a wrong final state. The answer
-# names the next step to undo, if any: 'compensated:<status before>:<attempt>:<next>:<reason>'.
-MARK_COMPENSATED = OnceEffect("mark_compensated", with_steps(_NEXT_UNDO + """
+# names the next step to undo, if any, and whether the compensation ended (``settle``):
+# 'compensated:<status before>:<attempt>:<next>:<told>:<undo order>:<reason>'.
+MARK_COMPENSATED = OnceEffect("mark_compensated", with_steps(_SETTLE + _NEXT_UNDO + """
 local st = step_get(KEYS[1], ARGV[1], 'status')
 if not st then return 'ignored:none' end
 if st == 'compensated' then return 'ignored:compensated' end
 local now = tonumber(ARGV[2])
 step_set(KEYS[1], ARGV[1], {status = 'compensated', compensated_at = now, updated = now})
 return 'compensated:' .. st .. ':' .. (step_get(KEYS[1], ARGV[1], 'attempt') or 1) .. ':' .. next_undo(KEYS[1])
+  .. ':' .. settle(KEYS[1]) .. ':' .. (redis.call('HGET', KEYS[1], 'undo.order') or '')
   .. ':' .. (redis.call('HGET', KEYS[1], 'undo.reason') or '')
 """))
 
@@ -613,15 +647,17 @@ def undo_fields(order: Iterable[str], reason: str) -> dict[str, str]:
 @dataclass(frozen=True)
 class Marked:
     """MARK_COMPENSATING's answer: the steps it marked (step, status before, attempt) and
-    the step whose undo to ask for now ('' when none is due)."""
+    the step whose undo to ask for now ('' when none is due), and the outcome the delivery's
+    submitter is told when its compensation ended already ('' when not)."""
 
     steps: list[dict[str, Any]]
     next: str
+    told: str = ""
 
 
 def parse_marked(raw: str | None) -> Marked:
     value = json.loads(raw or "{}")
-    return Marked(list(value.get("marked") or []), str(value.get("next") or ""))
+    return Marked(list(value.get("marked") or []), str(value.get("next") or ""), str(value.get("told") or ""))
 
 
 def split_list(raw: str) -> list[str]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -34,6 +34,7 @@ from choreo.envelope import Envelope, derived_id, now_ms
 from choreo.events import Event
 from choreo.kafka import admin, base_config
 from choreo.lease import Lease
+from choreo.outcomes import COMPENSATED, undoes
 from choreo.logs import get_logger
 from choreo.release import AWAIT_RELEASE, Releaser, awaiting_key
 from choreo.runner import RECOVERY_TOPIC
@@ -167,12 +168,18 @@ def _rt(ctx: Context) -> _Runtime:
     return _runtime
 
 
-def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int, reason: str) -> None:
-    """One compensation log record; its id is stable, so a replayed batch writes the same one."""
+def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int, reason: str,
+            told: str = "", undone: Sequence[str] = (), cause: Envelope | None = None) -> None:
+    """One compensation log record; its id is stable, so a replayed batch writes the same one.
+    The record that ends a delivery's compensation says what its submitter is told (``told``,
+    ``choreo.outcomes``: the runner copies it to the reply topic in this transaction); it has
+    an id of its own, apart from any record of the same step and status written before."""
     ctx.emit(
         KeyedCompensationRecord(delivery_id=delivery_id, step=step, status=status,
-                                attempt=attempt, reason=reason[:500], recorded_at=datetime.now(UTC)),
-        topic=COMPENSATION_LOG, event_id=derived_id(delivery_id, step, status),
+                                attempt=attempt, reason=reason[:500], recorded_at=datetime.now(UTC),
+                                outcome=told, undone=list(undone) if told else []),
+        topic=COMPENSATION_LOG, event_id=derived_id(delivery_id, step, status, *((told,) if told else ())),
+        cause=cause,
     )
     COMPENSATIONS.labels(step, status).inc()
 
@@ -194,17 +201,23 @@ def on_delivery_failed(failure: Any, ctx: Context) -> None:
     """Whoever failed the delivery (the delivery service or us), the steps to undo are now
     ``compensating``, the compensation log says so, and the newest completed one is asked
     to undo its work (the others follow, one confirmation at a time)."""
-    compensable = set(watched().flow.compensations())
     reason = f"{failure.reason}: {failure.detail}"[:500]
     raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), deadline_index(failure.delivery_id)],
                    args=[now_ms(), failure.delivery_id, failure.failed_step, reason,
-                         *(step for step in failure.compensate if step in compensable)])
+                         *undoes(failure.compensate, watched().flow)])
     marked = parse_marked(raw)
     for step in marked.steps:
         _record(ctx, failure.delivery_id, str(step["step"]), "COMPENSATING", int(step["attempt"]), reason)
         ctx.log.info("compensation.requested", step=step["step"], was=step["before"],
                      reason=failure.reason)
     _ask_undo(ctx, failure.delivery_id, marked.next, reason)
+    undone = undoes(failure.compensate, watched().flow)
+    if marked.told and undone:
+        # its compensation ended before this failure was read (every undo already confirmed,
+        # one already failed, or its state gone): this failure's record tells the submitter
+        status = "COMPENSATED" if marked.told == COMPENSATED else "COMPENSATION_FAILED"
+        _record(ctx, failure.delivery_id, undone[0], status, 1, reason, marked.told, undone)
+        ctx.log.warning("compensation.ended_before_its_request", told=marked.told)
 
 
 def _ask_undo(ctx: Context, delivery_id: str, step: str, reason: str) -> None:
@@ -221,12 +234,14 @@ def _undone(ctx: Context, delivery_id: str, step: str) -> None:
     verdict, _, rest = raw.partition(":")
     if verdict != "compensated":
         return
-    before, attempt, following, reason = (rest.split(":", 3) + ["", "", ""])[:4]
+    before, attempt, following, told, order, reason = (rest.split(":", 5) + [""] * 5)[:6]
     if before not in ("compensating", "compensation_failed"):
         # the undo was read before the delivery.failed that asked for it (another topic, maybe
         # another instance): log the request too, first, so the compacted log ends COMPENSATED
         _record(ctx, delivery_id, step, "COMPENSATING", int(attempt or 1), "undo seen before its request")
-    _record(ctx, delivery_id, step, "COMPENSATED", int(attempt or 1), "")
+    # the record that ends the compensation carries the failure's reason, for its outcome
+    _record(ctx, delivery_id, step, "COMPENSATED", int(attempt or 1), reason if told else "", told,
+            split_list(order))
     if before == "compensation_failed":
         ctx.log.warning("compensation.recovered", step=step)  # the alert may be closed
     else:
@@ -315,8 +330,11 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
             if before != "compensating":  # its request is not logged yet: log it first
                 _record(ctx, action.delivery_id, target, "COMPENSATING", int(data["attempt"]),
                         "request logged with its failure")
+            told = str(data.get("told") or "")
             _record(ctx, action.delivery_id, target, "COMPENSATION_FAILED", int(data["attempt"]),
-                    str(data["detail"]))
+                    str(data["detail"]), told, split_list(str(data.get("undone", ""))),
+                    # the input its undo was given carries the reply topic its outcome goes to
+                    _story(ctx, rt, action.delivery_id) if told else None)
             COMPENSATION_FAILURES.labels(target).inc()
             log.error("alert.compensation_failed", target=target, tries=data["tries"],
                       detail=data["detail"], action_needed="undo by hand, then mark compensated")

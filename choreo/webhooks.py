@@ -1,7 +1,9 @@
 """Outcome webhooks: each owner's configured endpoint is told how its deliveries ended.
 
 Run as a service of its own (``choreo run choreo.webhooks:service``): it reads the events
-that decide a delivery (the workflow's join outcomes, ``Workflow.outcome_labels``), looks up
+that decide a delivery (the workflow's join outcomes, ``Workflow.outcome_labels``, and the
+compensation log, whose last record of a compensation tells how it ended: the same one
+outcome per delivery as the reply topic gets, ``choreo.outcomes.told``), looks up
 the endpoint of the delivery's owner (the envelope's ``owner_id``, set at ingestion) and
 POSTs the outcome as JSON. Endpoints are configured per owner by the operator
 (``WEBHOOKS_FILE``), never given per request, so no request can aim the service at an
@@ -38,7 +40,8 @@ from prometheus_client import Counter
 
 from choreo.errors import Rejected, Retryable
 from choreo.events import Event
-from choreo.outcomes import outcome_of
+from choreo.outcomes import outcome_of, told
+from choreo.runtime_events import CompensationRecord
 from choreo.service import Context, Service
 from choreo.workflow import Workflow, load_workflow
 
@@ -122,8 +125,11 @@ def _state() -> _Sender:
     return _sender
 
 
-def _post(label: str) -> Any:
+def _post(flow: Workflow) -> Any:
     def post(event: Event, ctx: Context) -> None:
+        label = told(event, flow)
+        if label is None:
+            return  # tells its submitter nothing (yet): a compensation's step, or a failure to undo
         sender = _state()
         owner = ctx.envelope.owner
         endpoint = sender.endpoints.get(owner)
@@ -160,13 +166,14 @@ def _failed(sender: _Sender, owner: str, ctx: Context, why: str) -> NoReturn:
 
 def _subscribe() -> None:
     """The deciding events of the workflow this instance runs with (``choreo run --workflow``;
-    ``WEBHOOKS_WORKFLOW`` names another)."""
+    ``WEBHOOKS_WORKFLOW`` names another), and the compensation log."""
     ref = os.environ.get("WEBHOOKS_WORKFLOW") or os.environ.get("SUPERVISOR_WORKFLOW", "")
     if not ref:
         raise RuntimeError("no workflow: run with --workflow, or set WEBHOOKS_WORKFLOW (module:attribute)")
     flow: Workflow = load_workflow(ref)
-    for model, label in flow.outcome_labels.items():
-        service.subscribe(model.topic, model, _post(label))
+    deciding: list[type[Event]] = [*flow.outcome_labels, CompensationRecord]
+    for model in deciding:
+        service.subscribe(model.topic, model, _post(flow))
 
 
 service.defer(_subscribe)

@@ -66,12 +66,19 @@ class Workflow:
         """The topics whose event ends a delivery: those that publish the join's decision."""
         return tuple(model.topic for join in self.joins for model in join.outcomes)
 
-    @property
+    @cached_property
     def outcome_labels(self) -> dict[type[Event], str]:
         """The events that decide a delivery -> the outcome each means (the join's label:
         shipped, failed), whoever publishes them (the join, or the supervisor failing it) and
-        on whichever topic."""
+        on whichever topic. A failure that leaves work to undo is told later, as
+        ``compensated`` or ``failed`` (``choreo.outcomes.told``). Kept once: the runner asks
+        it of every event it produces."""
         return {model: label for join in self.joins for model, label in join.outcomes.items()}
+
+    @cached_property
+    def undoable(self) -> frozenset[str]:
+        """The forward steps that have a compensation (``compensations``), kept once."""
+        return frozenset(self.compensations())
 
     @property
     def decider(self) -> str:

@@ -16,7 +16,9 @@ from typing import Any
 
 import redis
 
-from choreo.ops.trace import trace
+from choreo.ops.trace import Hop, trace
+from choreo.outcomes import told
+from choreo.runtime_events import CompensationRecord
 from choreo.workflow import Workflow
 
 REMEMBERED = 1024  # decided deliveries' answers kept, the oldest forgotten first
@@ -41,7 +43,7 @@ class KafkaHistory:
         self._slots = threading.BoundedSemaphore(concurrency)
         self._decided: OrderedDict[str, History] = OrderedDict()
         self._lock = threading.Lock()
-        self._labels = {model.__name__: label for model, label in workflow.outcome_labels.items()}
+        self._deciding = {model.__name__: model for model in workflow.outcome_labels}
 
     def lookup(self, delivery_id: str) -> History | None:
         """The delivery's story as a status, or None if Kafka holds no request for it (within
@@ -63,14 +65,22 @@ class KafkaHistory:
                     self._decided.popitem(last=False)
         return found
 
+    def _told(self, hop: Hop) -> str | None:
+        """The outcome ``hop`` tells the submitter (``choreo.outcomes.told``), if any: a deciding
+        event's, or the compensation log record's that ends a failure's compensation."""
+        model = CompensationRecord if hop.kind == "compensation" else (
+            self._deciding.get(hop.event_type) if hop.kind == "event" else None)
+        if model is None or not isinstance(hop.body, dict):
+            return None
+        return told(model.model_validate(hop.body), self.workflow)
+
     def _read(self, delivery_id: str) -> History | None:
         story = trace(delivery_id, self.workflow, redis_client=self.redis)
         entry = set(self.workflow.extra_producers)
         request = next((h for h in story.hops if h.topic in entry and isinstance(h.body, dict)), None)
         if request is None:
             return None
-        outcome = next((self._labels[h.event_type] for h in story.hops
-                        if h.kind == "event" and h.event_type in self._labels), None)
+        outcome = next((told for h in story.hops if (told := self._told(h)) is not None), None)
         history = [{"topic": h.topic, "kind": h.kind, "event_type": h.event_type, "producer": h.producer,
                     "attempt": h.attempt, "time_ms": h.time_ms} for h in story.hops]  # never the bodies
         status = {"delivery_id": delivery_id, "status": outcome or "in_progress", "outcome": outcome,

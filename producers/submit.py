@@ -37,6 +37,7 @@ from choreo.config import settings as choreo_settings
 from choreo.envelope import derived_id
 from choreo.keys import of_delivery
 from choreo.logs import get_logger
+from choreo.outcomes import told_in_state
 from choreo.publisher import Publish, Publisher
 from choreo.redis_client import connect
 from choreo.state import delivery_key, parse_steps
@@ -538,9 +539,11 @@ class Submitter:
         if not raw:
             return None
         steps = parse_steps(raw)
-        outcome = raw.get("outcome")
+        outcome = told_in_state(raw)
         if outcome:
             status = outcome
+        elif raw.get("outcome"):
+            status = "compensating"  # failed: told once its compensation ends (choreo.outcomes)
         elif all(s.status == "pending" for s in steps.values()):
             status = "accepted"
         else:

@@ -97,26 +97,30 @@ def test_the_stream_shows_the_steps_in_order_and_ends_with_the_outcome(
 def test_status_after_the_state_expired_is_told_from_kafka_to_its_owner_only(
         api: httpx.Client, owners: dict[str, str]) -> None:
     client = connect(settings().redis_url)
-    delivery_id = submit(api, owners[ALICE], ALICE, weight_kg=99.0)  # no drone carries it: fails
+    # no drone carries it: it fails, its ready package is cancelled, and it ends compensated
+    delivery_id = submit(api, owners[ALICE], ALICE, weight_kg=99.0)
     alice = {"Authorization": f"Bearer {ALICE}"}
-    wait_for(lambda: api.get(f"/deliveries/{delivery_id}", headers=alice).json().get("outcome") == "failed",
-             timeout_s=60, what="the delivery failed")
+    live = events(api, delivery_id, ALICE)  # the live stream ends once, when the undo is confirmed
+    assert [name for name, _ in live].count("outcome") == 1
+    assert live[-1] == ("outcome", {"delivery_id": delivery_id, "outcome": "compensated"})
+    assert ("package", "compensated") in [(d["step"], d["status"]) for name, d in live if name == "step"]
+    assert api.get(f"/deliveries/{delivery_id}", headers=alice).json()["status"] == "compensated"
     client.delete(owner_redis_key(delivery_id))  # its owner record expired: the request tells whose
-    assert api.get(f"/deliveries/{delivery_id}", headers=alice).json()["outcome"] == "failed"
+    assert api.get(f"/deliveries/{delivery_id}", headers=alice).json()["outcome"] == "compensated"
     assert api.get(f"/deliveries/{delivery_id}", headers={"Authorization": f"Bearer {BOB}"}).status_code == 404
     client.delete(delivery_key(delivery_id))  # and its state did (the join's retention)
     answer = api.get(f"/deliveries/{delivery_id}", headers=alice)
     assert answer.status_code == 200, answer.text
     told = answer.json()
-    assert told["source"] == "kafka" and told["status"] == "failed" and told["outcome"] == "failed"
+    assert told["source"] == "kafka" and told["status"] == "compensated" and told["outcome"] == "compensated"
     topics = [hop["topic"] for hop in told["history"]]
-    assert topics[0] == "delivery.requested" and "delivery.failed" in topics
+    assert topics[0] == "delivery.requested" and "delivery.failed" in topics and "compensation.log" in topics
     assert "address" not in answer.text and "Alexanderplatz" not in answer.text  # no request body
     assert api.get(f"/deliveries/{delivery_id}", headers={"Authorization": f"Bearer {BOB}"}).status_code == 404
     assert api.get(f"/deliveries/{uuid.uuid4()}", headers=alice).status_code == 404
     # the stream of an expired delivery tells the story from Kafka and ends with the outcome
     got = events(api, delivery_id, ALICE)
-    assert got[-1] == ("outcome", {"delivery_id": delivery_id, "outcome": "failed", "source": "kafka"})
+    assert got[-1] == ("outcome", {"delivery_id": delivery_id, "outcome": "compensated", "source": "kafka"})
     assert [d["topic"] for name, d in got if name == "history"] == topics
 
 

@@ -1,5 +1,5 @@
-"""The reply topic a request names gets exactly one outcome per delivery, on the real stack,
-and a reply topic that the policy refuses (forged at a later hop, outside the prefix, absent)
+"""The reply topic a request names gets exactly one outcome per delivery, on the real stack
+(shipped, failed, or compensated once a failure's undos are confirmed), and a reply topic that the policy refuses (forged at a later hop, outside the prefix, absent)
 is never written to."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from choreo.publisher import Publish, Publisher
 from choreo.runtime_events import DeliveryOutcome
 from choreo.serde import Decoder, registry_client
 from consumers.workflow import WORKFLOW
+from schemas.models import DeliveryFailed
 from tests.factories import delivery_request
 from tests.helpers import ServiceProcess, read_topic, wait_for
 from tests.integration.test_supervisor import BUDGET, DEADLINE_S, World, world  # noqa: F401 (fixture)
@@ -39,11 +40,13 @@ def outcomes(topic: str) -> list[tuple[str, DeliveryOutcome]]:
 
 
 def decided(ids: set[str]) -> dict[str, str]:
-    """Each delivery's outcome as its deciding event tells it."""
-    found = {}
-    for topic, label in (("delivery.shipped", "shipped"), ("delivery.failed", "failed")):
-        for record in of(read_topic(topic), ids):
-            found[(record.key or b"").decode()] = label
+    """Each delivery's outcome as its deciding event tells it: a failure that completed a
+    step with an undo is compensated (the pipeline's undos succeed), any other is failed."""
+    found = {(r.key or b"").decode(): "shipped" for r in of(read_topic("delivery.shipped"), ids)}
+    decode = Decoder(DeliveryFailed, "delivery.failed", registry_client())
+    for record in of(read_topic("delivery.failed"), ids):
+        undo = set(decode(record.value).compensate) & set(WORKFLOW.compensations())
+        found[(record.key or b"").decode()] = "compensated" if undo else "failed"
     return found
 
 
@@ -71,9 +74,15 @@ def test_each_delivery_gets_one_outcome_across_a_killed_delivery_service(unique:
         assert set(per_delivery) == ids and set(per_delivery.values()) == {1}
         for key, outcome in got:
             assert outcome.delivery_id == key and outcome.outcome == truth[key]
-        failed = [o for _, o in got if o.outcome == "failed"]
-        assert len(failed) >= 5 and all(o.reason for o in failed)
-        assert all(o.event_type in ("DeliveryShipped", "DeliveryFailed") and o.trace_id for _, o in got)
+        # no drone carries 99 kg: the ready package is cancelled, and only then is it told
+        heavy = {r.delivery_id for r in requests[-5:]}
+        compensated = {k: o for k, o in got if k in heavy}
+        assert {o.outcome for o in compensated.values()} == {"compensated"}
+        assert all(o.compensate == ["package"] and o.reason and o.event_type == "CompensationRecord"
+                   for o in compensated.values())
+        assert all(o.reason for _, o in got if o.outcome != "shipped")
+        deciding = {"shipped": "DeliveryShipped", "failed": "DeliveryFailed", "compensated": "CompensationRecord"}
+        assert all(o.event_type == deciding[o.outcome] and o.trace_id for _, o in got)
     finally:
         running.kill()
 
@@ -170,4 +179,36 @@ def test_a_delivery_the_supervisor_fails_still_replies_once(world: World) -> Non
     time.sleep(1.0)
     got = outcomes(reply)
     assert sorted(k for k, _ in got) == sorted(ids)
-    assert {o.outcome for _, o in got} == {"failed"} and all(o.compensate == ["package"] for _, o in got)
+    # its ready package was cancelled: told compensated, in the request's trace, once
+    assert {o.outcome for _, o in got} == {"compensated"} and all(o.compensate == ["package"] for _, o in got)
+    assert {o.trace_id for _, o in got} == set(traces.values())
+    assert all(o.reason == "RETRY_BUDGET_SPENT" for _, o in got)
+
+
+def test_a_compensation_that_fails_for_good_replies_failed_once(world: World) -> None:
+    """The drone is refused (the delivery fails, its ready package is to be cancelled) and the
+    warehouse refuses every cancel: the undo fails past its budget and the submitter is told
+    failed, once, not compensated; and nothing is told before the compensation ended."""
+    reply = f"replies.sup.{world.prefix.strip('.').replace('.', '-')}"
+    ensure_topics([reply], partitions=3)
+    world.start("package", AGENT_WAREHOUSE_CANCEL_PERMANENT_RATE="1.0")
+    world.start("drone", AGENT_DISPATCH_PERMANENT_RATE="1.0")
+    world.start("delivery")
+    world.supervisor()
+    flow = sup_pipeline.workflow(world.prefix, sup_pipeline.build(world.prefix, DEADLINE_S, BUDGET, 0))
+    publisher = Publisher("sup-test", workflow=flow, redis_client=world.redis)
+    ids = [str(uuid.uuid4()) for _ in range(2)]
+    for delivery_id in ids:
+        publisher.publish(delivery_request(delivery_id, reply_topic=reply), str(uuid.uuid4()),
+                          topic=world.topic("delivery.requested"))
+    publisher.flush(30)
+    wait_for(lambda: all(world.state(d).get("package.status") == "compensating" for d in ids),
+             timeout_s=45, what="the cancels asked")
+    assert outcomes(reply) == []  # decided failed, but its compensation has not ended
+    got = wait_for(lambda: len(o := outcomes(reply)) >= len(ids) and o, timeout_s=60, what="the replies")
+    time.sleep(1.0)
+    got = outcomes(reply)
+    assert sorted(k for k, _ in got) == sorted(ids)
+    assert {(o.outcome, o.reason, o.event_type) for _, o in got} == {
+        ("failed", "COMPENSATION_FAILED", "CompensationRecord")}
+    assert all(world.state(d).get("package.status") == "compensation_failed" for d in ids)

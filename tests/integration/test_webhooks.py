@@ -94,7 +94,7 @@ def test_each_owner_gets_one_signed_outcome_per_delivery_retries_then_dead_lette
     hooks = tmp_path / "webhooks.json"
     hooks.write_text(json.dumps(config))
     topology.create(WORKFLOW)
-    for topic in ("delivery.shipped", "delivery.failed"):  # a new subscriber starts at the end
+    for topic in ("delivery.shipped", "delivery.failed", "compensation.log"):  # a new subscriber starts at the end
         start_group_at_end("webhooks", topic)
     env = {"WEBHOOKS_FILE": str(hooks), "WEBHOOK_COOLDOWN_S": "60"}
     running = Pipeline().start()
@@ -102,7 +102,7 @@ def test_each_owner_gets_one_signed_outcome_per_delivery_retries_then_dead_lette
     running.procs.append(hook)
     try:
         ok = [delivery_request(owner_id=f"ok-{unique}") for _ in range(20)]
-        ok += [delivery_request(owner_id=f"ok-{unique}", weight_kg=99.0) for _ in range(3)]  # fail
+        ok += [delivery_request(owner_id=f"ok-{unique}", weight_kg=99.0) for _ in range(3)]  # compensated
         flaky = [delivery_request(owner_id=f"flaky-{unique}") for _ in range(3)]
         dead = [delivery_request(owner_id=f"dead-{unique}") for _ in range(3)]
         ids = set(submit(ok[:10]))
@@ -120,7 +120,9 @@ def test_each_owner_gets_one_signed_outcome_per_delivery_retries_then_dead_lette
             for post in posts:
                 assert hmac.compare_digest(post["sig"], sign(secrets[f"ok-{unique}"], post["ts"], post["raw"]))
         outcomes = {d: posts[0]["body"]["outcome"] for d, posts in posted.items()}
-        assert sorted(outcomes.values()).count("failed") == 3 and set(outcomes.values()) == {"shipped", "failed"}
+        # a failure whose package was cancelled is told once, compensated, as on the reply topic
+        assert sorted(outcomes.values()).count("compensated") == 3
+        assert set(outcomes.values()) == {"shipped", "compensated"}
 
         # a receiver failing N times gets the outcome on try N + 1
         flaky_ids = {r.delivery_id for r in flaky}

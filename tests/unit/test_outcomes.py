@@ -7,8 +7,11 @@ from datetime import UTC, datetime
 import pytest
 
 from choreo.envelope import Envelope
-from choreo.outcomes import ReplyTopics, outcome_of, refusal
-from schemas.models import DeliveryFailed
+from choreo.outcomes import ReplyTopics, outcome_of, refusal, told, told_in_state
+from choreo.runtime_events import CompensationRecord
+from choreo.supervision import KeyedCompensationRecord
+from consumers.workflow import WORKFLOW
+from schemas.models import DeliveryFailed, DeliveryShipped
 
 
 def test_reply_topic_and_owner_travel_to_every_later_hop() -> None:
@@ -54,3 +57,45 @@ def test_the_outcome_of_a_failure_names_its_reason_and_undos() -> None:
     assert (out.delivery_id, out.outcome, out.reason, out.compensate, out.event_id) == (
         "d1", "failed", "NO_DRONE", ["package"], "e9")
     assert out.trace_id == env.trace_id
+
+
+def failure(compensate: list[str]) -> DeliveryFailed:
+    return DeliveryFailed(delivery_id="d1", reason="NO_DRONE", detail="x", failed_step="drone",
+                          compensate=compensate, failed_at=datetime.now(UTC))
+
+
+def test_a_failure_tells_failed_at_once_only_when_it_leaves_nothing_to_undo() -> None:
+    assert told(failure([]), WORKFLOW) == "failed"
+    assert told(failure(["delivery"]), WORKFLOW) == "failed"  # no compensation declared for it
+    assert told(failure(["package"]), WORKFLOW) is None  # told when its compensation ends
+    shipped = DeliveryShipped(delivery_id="d1", package_id="p", drone_id="x", shipped_at=datetime.now(UTC))
+    assert told(shipped, WORKFLOW) == "shipped"
+
+
+def test_only_the_compensation_record_that_ends_it_tells_an_outcome() -> None:
+    def record(status: str, outcome: str = "") -> KeyedCompensationRecord:
+        return KeyedCompensationRecord.model_validate({  # keyed by delivery and step, as logged
+            "delivery_id": "d1", "step": "package", "status": status, "attempt": 1,
+            "reason": "NO_DRONE: drone step failed", "recorded_at": datetime.now(UTC),
+            "outcome": outcome, "undone": ["drone", "package"] if outcome else []})
+
+    assert told(record("COMPENSATING"), WORKFLOW) is None and told(record("COMPENSATED"), WORKFLOW) is None
+    ended = record("COMPENSATED", "compensated")
+    assert told(ended, WORKFLOW) == "compensated"
+    out = outcome_of(ended, "compensated", Envelope.first("e9", "d1", "CompensationRecord", "supervisor"))
+    assert (out.delivery_id, out.outcome, out.reason, out.compensate, out.event_type) == (
+        "d1", "compensated", "NO_DRONE", ["drone", "package"], "CompensationRecord")
+    out = outcome_of(record("COMPENSATION_FAILED", "failed"), "failed", Envelope.first("e8", "d1", "X", "s"))
+    assert (out.outcome, out.reason) == ("failed", "COMPENSATION_FAILED")
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({}, None),
+    ({"outcome": "shipped"}, "shipped"),
+    ({"outcome": "failed"}, None),  # the supervisor has not read it yet
+    ({"outcome": "failed", "fail.seen": "1", "undo.order": ""}, "failed"),  # nothing to undo
+    ({"outcome": "failed", "fail.seen": "1", "undo.order": "package"}, None),  # compensating
+    ({"outcome": "failed", "fail.seen": "1", "undo.order": "package", "outcome.told": "compensated"}, "compensated"),
+])
+def test_the_state_tells_a_failure_once_its_compensation_is_settled(fields: dict[str, str], expected: str | None) -> None:
+    assert told_in_state(fields) == expected

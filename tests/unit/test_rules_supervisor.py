@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 import pytest
 
 from choreo.envelope import derived_id
+from choreo.outcomes import told
 from choreo.events import Event
 from choreo.release import awaiting_key
 from choreo.service import deadline_scale
@@ -110,7 +111,7 @@ def cancelled() -> PackageCancelled:
 
 def test_a_confirmed_undo_logs_the_step_compensated_and_asks_the_next() -> None:
     outcome = run(supervisor.service, cancelled(), topic=supervisor.topic("package.cancelled"),
-                  answers={"mark_compensated": "compensated:compensating:3:drone:FLIGHT_REFUSED: a: b"})
+                  answers={"mark_compensated": "compensated:compensating:3:drone:::FLIGHT_REFUSED: a: b"})
     assert outcome.effects[0].args[0] == "package"
     assert log_of(outcome) == [("package", "COMPENSATED", 3)]
     assert outcome.emitted[0].event_id == derived_id("d-1", "package", "COMPENSATED")
@@ -123,6 +124,27 @@ def test_the_last_confirmed_undo_asks_for_nothing_more() -> None:
                   answers={"mark_compensated": "compensated:compensating:1::"})
     assert log_of(outcome) == [("package", "COMPENSATED", 1)]
     assert undos_of(outcome) == []
+
+
+def test_the_undo_that_ends_the_compensation_tells_the_outcome_on_its_record() -> None:
+    outcome = run(supervisor.service, cancelled(), topic=supervisor.topic("package.cancelled"),
+                  answers={"mark_compensated": "compensated:compensating:1::compensated:drone,package:NO_DRONE: x"})
+    [record] = [e for e in outcome.emitted if isinstance(e.event, CompensationRecord)]
+    assert isinstance(record.event, CompensationRecord)
+    assert (record.event.status, record.event.outcome, record.event.undone, record.event.reason) == (
+        "COMPENSATED", "compensated", ["drone", "package"], "NO_DRONE: x")
+    # an id of its own: apart from a COMPENSATED record of the step written without the outcome
+    assert record.event_id == derived_id("d-1", "package", "COMPENSATED", "compensated")
+    assert told(record.event, None) == "compensated"
+
+
+@pytest.mark.parametrize("ended, status", [("compensated", "COMPENSATED"), ("failed", "COMPENSATION_FAILED")])
+def test_a_failure_read_after_its_compensation_ended_tells_the_outcome(ended: str, status: str) -> None:
+    outcome = run(supervisor.service, failure("NO_DRONE_FITS", "drone", ["package"]),
+                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": json.dumps({"told": ended})})
+    [record] = [e.event for e in outcome.emitted if isinstance(e.event, CompensationRecord)]
+    assert isinstance(record, CompensationRecord)
+    assert (record.step, record.status, record.outcome, record.undone) == ("package", status, ended, ["package"])
 
 
 def test_an_undo_seen_before_its_request_logs_the_request_first() -> None:

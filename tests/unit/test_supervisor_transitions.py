@@ -406,7 +406,7 @@ def test_a_deposed_supervisor_changes_nothing(client: redis.Redis, lease: Lease)
 
 def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Redis, lease: Lease) -> None:
     d = _new(client, "cancel_package")
-    StateTable(client).put(d, {"outcome": "failed", "package.status": "compensating",
+    StateTable(client).put(d, {"outcome": "failed", "package.status": "compensating", "undo.order": "package",
                                           "cancel_package.status": "failed",
                                           "cancel_package.tries": BUDGET,
                                           "cancel_package.error": "warehouse refused"})
@@ -416,20 +416,23 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
     f = _fields(client, d)
     assert f["package.status"] == "compensation_failed" and f["cancel_package.status"] == "failed"
     assert indexed(client) == 0
+    # the compensation ended: its submitter is told failed, with the steps it was to undo
+    assert (action.data["told"], action.data["undone"], f["outcome.told"]) == ("failed", "package", "failed")
 
 
 def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis) -> None:
     d = _new(client, "package")
     StateTable(client).put(d, {"package.status": "completed"})
     assert MARK_COMPENSATED.run(client, d, "t:1", [delivery_key(d)], ["package", 5], 60) \
-        == "compensated:completed:1::"
+        == "compensated:completed:1::::"
     raw = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), deadline_index(d)],
                                 [6, d, "drone", "FAILED", "package"], 60)
     assert parse_marked(raw).steps == [] and parse_marked(raw).next == ""
+    assert parse_marked(raw).told == "compensated"  # it ended before the failure was read
     assert _fields(client, d)["package.status"] == "compensated"
     # a replay of either is told the same answer
     assert MARK_COMPENSATED.run(client, d, "t:1", [delivery_key(d)], ["package", 5], 60) \
-        == "compensated:completed:1::"
+        == "compensated:completed:1::::"
 
 
 def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.Redis) -> None:
@@ -439,7 +442,10 @@ def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.
 
     def undone(step: str, memo: str) -> str:
         answer = MARK_COMPENSATED.run(client, d, memo, [delivery_key(d)], [step, 7], 60) or ""
-        return answer.split(":")[3]
+        following, told, order = answer.split(":")[3:6]
+        # only the last undo ends the compensation, and it says which steps it covered
+        assert (told, order) == ("compensated" if step == "package" else "", "drone,customs,package")
+        return following
 
     raw = MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
                                 [5, d, "delivery", "FLIGHT_REFUSED: no", "drone", "customs", "package"], 60)
@@ -449,6 +455,7 @@ def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.
     assert undone("customs", "t:2") == "package"
     assert undone("package", "t:3") == ""
     assert {_fields(client, d)[f"{s}.status"] for s in ("drone", "customs", "package")} == {"compensated"}
+    assert _fields(client, d)["outcome.told"] == "compensated"
     assert client.hget(delivery_key(d), "undo.reason") == b"FLIGHT_REFUSED: no"
 
 
@@ -462,6 +469,10 @@ def test_an_undo_that_failed_for_good_stops_the_chain(client: redis.Redis) -> No
                                 [6, d, "delivery", "r", "drone", "package"], 60)
     assert parse_marked(raw).next == ""  # package is never asked: the alert is raised on drone
     assert _fields(client, d)["package.status"] == "compensating"
+    assert parse_marked(raw).told == "failed"  # an undo failed for good: the submitter is told so, once
+    again = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), deadline_index(d)],
+                                  [7, d, "delivery", "r", "drone", "package"], 60)
+    assert parse_marked(again).told == ""
 
 
 def test_reports_make_the_current_attempt_due_and_ignore_stale_ones(client: redis.Redis) -> None:
