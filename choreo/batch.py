@@ -14,6 +14,7 @@ the step records an item changed) runs after each item. The answers come back in
 One call names the keys of many deliveries. On a Redis Cluster a script may touch one hash
 slot only, so ``run_together`` sends one call per slot (a delivery's keys carry its shard's
 tag, ``choreo.keys``: a batch splits into at most one call per shard), pipelined per node.
+Each round trip is one ``redis batch`` span when tracing is on (``choreo.tracing``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import redis
 
+from choreo import tracing
 from choreo.config import settings
 from choreo.redis_client import NodePipelines, is_cluster, slot_of
 
@@ -108,7 +110,10 @@ def run_together(client: redis.Redis, batches: Sequence[tuple[BatchScript, Seque
                 chunk = positions[i:i + CHUNK]
                 calls.append((b, script, chunk, [items[p] for p in chunk]))
     answers: list[list[Any]] = [[None] * len(items) for _, items in batches]
-    for (b, _, positions, _), reply in zip(calls, _send(client, calls)):
+    span = tracing.start_redis_batch(len(calls), sum(len(c[3]) for c in calls)) if tracing.enabled() else None
+    with tracing.spanning(span):
+        replies = _send(client, calls)
+    for (b, _, positions, _), reply in zip(calls, replies):
         if isinstance(reply, Exception):  # the whole call refused (MOVED, NOSCRIPT, ...)
             raise reply
         for answer in reply:  # an item's error reply comes nested, where redis-py leaves it

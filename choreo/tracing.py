@@ -6,6 +6,12 @@ child of the span that produced its input, and each produce's span is the parent
 output's ``traceparent`` names. The ids are the envelope's own (W3C), so the logs'
 ``trace_id`` and the tracing backend's are the same.
 
+A batched Redis round trip (``choreo.batch.run_together``) serves every event of the batch,
+of many deliveries: no one delivery's trace can hold it. Its ``redis batch`` span starts a
+trace of its own and is linked to each handler span open on the thread (the batch's), so a
+backend shows, from either side, which round trips a handler waited for and whom a round
+trip served (OpenTelemetry's way for work done for many).
+
 The standard ``OTEL_*`` variables choose the exporter: ``OTEL_TRACES_EXPORTER=otlp`` or an
 ``OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT`` exports over OTLP/HTTP with a batching processor
 (``OTEL_BSP_*``); ``OTEL_SERVICE_NAME`` overrides the service's name. With none set (or
@@ -17,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextvars
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,11 +32,12 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags
+from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, TraceFlags
 from opentelemetry.trace import SpanKind as SpanKind  # re-exported: the runtime names span kinds by it
 
 _forced: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("forced_ids", default=None)
 _provider: TracerProvider | None = None
+_handling = threading.local()  # .spans: the handler spans started on this thread, maybe open
 
 
 class EnvelopeIds(RandomIdGenerator):
@@ -140,7 +148,30 @@ def start_child(name: str, parent: Span | str, kind: SpanKind, attributes: dict[
     if not enabled():
         return None
     context = trace.set_span_in_context(parent) if isinstance(parent, Span) else _parent(parent)
-    return _tracer().start_span(name, context=context, kind=kind, attributes=attributes)
+    span = _tracer().start_span(name, context=context, kind=kind, attributes=attributes)
+    if kind is SpanKind.CONSUMER:  # a handler's: what this thread's Redis batches link to
+        _handlers().append(span)
+    return span
+
+
+def _handlers() -> list[Span]:
+    spans: list[Span] | None = getattr(_handling, "spans", None)
+    if spans is None:
+        spans = _handling.spans = []
+    return spans
+
+
+def start_redis_batch(calls: int, items: int) -> Span | None:
+    """The span of one batched Redis round trip: a root, linked to the handler spans still
+    open on this thread (the ended ones are forgotten here)."""
+    if not enabled():
+        return None
+    handling = _handling.spans = [span for span in _handlers() if span.is_recording()]
+    return _tracer().start_span(
+        "redis batch", context=trace.set_span_in_context(trace.INVALID_SPAN), kind=SpanKind.CLIENT,
+        links=[Link(span.get_span_context()) for span in handling],
+        attributes={"db.system": "redis", "db.operation.name": "EVALSHA", "choreo.redis.calls": calls,
+                    "choreo.redis.items": items})
 
 
 @contextmanager

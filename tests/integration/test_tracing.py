@@ -1,11 +1,13 @@
 """One delivery is one trace: the ingestion's spans (the SDK's in-memory exporter, in this
 process) and every service's spans (exported over OTLP/HTTP by the real service processes to
-a receiver in this test) share the trace id and form one tree through the traceparent header."""
+a receiver in this test) share the trace id and form one tree through the traceparent header;
+each batched Redis round trip is a span linked to the handler spans it served."""
 
 from __future__ import annotations
 
 import gzip
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -46,7 +48,9 @@ def collector() -> Iterator[tuple[list[dict[str, Any]], int]]:
                         for span in scope.spans:
                             spans.append({"service": service, "name": span.name,
                                           "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
-                                          "parent_id": span.parent_span_id.hex()})
+                                          "parent_id": span.parent_span_id.hex(),
+                                          "links": [(link.trace_id.hex(), link.span_id.hex())
+                                                    for link in span.links]})
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")
             self.send_header("Content-Length", "0")
@@ -100,3 +104,16 @@ def test_one_delivery_is_one_trace_across_ingestion_and_every_service(
     orphans = [s for s in spans if s["parent_id"] and s["parent_id"] not in ids]
     assert not orphans, orphans  # one tree: every span's parent is a span of the trace
     assert [s for s in spans if not s["parent_id"]] == [next(s for s in spans if s["name"] == "ingest delivery.requested")]
+
+    # each batched Redis round trip is a span of its own trace (it served a whole batch, of
+    # many deliveries), linked to the handler spans of the batch: the delivery's included
+    handlers = {(s["trace_id"], s["span_id"]): s["service"] for s in spans if s["name"].startswith("handle ")}
+    batches = [s for s in received if s["name"] == "redis batch"]
+    served = [s for s in batches if any(tuple(link) in handlers for link in s["links"])]
+    assert {s["service"] for s in served} >= {"package", "drone-scheduler", "delivery", "notifier"}
+    assert all(not s["parent_id"] and s["trace_id"] != trace_id for s in batches)
+    for s in served:  # a round trip links only to handler spans of its own service
+        assert {handlers[tuple(link)] for link in s["links"] if tuple(link) in handlers} == {s["service"]}
+    # every step's begin, effects and finish: several round trips served each handler
+    linked = Counter(tuple(link) for s in served for link in s["links"])
+    assert all(linked[key] >= 2 for key, service in handlers.items() if service in ("package", "delivery"))
