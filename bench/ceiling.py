@@ -9,6 +9,12 @@ transaction with its input offsets, as in ``choreo.runner``; in plain mode offse
 committed asynchronously per batch. What the stages lack is exactly the pipeline's logic:
 decoding, validation, Redis, state table, encoding.
 
+A ``tuned`` stage is the yardstick of what the broker can do: transactional too, but tuned
+for throughput rather than like for like: it takes batches as large as the consumer hands
+over (up to ``TUNED_BATCH`` within ``TUNED_POLL_S``), so a transaction's fixed cost is
+spread over many records, and its producer lingers ``TUNED_LINGER_MS`` to fill larger
+requests.
+
     python -m bench.ceiling stage SPEC.json   # run one stage until SIGTERM
 
 The runtime's own switches (``CHOREO_KAFKA_FETCH_WAIT_MS``, ``CHOREO_KAFKA_FETCH_MIN_BYTES``,
@@ -37,6 +43,9 @@ from choreo.memory import settle_garbage_collector
 
 BATCH = 500
 POLL_S = 0.05
+TUNED_BATCH = 20_000
+TUNED_POLL_S = 0.1
+TUNED_LINGER_MS = 20
 
 Headers = list[tuple[str, str | bytes | None]]
 
@@ -89,7 +98,9 @@ def next_offsets(batch: list[Message]) -> list[TopicPartition]:
     return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
 
 
-def next_batch(consumer: Consumer, first_then_drain: bool) -> list[Message]:
+def next_batch(consumer: Consumer, first_then_drain: bool, tuned: bool = False) -> list[Message]:
+    if tuned:
+        return consumer.consume(TUNED_BATCH, TUNED_POLL_S)
     if not first_then_drain:
         return consumer.consume(BATCH, POLL_S)
     first = consumer.poll(POLL_S)
@@ -116,16 +127,18 @@ class FanIn:
 
 def run_stage(spec: dict[str, Any]) -> None:
     """Consume → produce until SIGTERM. ``spec``: name, group, routes {in: out|None},
-    fan_in, transactional, samples (path of the captured records, by original topic),
-    originals {ceiling topic: original topic}."""
+    fan_in, transactional, tuned, samples (path of the captured records, by original
+    topic), originals {ceiling topic: original topic}."""
     routes: dict[str, str | None] = spec["routes"]
     samples = load_samples(Path(spec["samples"]))
     originals: dict[str, str] = spec["originals"]
     payload = {out: samples[originals[out]] for out in routes.values() if out is not None}
-    transactional = bool(spec["transactional"])
+    tuned = bool(spec.get("tuned"))
+    transactional = tuned or bool(spec["transactional"])
     fan_in = FanIn(sum(1 for out in routes.values() if out is not None)) if spec["fan_in"] else None
     consumer = Consumer(transactional_consumer_config(spec["group"], spec["name"]))
-    producer = Producer(producer_config(spec["group"] if transactional else None))
+    producer = Producer({**producer_config(spec["group"] if transactional else None),
+                         **({"linger.ms": TUNED_LINGER_MS} if tuned else {})})
     if transactional:
         producer.init_transactions(30)
     # BENCH_CONSUME=first: wait for the first record only, then what arrives within 5 ms (the
@@ -142,7 +155,7 @@ def run_stage(spec: dict[str, Any]) -> None:
     consumer.subscribe(list(routes))
     try:
         while running[0]:
-            batch = [m for m in next_batch(consumer, first_then_drain) if m.error() is None]
+            batch = [m for m in next_batch(consumer, first_then_drain, tuned) if m.error() is None]
             if not batch:
                 continue
             if transactional:

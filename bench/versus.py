@@ -26,10 +26,11 @@ from bench.common import load_average, run_header, write_figures
 from choreo.config import REPO_ROOT
 
 RESULTS = REPO_ROOT / "bench" / "results"
-# the summary figures compared (bench.pipeline's ``summary``); higher is better for the first
-# three, lower for the rest
-COMPARED = ("deliveries_per_s", "events_per_s", "ratio", "ceiling_transactional_events_per_s",
-            "p99_ms_at_1000", "redis_bytes_per_inflight", "redis_runtime_bytes_retained_per_completed")
+# the summary figures compared (bench.pipeline's ``summary``, where a side has them): higher is
+# better for the rates and ratios, lower for the rest
+COMPARED = ("deliveries_per_s", "events_per_s", "ratio", "ratio_tuned", "ceiling_transactional_events_per_s",
+            "ceiling_tuned_events_per_s", "p99_ms_at_100", "p99_ms_at_half_capacity", "p99_ms_at_1000",
+            "redis_bytes_per_inflight", "redis_runtime_bytes_retained_per_completed")
 
 
 def log(message: str) -> None:
