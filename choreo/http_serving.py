@@ -22,6 +22,7 @@ import the other: the schema registry is a product of its own, ingestion its cli
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -294,3 +295,15 @@ def uvicorn_config(app: Any, host: str, port: int, limits: HttpLimits, error_bod
     return uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limits, error_body),
                           loop="uvloop", ws="none", timeout_keep_alive=limits.keep_alive_s,
                           limit_concurrency=limits.max_connections, **{**tls_options(), **options})
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (a name other than ``localhost``
+    is not trusted to be): what every server of the project binds without a guard."""
+    name = host.strip().strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

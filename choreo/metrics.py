@@ -1,11 +1,24 @@
-"""Prometheus metrics of the runtime, labelled by service and topic."""
+"""Prometheus metrics of the runtime, labelled by service and topic.
+
+``/metrics`` answers anyone who reaches it, without a token: topic, service and group names,
+rates and lag. So it binds loopback unless ``CHOREO_METRICS_HOST`` (``choreo run
+--metrics-host``) names another address, and an address beyond loopback must be asked for
+as well (``CHOREO_METRICS_PUBLIC=true``, ``--metrics-public``), as ``choreo serve`` asks
+``--insecure`` to serve beyond loopback without tokens: a scraper on another host, or a pod's
+address, is then a deliberate choice, never a typo's.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from choreo.http_serving import loopback
+
+DEFAULT_HOST = "127.0.0.1"
 
 EVENTS_IN = Counter("choreo_events_in_total", "Events consumed", ["service", "topic"])
 EVENTS_OUT = Counter("choreo_events_out_total", "Events produced", ["service", "topic"])
@@ -35,7 +48,21 @@ def child(metric: Counter | Gauge | Histogram, *values: str) -> Any:
     return metric.labels(*values)
 
 
+class MetricsRefused(ValueError):
+    """A metrics address beyond loopback that was not asked for as such."""
+
+
+def bind_host() -> str:
+    """Where ``/metrics`` binds (``CHOREO_METRICS_HOST``, loopback by default); raises
+    ``MetricsRefused`` for an address beyond loopback without ``CHOREO_METRICS_PUBLIC=true``."""
+    host = os.environ.get("CHOREO_METRICS_HOST", "").strip() or DEFAULT_HOST
+    if not loopback(host) and os.environ.get("CHOREO_METRICS_PUBLIC", "").lower() != "true":
+        raise MetricsRefused(f"metrics on {host}: not a loopback address, and /metrics has no token; "
+                             "set CHOREO_METRICS_PUBLIC=true (--metrics-public) to serve it there")
+    return host
+
+
 def serve(port: int) -> None:
-    """Expose /metrics; port 0 disables it (tests run many instances)."""
+    """Expose /metrics on ``bind_host()``; port 0 disables it (tests run many instances)."""
     if port:
-        start_http_server(port, addr="127.0.0.1")
+        start_http_server(port, addr=bind_host().strip("[]"))

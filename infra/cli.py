@@ -143,6 +143,10 @@ def run_service(
     ref: str = typer.Argument(..., help="module:service, e.g. consumers.notifier:service"),
     instance: str = typer.Option("0", help="stable instance id (fences a zombie of the same id)"),
     metrics_port: int = typer.Option(0, help="serve Prometheus metrics on this port (0: off)"),
+    metrics_host: str = typer.Option("", help="address the metrics bind (CHOREO_METRICS_HOST; "
+                                              "default: 127.0.0.1)"),
+    metrics_public: bool = typer.Option(False, "--metrics-public",
+                                        help="bind the metrics beyond loopback (CHOREO_METRICS_PUBLIC)"),
     workflow: str = typer.Option("consumers.workflow:WORKFLOW",
                                  help="module:attr of the Workflow whose steps outputs open ('' for none)"),
 ) -> None:
@@ -155,6 +159,18 @@ def run_service(
 
     if workflow:  # the supervisor watches the workflow its instance runs in, unless told otherwise
         os.environ.setdefault("SUPERVISOR_WORKFLOW", workflow)
+    if metrics_host:
+        os.environ["CHOREO_METRICS_HOST"] = metrics_host
+    if metrics_public:
+        os.environ["CHOREO_METRICS_PUBLIC"] = "true"
+    if metrics_port:
+        from choreo.metrics import MetricsRefused, bind_host
+
+        try:
+            bind_host()
+        except MetricsRefused as exc:
+            console.print(f"[bold red]refused:[/] {escape(str(exc))}")
+            raise typer.Exit(ingestion_cli.EXIT_INSECURE)  # as serve refuses an unguarded address
     service = load_service(ref)
     flow = _load_workflow(workflow)
     try:

@@ -16,7 +16,6 @@ errors go to stderr.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import sys
 import time
@@ -254,17 +253,6 @@ def _emit_one(owner: str | None, pickup: str | None, dropoff: str | None, size: 
                 waited += exc.retry_after_s
 
 
-def loopback(host: str) -> bool:
-    """Whether ``host`` is reachable from this machine only (a name other than
-    ``localhost`` is not trusted to be)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 @app.command("serve")
 def serve(
     host: str | None = typer.Option(None, help="default: the host of INGESTION_URL"),
@@ -278,6 +266,7 @@ def serve(
 
     Without owner tokens anyone who reaches the port submits for any owner and reads any
     delivery: a non-loopback address is refused unless ``--insecure`` says so."""
+    from choreo.http_serving import loopback
     from producers.http_server import run_http
     from producers.ingestion import create_app
 

@@ -50,3 +50,30 @@ def test_logs_are_json_with_ids_and_no_customer_data_and_metrics_are_served(stac
             assert secret not in text
     finally:
         proc.kill()
+
+
+def test_metrics_bind_the_address_asked_for_and_beyond_loopback_only_when_asked(stack: None, unique: str) -> None:
+    topic = f"t.obs.{unique}"
+    ensure_topics([topic, f"{topic}.out", f"{topic}.dlq", f"retry.probe-{topic}.{topic}", "recovery"],
+                  partitions=2)
+    refused = ServiceProcess("tests.services.probe:service", instance="public", env={"PROBE_TOPIC": topic},
+                             args=["--metrics-port", str(free_port()), "--metrics-host", "0.0.0.0"]).start()
+    assert refused.proc is not None and refused.proc.wait(60) == 2
+    assert "CHOREO_METRICS_PUBLIC" in refused.log_file.read_text()
+    port = free_port()
+    proc = ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic},
+                          args=["--metrics-port", str(port), "--metrics-host", "127.0.0.2"]).start()
+    try:
+        text = wait_for(lambda: (t := _metrics(f"http://127.0.0.2:{port}/metrics")) and t, what="metrics on 127.0.0.2")
+        assert "choreo_events_in_total" in text
+        with pytest.raises(httpx.ConnectError):  # only where it was asked to bind
+            httpx.get(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        proc.kill()
+
+
+def _metrics(url: str) -> str | None:
+    try:
+        return httpx.get(url).text
+    except httpx.ConnectError:
+        return None

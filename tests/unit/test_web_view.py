@@ -8,7 +8,8 @@ import pytest
 from starlette.requests import Request
 
 from choreo.ops.flowdoc import flow_edges
-from choreo.ops.web.auth import OperatorTokens, Sessions, loopback, parse_tokens, same_origin
+from choreo.http_serving import loopback
+from choreo.ops.web.auth import OperatorTokens, Sessions, parse_tokens, same_origin
 from choreo.ops.web.graph import layout
 from consumers.workflow import WORKFLOW
 

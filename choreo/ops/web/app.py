@@ -28,14 +28,13 @@ from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.concurrency import run_in_threadpool
 
-from choreo.http_serving import HttpLimits, uvicorn_config
+from choreo.http_serving import HttpLimits, loopback, uvicorn_config
 from choreo.logs import get_logger
 from choreo.ops.dlq import RedriveResult, Selection, redrive
 from choreo.ops.flowdoc import flow_edges
 from choreo.ops.trace import Trace, consumer_group, trace
 from choreo.ops.web.auth import (
-    CSRF_HEADER, SESSION_COOKIE, OperatorTokens, Sessions, Visitor, WebSettings, host_is_loopback, loopback,
-    same_origin,
+    CSRF_HEADER, SESSION_COOKIE, OperatorTokens, Sessions, Visitor, WebSettings, host_is_loopback, same_origin,
 )
 from choreo.ops.web.graph import Layout, layout
 from choreo.ops.web.sampler import DEAD_LETTERS_PER_PARTITION, Sampler, Snapshot

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import re
 import secrets
 import time
@@ -31,6 +30,8 @@ from urllib.parse import urlsplit
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.requests import Request
+
+from choreo.http_serving import loopback
 
 TOKEN_PATTERN = re.compile(r"^[A-Za-z0-9._~+/-]{16,512}=*$")  # RFC 6750 b64token, >= 16 chars
 OPERATOR_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
@@ -139,17 +140,6 @@ class Visitor:
     @property
     def may_act(self) -> bool:
         return self.operator is not None
-
-
-def loopback(host: str) -> bool:
-    """A loopback name or address (what may be served without tokens)."""
-    name = host.strip().strip("[]")
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 def host_is_loopback(request: Request) -> bool:
