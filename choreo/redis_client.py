@@ -1,7 +1,8 @@
 """Reaching Redis the same way on a single node and on a Redis Cluster.
 
-``connect`` asks the server named by the URL whether it is a cluster node and answers a
-``RedisCluster`` if so: ``REDIS_URL`` pointing at any node of a cluster is enough. Both
+``connect`` asks the server named by the URL whether it is a cluster node (``CLUSTER
+INFO``, which a user kept from ``@dangerous`` commands such as ``INFO`` may still run) and
+answers a ``RedisCluster`` if so: ``REDIS_URL`` pointing at any node of a cluster is enough. Both
 offer the same commands (a ``RedisCluster`` passes for a ``redis.Redis`` here), and every
 script the runtime runs touches keys of one hash slot (``choreo.keys``).
 
@@ -47,8 +48,9 @@ def connect(url: str, **options: Any) -> redis.Redis:
     for seed in seeds(url):
         probe = redis.Redis.from_url(seed, **options)
         try:
-            clustered = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
-        except ResponseError:  # a server or proxy that does not answer INFO cluster
+            probe.execute_command("CLUSTER INFO")
+            clustered = True
+        except ResponseError:  # "cluster support disabled", or a proxy that knows no CLUSTER
             clustered = False
         except RedisConnectionError as exc:
             probe.close()

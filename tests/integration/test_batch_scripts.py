@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -14,7 +15,7 @@ from choreo.batch import BatchScript, run_together
 from choreo.config import settings
 from choreo.effects import EffectCall, OnceEffect, run_all
 from choreo.envelope import Envelope
-from choreo.redis_client import TRANSIENT, ReplicationLag, is_cluster
+from choreo.redis_client import TRANSIENT, ReplicationLag, connect, is_cluster
 from choreo.service import Context
 from choreo.state import StateTable, StepStatus
 
@@ -96,6 +97,32 @@ def test_each_effect_of_a_kind_for_one_event_gets_its_own_answer(redis_client: r
 
     assert handle() == ["1", "2"]
     assert handle() == ["1", "2"]  # remembered, not run again
+
+
+def test_a_user_kept_from_dangerous_commands_still_finds_the_cluster(redis_client: redis.Redis,
+                                                                      unique: str) -> None:
+    """The secured stack's users may not run ``INFO`` (``-@dangerous``): asked that way, a
+    cluster looked like a single node, and every multi-key call failed with CROSSSLOT."""
+    user, password = f"kept-{unique}", uuid.uuid4().hex
+    nodes = ([node.redis_connection for node in redis_client.get_nodes()]  # type: ignore[attr-defined]
+             if is_cluster(redis_client) else [redis_client])
+    for node in nodes:
+        node.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["*"],
+                         categories=["+@all", "-@admin", "-@dangerous"])
+    try:
+        parts = urlsplit(settings().redis_url)
+        client = connect(urlunsplit(parts._replace(netloc=f"{user}:{password}@{parts.netloc}")))
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.execute_command("INFO", "cluster", target_nodes="random") if is_cluster(client) \
+                else client.info("cluster")
+        assert is_cluster(client) == is_cluster(redis_client)
+        table = StateTable(client)
+        delivery_ids = [f"{unique}-{i}" for i in range(20)]  # many shards, so many slots
+        table.open_many([(d, "package", 2**40, 1) for d in delivery_ids], 1)
+        assert all(table.steps(d)["package"].status == StepStatus.PENDING for d in delivery_ids)
+    finally:
+        for node in nodes:
+            node.acl_deluser(user)
 
 
 def test_a_batch_waits_for_a_replica_of_each_master_it_wrote_to(
