@@ -41,7 +41,6 @@ the request's fields are ever logged.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import json
 import re
@@ -59,6 +58,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from choreo.logs import get_logger
+from choreo.tokens import BearerTokens
+from choreo.tokens import parse_tokens as parse_bearer_tokens
 from choreo.memory import settle_garbage_collector
 from choreo.publisher import PublishError
 from producers import metrics
@@ -81,73 +82,24 @@ IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 log = get_logger(component="ingestion-http")
 
 
-TOKEN_PATTERN = re.compile(r"^[A-Za-z0-9._~+/-]{16,512}=*$")  # RFC 6750 b64token, >= 16 chars
-
-
 def parse_tokens(text: str) -> dict[str, str]:
-    """``{"<token>": "<owner_id>"}`` (JSON) or ``<token>=<owner_id>`` entries separated by
-    new lines or commas; ``#`` starts a comment line. Errors never quote a token."""
-    text = text.strip()
-    if not text:
-        return {}
-    if text.startswith("{"):
-        loaded = json.loads(text)
-        if not isinstance(loaded, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
-            raise ValueError("owner tokens JSON must map token strings to owner id strings")
-        pairs = list(loaded.items())
-    else:
-        pairs = []
-        for number, raw in enumerate(text.replace(",", "\n").splitlines(), 1):
-            entry = raw.strip()
-            if not entry or entry.startswith("#"):
-                continue
-            token, sep, owner = entry.rpartition("=")
-            if not sep or not token:
-                raise ValueError(f"owner token entry {number} must look like <token>=<owner_id>")
-            pairs.append((token.strip(), owner.strip()))
-    owner_pattern = re.compile(OWNER_ID_PATTERN)
-    tokens: dict[str, str] = {}
-    for number, (token, owner) in enumerate(pairs, 1):
-        if not TOKEN_PATTERN.fullmatch(token):
-            raise ValueError(f"owner token entry {number}: a token is 16-512 characters of "
-                             "A-Z a-z 0-9 . _ ~ + / - (then optional '=')")
-        if not owner_pattern.fullmatch(owner):
-            raise ValueError(f"owner token entry {number}: invalid owner id")
-        tokens[token] = owner
-    return tokens
+    """``<token>=<owner_id>`` entries or ``{"<token>": "<owner_id>"}`` (``choreo.tokens``)."""
+    return parse_bearer_tokens(text, "owner", re.compile(OWNER_ID_PATTERN))
 
 
-class OwnerTokens:
-    """Bearer token -> owner id. Only digests are held; every lookup compares them all."""
-
-    def __init__(self, tokens: Mapping[str, str]) -> None:
-        self._digests = [(hashlib.sha256(t.encode()).digest(), owner) for t, owner in tokens.items()]
+class OwnerTokens(BearerTokens):
+    """Bearer token -> owner id."""
 
     @classmethod
     def from_settings(cls, cfg: IngestionSettings) -> OwnerTokens | None:
         if not cfg.auth_enabled:
             return None
-        tokens = parse_tokens(cfg.tokens)
+        found = parse_tokens(cfg.tokens)
         if cfg.tokens_file is not None:
-            tokens.update(parse_tokens(cfg.tokens_file.read_text()))
-        if not tokens:
+            found.update(parse_tokens(cfg.tokens_file.read_text()))
+        if not found:
             raise ValueError("owner tokens are configured but none were found")
-        return cls(tokens)
-
-    def owner(self, authorization: str | None) -> str | None:
-        """The owner of a ``Bearer`` token, or None (no header, wrong scheme, unknown token)."""
-        if not authorization:
-            return None
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return None
-        presented = hashlib.sha256(token.strip().encode()).digest()
-        found: str | None = None
-        for digest, owner in self._digests:  # no early exit: the time does not depend on which
-            if hmac.compare_digest(digest, presented):
-                found = owner
-        return found
+        return cls(found)
 
 
 def error(status: int, code: str, message: str, headers: Mapping[str, str] | None = None,
@@ -175,7 +127,7 @@ class TokenHolders:
         path: str = scope.get("path", "")
         if scope["type"] == "http" and path not in self.OPEN and not path.startswith(self.SELF_CHECKED):
             header = dict(scope.get("headers") or []).get(b"authorization")
-            if self.tokens.owner(header.decode("latin-1") if header is not None else None) is None:
+            if self.tokens.bearer(header.decode("latin-1") if header is not None else None) is None:
                 await self.refuse()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -363,7 +315,7 @@ def create_app(settings: IngestionSettings | None = None,
     async def submit(request: Request) -> Response:
         owner: str | None = None
         if tokens is not None:
-            owner = tokens.owner(request.headers.get("authorization"))
+            owner = tokens.bearer(request.headers.get("authorization"))
             if owner is None:
                 return unauthorized()
         if not is_json(request.headers.get("content-type")):
@@ -434,7 +386,7 @@ def create_app(settings: IngestionSettings | None = None,
         answers exactly like an unknown one: no oracle."""
         owner: str | None = None
         if tokens is not None:
-            owner = tokens.owner(request.headers.get("authorization"))
+            owner = tokens.bearer(request.headers.get("authorization"))
             if owner is None:
                 return None, "", unauthorized()
         if not canonical_uuid(delivery_id):
@@ -514,7 +466,7 @@ def create_app(settings: IngestionSettings | None = None,
         checks = sub.ready()
         ok = all(checks.values())
         status: dict[str, Any] = {"status": "ready" if ok else "not_ready"}
-        if tokens is None or tokens.owner(request.headers.get("authorization")) is not None:
+        if tokens is None or tokens.bearer(request.headers.get("authorization")) is not None:
             status |= {"checks": checks, **sub.admission.snapshot(), "pending": sub.pending}
         return JSONResponse(status, status_code=200 if ok else 503)
 

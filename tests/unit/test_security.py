@@ -149,10 +149,10 @@ def test_owner_tokens_parse_both_formats_and_refuse_bad_entries() -> None:
 
 def test_owner_tokens_map_bearer_tokens_to_owners() -> None:
     tokens = OwnerTokens({TOKEN: "alice", TOKEN + "2": "bob"})
-    assert tokens.owner(f"Bearer {TOKEN}") == "alice"
-    assert tokens.owner(f"bearer {TOKEN}2") == "bob"
+    assert tokens.bearer(f"Bearer {TOKEN}") == "alice"
+    assert tokens.bearer(f"bearer {TOKEN}2") == "bob"
     for header in (None, "", TOKEN, f"Basic {TOKEN}", "Bearer ", f"Bearer {TOKEN}x"):
-        assert tokens.owner(header) is None
+        assert tokens.bearer(header) is None
 
 
 def test_registry_basic_auth() -> None:

@@ -31,7 +31,7 @@ def test_tokens_name_operators_and_errors_never_quote_a_token() -> None:
     tokens = OperatorTokens({TOKEN: "alice"})
     assert tokens.bearer(f"Bearer {TOKEN}") == "alice"
     assert tokens.bearer(f"Basic {TOKEN}") is None and tokens.bearer(None) is None
-    assert tokens.operator(TOKEN + "x") is None
+    assert tokens.holder(TOKEN + "x") is None
 
 
 def test_sessions_expire_are_bounded_and_sign_their_csrf_token() -> None:

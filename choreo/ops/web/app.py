@@ -205,7 +205,7 @@ def create_app(workflow: Workflow, *, loopback_only: bool, sampler: Sampler | No
     @app.post("/login", response_class=HTMLResponse)
     async def login(request: Request) -> Response:
         form = await _form(request)
-        operator = view.tokens.operator(form.get("token")) if view.tokens is not None and form else None
+        operator = view.tokens.holder(form.get("token")) if view.tokens is not None and form else None
         if operator is None:
             log.warning("ops_web.login_refused")  # never the token
             return page("login.html", request, status_code=401, problem="unknown token")

@@ -22,7 +22,6 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -32,8 +31,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.requests import Request
 
 from choreo.http_serving import loopback
+from choreo.tokens import BearerTokens
+from choreo.tokens import parse_tokens as parse_bearer_tokens
 
-TOKEN_PATTERN = re.compile(r"^[A-Za-z0-9._~+/-]{16,512}=*$")  # RFC 6750 b64token, >= 16 chars
 OPERATOR_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 SESSION_COOKIE = "choreo_ops_session"
 CSRF_HEADER = "x-csrf-token"
@@ -48,51 +48,19 @@ class WebSettings(BaseSettings):
 
 
 def parse_tokens(text: str) -> dict[str, str]:
-    """``<token>=<operator>`` entries (new lines or commas, ``#`` comments) → {token: operator}.
-    Errors name the entry's number, never the token."""
-    tokens: dict[str, str] = {}
-    for number, raw in enumerate(text.replace(",", "\n").splitlines(), 1):
-        entry = raw.strip()
-        if not entry or entry.startswith("#"):
-            continue
-        token, sep, operator = entry.rpartition("=")
-        token, operator = token.strip(), operator.strip()
-        if not sep or not TOKEN_PATTERN.fullmatch(token):
-            raise ValueError(f"operator token entry {number}: expected <token>=<operator>, a token being "
-                             "16-512 characters of A-Z a-z 0-9 . _ ~ + / - (then optional '=')")
-        if not OPERATOR_PATTERN.fullmatch(operator):
-            raise ValueError(f"operator token entry {number}: invalid operator name")
-        tokens[token] = operator
-    return tokens
+    """``<token>=<operator>`` entries → {token: operator} (``choreo.tokens``)."""
+    return parse_bearer_tokens(text, "operator", OPERATOR_PATTERN)
 
 
-class OperatorTokens:
-    """Bearer token → operator. Only digests are held; every lookup compares them all."""
-
-    def __init__(self, tokens: Mapping[str, str]) -> None:
-        self._digests = [(hashlib.sha256(t.encode()).digest(), op) for t, op in tokens.items()]
+class OperatorTokens(BearerTokens):
+    """Bearer token → operator."""
 
     @classmethod
     def from_settings(cls, cfg: WebSettings) -> OperatorTokens | None:
         """None when no tokens are configured (the read-only loopback view)."""
-        text = cfg.tokens + "\n" + (cfg.tokens_file.read_text() if cfg.tokens_file is not None else "")
-        tokens = parse_tokens(text)
-        return cls(tokens) if tokens else None
-
-    def operator(self, token: str | None) -> str | None:
-        if not token:
-            return None
-        presented = hashlib.sha256(token.strip().encode()).digest()
-        found: str | None = None
-        for digest, operator in self._digests:  # no early exit: the time does not tell which
-            if hmac.compare_digest(digest, presented):
-                found = operator
-        return found
-
-    def bearer(self, authorization: str | None) -> str | None:
-        """The operator of an ``Authorization: Bearer`` header, or None."""
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        return self.operator(token) if scheme.lower() == "bearer" else None
+        found = parse_tokens(cfg.tokens) | (parse_tokens(cfg.tokens_file.read_text())
+                                            if cfg.tokens_file is not None else {})
+        return cls(found) if found else None
 
 
 class Sessions:
