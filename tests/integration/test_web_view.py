@@ -12,7 +12,9 @@ deliveries; a screenshot is kept
 
 from __future__ import annotations
 
+import html
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,6 +22,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -32,6 +35,7 @@ from choreo.envelope import Envelope
 from choreo.publisher import Publisher
 from tests.factories import delivery_request
 from tests.helpers import REPO, free_port, wait_for
+from infra.tls import ensure_certificates
 from tests.integration.test_ops_pipeline import IsolatedPipeline, isolated, private_redis  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
@@ -70,17 +74,24 @@ def running(isolated: IsolatedPipeline, monkeypatch: pytest.MonkeyPatch) -> Iter
 @pytest.fixture()
 def web(running: IsolatedPipeline) -> Iterator[str]:
     """``choreo ops web`` on the pipeline's workflow and Redis, with one operator token."""
+    with serving_web({**running._env(), "CHOREO_DEADLINE_SCALE": SCALE}, "tests.services.ops_pipeline:WORKFLOW") as url:
+        yield url
+
+
+@contextmanager
+def serving_web(env: dict[str, str], workflow: str, scheme: str = "http", verify: str | bool = True) -> Iterator[str]:
+    """``choreo ops web`` as its own process, with one operator token, until the block ends."""
     port = free_port()
     log_path = REPO / ".stack" / "test-logs" / f"ops-web-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **running._env(), "CHOREO_DEADLINE_SCALE": SCALE, "CHOREO_OPS_TOKENS": f"{TOKEN}=alice"}
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "ops", "web", "--workflow",
-                                 "tests.services.ops_pipeline:WORKFLOW", "--port", str(port), "--interval", "1"],
-                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "ops", "web", "--workflow", workflow,
+                                 "--port", str(port), "--interval", "1"], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT,
+                                env={**os.environ, **env, "CHOREO_OPS_TOKENS": f"{TOKEN}=alice"})
+    url = f"{scheme}://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _answers(url), timeout_s=30, interval_s=0.3, what="the live view to serve")
+        wait_for(lambda: _answers(url, verify), timeout_s=30, interval_s=0.3, what="the live view to serve")
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -91,9 +102,9 @@ def web(running: IsolatedPipeline) -> Iterator[str]:
             proc.wait()
 
 
-def _answers(url: str) -> bool:
+def _answers(url: str, verify: str | bool = True) -> bool:
     try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+        return httpx.get(f"{url}/healthz", timeout=2, verify=verify).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -205,7 +216,28 @@ def test_the_live_view_refuses_strangers_and_cross_site_changes(running: Isolate
         # a signed-in browser: the cookie alone does not make a change, its CSRF token must come too
         signed_in = client.post("/login", data={"token": TOKEN})
         assert signed_in.status_code == 303 and "samesite=strict" in signed_in.headers["set-cookie"].lower()
+        assert "secure" not in signed_in.headers["set-cookie"].lower()  # plain HTTP: it would never come back
         assert TOKEN not in signed_in.headers["set-cookie"]
         assert client.get("/").status_code == 200
         assert client.post("/dead-letters/redrive", data={"topic": "x", "reason": "Y"}).status_code == 403
         assert client.post("/login", data={"token": "wrong-" + "y" * 30}).status_code == 401
+
+
+def test_over_https_the_session_cookie_is_secure(stack: None, tmp_path: Path) -> None:
+    """Served with its own TLS certificate, the view marks its session cookie ``Secure``, so a
+    browser never sends it over plain HTTP; signing out clears it the same way."""
+    tls = ensure_certificates(tmp_path / "tls")
+    env = {"CHOREO_HTTP_TLS_CERT_FILE": str(tls.server_cert), "CHOREO_HTTP_TLS_KEY_FILE": str(tls.server_key)}
+    with serving_web(env, "consumers.workflow:WORKFLOW", "https", str(tls.ca_cert)) as url, \
+            httpx.Client(base_url=url, timeout=30, verify=str(tls.ca_cert)) as client:
+        signed_in = client.post("/login", data={"token": TOKEN})
+        assert signed_in.status_code == 303
+        cookie = [part.strip().lower() for part in signed_in.headers["set-cookie"].split(";")]
+        assert {"secure", "httponly", "samesite=strict"} <= set(cookie)
+        page = client.get("/")
+        assert page.status_code == 200  # the cookie came back, over HTTPS
+        csrf = re.search(r'"x-csrf-token": "([^"]+)"', html.unescape(page.text))
+        assert csrf is not None
+        signed_out = client.post("/logout", headers={"x-csrf-token": csrf.group(1), "Origin": url})
+        assert signed_out.status_code == 204
+        assert "secure" in [part.strip().lower() for part in signed_out.headers["set-cookie"].split(";")]

@@ -28,7 +28,7 @@ from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.concurrency import run_in_threadpool
 
-from choreo.http_serving import HttpLimits, loopback, uvicorn_config
+from choreo.http_serving import HttpLimits, loopback, tls_options, uvicorn_config
 from choreo.logs import get_logger
 from choreo.ops.dlq import RedriveResult, Selection, redrive
 from choreo.ops.flowdoc import flow_edges
@@ -78,6 +78,8 @@ def create_app(workflow: Workflow, *, loopback_only: bool, sampler: Sampler | No
     tokens = OperatorTokens.from_settings(cfg)
     if tokens is None and not loopback_only:
         raise ValueError("the live view is served beyond loopback only with operator tokens (CHOREO_OPS_TOKENS_FILE)")
+    # served over HTTPS (the server's own TLS): the session cookie is never sent in clear
+    secure = bool(tls_options())
     view = View(workflow, layout(flow_edges(workflow)), sampler or Sampler(workflow), tokens,
                 Sessions(cfg.session_ttl_s), loopback_only, threading.BoundedSemaphore(MAX_TRACES),
                 threading.Lock())
@@ -212,14 +214,14 @@ def create_app(workflow: Workflow, *, loopback_only: bool, sampler: Sampler | No
         log.info("ops_web.login", operator=operator)
         response = RedirectResponse("/", status_code=303)
         response.set_cookie(SESSION_COOKIE, view.sessions.open(operator), max_age=view.sessions.ttl_s,
-                            httponly=True, samesite="strict", path="/")
+                            httponly=True, samesite="strict", path="/", secure=secure)
         return response
 
     @app.post("/logout")
     async def logout(request: Request) -> Response:
         view.sessions.close(request.cookies.get(SESSION_COOKIE))
         response = Response(status_code=204, headers={"HX-Redirect": "/login"})
-        response.delete_cookie(SESSION_COOKIE, path="/")
+        response.delete_cookie(SESSION_COOKIE, path="/", secure=secure, httponly=True, samesite="strict")
         return response
 
     return app
