@@ -111,8 +111,10 @@ class Lease:
         self.fence = value.decode() if isinstance(value, bytes) else None
         if self.fence is not None:
             token = parse(self.fence).token
-            run_together(self.client, [(self._post, [
+            [posted] = run_together(self.client, [(self._post, [
                 ([self.shard_key(shard)], [self.fence, token, self.ttl_ms]) for shard in range(keys.SHARDS)])])
+            if not all(int(answer) == 1 for answer in posted):
+                self.fence = None  # a newer holder posted meanwhile (we paused past the TTL)
         return self.fence is not None
 
     def shard_key(self, shard: int) -> str:

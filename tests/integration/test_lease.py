@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from choreo.lease import Lease, holder
+from choreo.lease import Lease, holder, shard_copy_key
 
 pytestmark = pytest.mark.integration
 
@@ -65,3 +65,13 @@ def test_release_lets_the_next_holder_in_at_once(client: redis.Redis) -> None:
     assert a.acquire()
     a.release()
     assert b.acquire()
+
+
+def test_a_holder_that_finds_a_newer_fence_posted_steps_down(client: redis.Redis) -> None:
+    """It took the lease, then paused past the TTL before posting its fence, and a newer
+    holder posted meanwhile: its post is refused in that shard, and it does not lead."""
+    name = f"lease-{uuid.uuid4().hex[:8]}"
+    client.set(shard_copy_key(name, 3), f"newer|{10**6}", px=1000)
+    a = Lease(client, name, "a", 1000)
+    assert not a.acquire() and a.fence is None
+    assert client.get(shard_copy_key(name, 3)) == f"newer|{10**6}".encode()
