@@ -171,9 +171,14 @@ def _subscribe() -> None:
     if not ref:
         raise RuntimeError("no workflow: run with --workflow, or set WEBHOOKS_WORKFLOW (module:attribute)")
     flow: Workflow = load_workflow(ref)
-    deciding: list[type[Event]] = [*flow.outcome_labels, CompensationRecord]
-    for model in deciding:
+    for model in deciding(flow):
         service.subscribe(model.topic, model, _post(flow))
+
+
+def deciding(flow: Workflow) -> list[type[Event]]:
+    """What this service reads of ``flow``: every event that may tell an outcome (also what
+    its principal may read, ``infra.security``)."""
+    return [*flow.outcome_labels, CompensationRecord]
 
 
 service.defer(_subscribe)

@@ -15,6 +15,10 @@ Per service principal ``User:<service>`` (the consumer group is the service name
   ``recovery`` (every step reports there);
 * WRITE on transactional ids prefixed ``<service>-`` (WRITE implies DESCRIBE).
 
+The outcome webhooks (``choreo.webhooks``, run beside the workflow as ``webhooks``) READ
+what tells an outcome (``webhooks.deciding``) in their own group and transactions and WRITE
+only those topics' dead letters: they produce no event and run no step.
+
 The supervisor also READs each step's trigger and retry topics (it fetches the source of a
 step it requeues) with its ``<name>-source-reader`` group, and DESCRIBEs every service's
 group (``choreo.release`` waits for their commits). Ingestion may WRITE
@@ -46,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from confluent_kafka.admin import AclBinding, AdminClient  # type: ignore[attr-defined]
 
+    from choreo.service import Service
     from choreo.topology import Topology
     from choreo.workflow import Workflow
     from infra.tls import TlsFiles
@@ -170,6 +175,12 @@ def derive_policy(workflow: Workflow, topo: Topology | None = None, *,
     for topic in sorted({model.topic for model in workflow.outcome_labels}):
         for user in sorted(topo.producers.get(topic, ())):
             acls.append(Acl(user, "topic", reply_prefix(), "WRITE", "prefixed"))
+    hooks = webhooks_service().name
+    acls.append(Acl(hooks, "group", hooks, "READ"))
+    acls.append(Acl(hooks, "transactional_id", f"{hooks}-", "WRITE", "prefixed"))
+    for topic in webhook_topics(workflow):
+        acls.append(Acl(hooks, "topic", topic, "READ"))
+        acls.append(Acl(hooks, "topic", _dlq(topic), "WRITE"))
     for topic, producer in workflow.extra_producers.items():
         acls.append(Acl(producer, "topic", topic, "WRITE"))  # only that: it runs no step to report
         for group in sorted(topo.consumers.get(topic, ())):  # admission: lag of these groups
@@ -180,15 +191,29 @@ def derive_policy(workflow: Workflow, topo: Topology | None = None, *,
     acls.append(Acl(REGISTRY, "group", "schema-registry-", "READ", "prefixed"))
     acls.append(Acl(REGISTRY, "transactional_id", "schema-registry-", "WRITE", "prefixed"))
     # ops tools: read everything of the workflow, redrive into it, their own marker/groups/ids
-    for topic in sorted(topo.partitions):
+    for topic in sorted({*topo.partitions, *(_dlq(t) for t in webhook_topics(workflow))}):
         acls.append(Acl(OPS, "topic", topic, "READ"))
         acls.append(Acl(OPS, "topic", topic, "WRITE"))
-    for name in names:
+    for name in [*names, hooks]:
         acls.append(Acl(OPS, "group", name, "READ"))  # status, trace, reset of a stopped group
     acls += [Acl(OPS, "topic", REDRIVEN_TOPIC, op) for op in ("READ", "WRITE", "CREATE")]
     acls.append(Acl(OPS, "group", OPS_PREFIX, "READ", "prefixed"))
     acls.append(Acl(OPS, "transactional_id", OPS_PREFIX, "WRITE", "prefixed"))
     return Policy(sorted(set(acls)))
+
+
+def webhooks_service() -> Service:
+    """The outcome webhooks' service (``choreo.webhooks``): a principal beside the workflow's."""
+    from choreo.webhooks import service
+
+    return service
+
+
+def webhook_topics(workflow: Workflow) -> list[str]:
+    """The topics the outcome webhooks read of ``workflow`` (``choreo.webhooks.deciding``)."""
+    from choreo.webhooks import deciding
+
+    return sorted({model.topic for model in deciding(workflow)})
 
 
 # -- secrets -----------------------------------------------------------------------------------
@@ -321,10 +346,12 @@ def secured_topics(workflow: Workflow, bootstrap_config: dict[str, Any],
     from choreo.topology import DEFAULT_PARTITIONS, derive
 
     topo = derive(workflow, partitions or DEFAULT_PARTITIONS)
+    # the outcome webhooks' dead letters, beside the workflow's (as many partitions as their source)
+    wanted = {**topo.partitions, **{_dlq(t): topo.partitions[t] for t in webhook_topics(workflow)}}
     admin = AdminClient(bootstrap_config)
     existing = set(admin.list_topics(timeout=30).topics)
     new = [NewTopic(t, num_partitions=n, replication_factor=-1, config=topo.configs.get(t, {}))
-           for t, n in topo.partitions.items() if t not in existing]
+           for t, n in wanted.items() if t not in existing]
     if new:
         for future in admin.create_topics(new, request_timeout=30).values():
             try:
@@ -392,6 +419,7 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
       version (``choreo.layout``), its dedupe entries (``choreo.dedupe``) and effect answers
       (``choreo.effects``), which are per delivery and shared by the steps, plus the records
       and pools it declares itself;
+    * the outcome webhooks: the runtime's keys only (they declare no state);
     * the supervisor: also its lease (``choreo.lease``), the release queue
       (``choreo.release``) and the records that go with a finished delivery, which it deletes;
     * ingestion: the step table, the deadline index and the layout version (it opens a
@@ -418,6 +446,7 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
         own = prefixes[service.name] = set(runtime)
         own |= {_prefix(record.key(one)) for record in service.records}
         own |= {_prefix(key) for pool in service.pools for key in pool.keys}
+    prefixes[webhooks_service().name] = set(runtime)  # dedupe and its dead letters' notes
     supervisor = prefixes.get("supervisor")
     if supervisor is not None:
         supervisor |= {_prefix(lease_key(one)), _prefix(awaiting_key(one, 0))}

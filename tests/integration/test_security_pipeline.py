@@ -6,8 +6,9 @@ broker as ``schema-registry``) in a private data dir, every server with the cert
 CA it made for the stack (``infra.tls``). The admin registers the contracts with the
 documented command (``choreo schemas register`` with ``env/admin.env``); then every workflow
 service and the ingestion API start as real processes, each with nothing but its own
-principal's env file. Deliveries are submitted over HTTPS with an owner token and read back as
-the admin from the committed terminal topics. A service started with another service's
+principal's env file, the outcome webhooks too (``choreo.webhooks``, posting to a receiver in
+this test). Deliveries are submitted over HTTPS with an owner token and read back as the admin
+from the committed terminal topics. A service started with another service's
 credentials must be refused by the broker's ACLs, so the setup cannot pass by being open.
 
 The ports are fixed, so this takes the same locks as ``test_security_kafka.py`` (broker) and
@@ -17,12 +18,14 @@ The ports are fixed, so this takes the same locks as ``test_security_kafka.py`` 
 from __future__ import annotations
 
 import fcntl
+import hmac
 import json
 import os
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -30,6 +33,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +41,14 @@ import certifi
 import httpx
 import pytest
 import redis
-from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from choreo.config import REPO_ROOT, settings
 from choreo.dedupe import seen_key
 from choreo.lease import lease_key
 from choreo.state import delivery_key
+from choreo.webhooks import H_ID, H_SIGNATURE, H_TIMESTAMP, sign
 from consumers.workflow import WORKFLOW
 from infra.process import ManagedProcess, port_in_use, stop_all
 from infra.security import (
@@ -55,6 +60,7 @@ from producers.submit import owner_redis_key
 from registry.leader import lease_key as registry_lease_key
 from tests.factories import request_body
 from tests.helpers import wait_for
+from tests.integration.test_security_kafka import produce
 
 pytestmark = pytest.mark.integration
 
@@ -62,11 +68,52 @@ LOCKS = ("/tmp/choreo-kafka-secured.lock", "/tmp/choreo-redis-acl.lock")  # alwa
 PORTS = (SECURED_KAFKA_PORT, SECURED_KAFKA_PORT + 1, SECURED_REDIS_PORT, SECURED_REGISTRY_PORT)
 DELIVERIES = 50
 TERMINAL = ("delivery.shipped", "delivery.failed")
+HOOKS = "webhooks"
+# what the owner is told of a delivery that ended on a terminal topic: a failure with work to
+# undo is compensating until its compensation ends (choreo.outcomes)
+TOLD = {"delivery.shipped": {"shipped"}, "delivery.failed": {"failed", "compensating", "compensated"}}
 OWNER_TOKEN = "owner-" + uuid.uuid4().hex + uuid.uuid4().hex
 OTHER_TOKEN = "other-" + uuid.uuid4().hex + uuid.uuid4().hex
 # some permanent failures so compensation (package.cancelled, drone.released) runs too
 AGENTS = {"AGENT_WAREHOUSE_PERMANENT_RATE": "0.1", "AGENT_DISPATCH_PERMANENT_RATE": "0.1",
           "AGENT_WAREHOUSE_TRANSIENT_RATE": "0.05", "AGENT_DISPATCH_TRANSIENT_RATE": "0.05"}
+
+
+@dataclass
+class Hooks:
+    """The owner's webhook receiver: every POST it got (id, outcome, signature valid)."""
+
+    secret: bytes
+    posts: list[tuple[str, str, str, bool]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def serve(self) -> ThreadingHTTPServer:
+        hooks = self
+
+        class Receiver(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                valid = hmac.compare_digest(self.headers.get(H_SIGNATURE, ""),
+                                            sign(hooks.secret, self.headers.get(H_TIMESTAMP, ""), body))
+                told = json.loads(body)
+                with hooks.lock:
+                    hooks.posts.append((self.headers.get(H_ID, ""), told["delivery_id"], told["outcome"], valid))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    def by_delivery(self) -> dict[str, list[tuple[str, str, bool]]]:
+        with self.lock:
+            found: dict[str, list[tuple[str, str, bool]]] = {}
+            for event_id, delivery, outcome, valid in self.posts:
+                found.setdefault(delivery, []).append((event_id, outcome, valid))
+            return found
 
 
 @dataclass
@@ -77,6 +124,7 @@ class SecuredPipeline:
     owner: str
     other: str
     processes: dict[str, ManagedProcess]
+    hooks: Hooks
     accepted: list[str] = field(default_factory=list)
 
     @property
@@ -124,14 +172,23 @@ def wait_for_groups(admin: AdminClient, groups: list[str], timeout_s: float) -> 
     raise AssertionError(f"groups not stable after {timeout_s:.0f}s: {last}")
 
 
-def start_pipeline(data: Path, envs: dict[str, Path]) -> tuple[dict[str, ManagedProcess], str]:
-    """Every workflow service and the ingestion API, each as its own principal; only the
-    service's own env file (plus the failure injection) goes into its environment."""
+def start_pipeline(data: Path, envs: dict[str, Path], hook_url: str,
+                   hook_secret: bytes) -> tuple[dict[str, ManagedProcess], str]:
+    """Every workflow service, the outcome webhooks and the ingestion API, each as its own
+    principal; only the service's own env file (plus the failure injection, and the webhooks'
+    endpoints) goes into its environment."""
     cfg = settings().model_copy(update={"data_dir": data})
     procs: dict[str, ManagedProcess] = {}
     for name, ref in PIPELINE.items():
         env = {**read_env_file(envs[name]), **AGENTS}
         procs[name] = service_process(ServiceSpec(name, ref), env=env, cfg=cfg)
+    secret_file = data / "webhook-owner.secret"
+    secret_file.write_bytes(hook_secret)
+    secret_file.chmod(0o600)
+    endpoints = data / "webhooks.json"
+    endpoints.write_text(json.dumps({"owner-secured": {"url": hook_url, "secret_file": str(secret_file)}}))
+    procs[HOOKS] = service_process(ServiceSpec(HOOKS, "choreo.webhooks:service"), cfg=cfg, env={
+        **read_env_file(envs[HOOKS]), "WEBHOOKS_FILE": str(endpoints)})
     url = f"https://127.0.0.1:{free_port()}"  # ingestion.env names its certificate
     tokens = json.dumps({OWNER_TOKEN: "owner-secured", OTHER_TOKEN: "other-secured"})
     procs["ingestion"] = ingestion_process(url, cfg=cfg, env={**read_env_file(envs["ingestion"]),
@@ -149,6 +206,9 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredPipeli
         assert not taken, f"ports {taken} are taken; is another secured stack running?"
         data = tmp_path_factory.mktemp("secured-pipeline")
         procs: dict[str, ManagedProcess] = {}
+        hooks = Hooks(uuid.uuid4().hex.encode())
+        receiver = hooks.serve()
+        held.callback(receiver.shutdown)
         # this process is a client too: its HTTPS calls trust the stack's CA the usual way
         env = held.enter_context(pytest.MonkeyPatch.context())
         env.setenv("SSL_CERT_FILE", str(Secrets(data / "secrets").tls.ca_cert))
@@ -156,11 +216,12 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredPipeli
             envs = up(data, 120, partitions=2, heap="-Xms128m -Xmx512m")
             registered = cli(read_env_file(envs[ADMIN]), "schemas", "register")
             assert registered.returncode == 0, registered.stderr[-2000:]
-            procs, url = start_pipeline(data, envs)
+            procs, url = start_pipeline(data, envs, f"http://127.0.0.1:{receiver.server_port}/hook",
+                                        hooks.secret)
             for proc in procs.values():
                 proc.start(timeout_s=90)
-            found = SecuredPipeline(data, envs, url, "owner-secured", "other-secured", procs)
-            wait_for_groups(AdminClient(found.admin_config()), list(PIPELINE), 120)
+            found = SecuredPipeline(data, envs, url, "owner-secured", "other-secured", procs, hooks)
+            wait_for_groups(AdminClient(found.admin_config()), [*PIPELINE, HOOKS], 120)
             yield found
         finally:
             stop_all(procs.values(), timeout_s=20)
@@ -313,17 +374,19 @@ def test_the_supervisor_releases_shipped_deliveries_under_its_acls(
     shipped = [d for d, ends in finished.items() if ends == ["delivery.shipped"]]
     wait_for(lambda: all(client.hexists(delivery_key(d), "done") for d in shipped), timeout_s=60,
              what="every shipped delivery released")
-    assert not any(client.exists(seen_key(d)) for d in shipped)
+    # the workflow's dedupe entries went with the state; the webhooks, beside the workflow, may
+    # note theirs after the release (their own, with the dedupe TTL)
+    left = {field.decode().split(":", 1)[0] for d in shipped for field in client.hkeys(seen_key(d))}
+    assert left <= {HOOKS}, left
 
 
 def test_the_owner_follows_each_delivery_and_nobody_else_sees_it(
         finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
     with httpx.Client(base_url=pipeline.ingestion_url, timeout=30) as http:
         for delivery in pipeline.accepted:
-            expected = finished[delivery][0].removeprefix("delivery.")
             answer = http.get(f"/deliveries/{delivery}", headers=bearer(OWNER_TOKEN))
             assert answer.status_code == 200, answer.text
-            assert answer.json()["status"] == expected, answer.json()
+            assert answer.json()["status"] in TOLD[finished[delivery][0]], answer.json()
         one = pipeline.accepted[0]
         assert http.get(f"/deliveries/{one}", headers=bearer(OTHER_TOKEN)).status_code == 404
         assert http.get(f"/deliveries/{one}").status_code == 401
@@ -366,6 +429,36 @@ def test_a_service_started_with_another_services_credentials_is_refused(
         output[-2000:]
     # the real notifier is untouched by the attempt
     assert pipeline.processes["notifier"].running()
+
+
+def test_the_webhooks_tell_the_owner_each_outcome_once_as_their_own_least_principal(
+        finished: dict[str, list[str]], pipeline: SecuredPipeline) -> None:
+    """The webhooks run as ``webhooks`` with that principal's env file only; each delivery the
+    owner submitted is POSTed once (one id), signed, with the outcome its events decided; the
+    principal may read what tells an outcome and write nothing else but its dead letters."""
+    shipped = {d for d, ends in finished.items() if ends == ["delivery.shipped"]}
+    posted = wait_for(lambda: shipped <= set(p := pipeline.hooks.by_delivery()) and p, timeout_s=90,
+                      what="a webhook for every shipped delivery")
+    assert set(posted) <= set(pipeline.accepted)
+    for delivery, posts in posted.items():
+        assert len({event_id for event_id, _, _ in posts}) == 1, posts  # one outcome: receivers dedupe by id
+        assert all(valid for _, _, valid in posts)
+        assert {outcome for _, outcome, _ in posts} <= TOLD[finished[delivery][0]]
+    pid = pipeline.processes[HOOKS].pid()
+    assert pid is not None, f"the webhooks are not running; see {pipeline.processes[HOOKS].log_file}"
+    environ = dict(item.split("=", 1) for item in
+                   Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in item)
+    assert environ["KAFKA_SASL_USERNAME"] == HOOKS
+    config = client_config(HOOKS, pipeline.env(HOOKS)["KAFKA_BOOTSTRAP_SERVERS"], pipeline.secrets)
+    for topic in ("delivery.shipped", "delivery.requested", "replies.acme"):
+        err = produce({**config, "log_level": 0}, topic, timeout_s=10)
+        assert err is not None and err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED, topic
+    url = pipeline.env(HOOKS)["REDIS_URL"]
+    assert url.startswith(f"rediss://{HOOKS}:"), url
+    one = pipeline.accepted[0]
+    for key in (owner_redis_key(one), f"pkg:{{{one}}}", lease_key("supervisor")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            redis.Redis.from_url(url).set(key, "x")
 
 
 def test_each_process_is_its_own_redis_user_limited_to_its_keys(
