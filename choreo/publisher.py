@@ -56,9 +56,8 @@ class Publisher:
         self.workflow = workflow
         tracing.configure(name)
         self.redis = redis_client or connect(cfg.redis_url, socket_timeout=5)
-        if workflow is not None:  # it opens the workflow's first steps
-            layout.claim(self.redis)
         self.state = StateTable(self.redis)
+        self._layout_checked = False  # on the first steps it opens: Redis may be down at start
         self.registry = registry_client()
         self._encoders: dict[tuple[type[Event], str], Encoder[Any]] = {}
         self.producer = Producer({
@@ -150,6 +149,9 @@ class Publisher:
         """Register the steps each ``(delivery id, topic)`` triggers, pending with their
         deadlines: one round trip for all."""
         if self.workflow is not None:
+            if not self._layout_checked:
+                layout.claim(self.redis)
+                self._layout_checked = True
             now = now_ms()
             self.state.open_many(self.workflow.pending_steps(triggers, now), now)
 

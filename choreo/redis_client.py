@@ -13,6 +13,7 @@ What differs is pipelining scripts: redis-py's cluster pipeline refuses ``EVALSH
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
@@ -149,3 +150,13 @@ class NodePipelines:
     def _refresh(self) -> None:
         if is_cluster(self.client):
             cast(redis.RedisCluster, self.client).nodes_manager.initialize()
+
+
+def write_waited(client: redis.Redis, key: str, write: Callable[[Pipeline], Any]) -> Any:
+    """The reply to one write (``write`` queues it on the pipeline it is given) on the node
+    serving ``key``; with ``CHOREO_REDIS_WAIT_REPLICAS`` set, only once that many replicas
+    hold it (``ReplicationLag`` otherwise). For a write outside a batch that an answer to a
+    caller rests on: a failover must not lose it after the caller was told."""
+    pipes = NodePipelines(client)
+    write(pipes.on(key))
+    return raise_first(pipes.execute())[0]

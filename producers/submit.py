@@ -39,7 +39,7 @@ from choreo.keys import of_delivery
 from choreo.logs import get_logger
 from choreo.outcomes import told_in_state
 from choreo.publisher import Publish, Publisher
-from choreo.redis_client import connect
+from choreo.redis_client import connect, write_waited
 from choreo.state import delivery_key, parse_steps
 from choreo.workflow import Workflow
 from producers import metrics
@@ -271,7 +271,8 @@ class Submitter:
                                            replayed=True), done)
             delivery_id = claim.delivery_id if claim else new_delivery_id()
             if owner is not None:  # before the event exists, so its status is never readable by others
-                self.redis.set(owner_redis_key(delivery_id), request.owner_id, ex=self.cfg.owner_ttl_s)
+                okey = owner_redis_key(delivery_id)
+                write_waited(self.redis, okey, lambda pipe: pipe.set(okey, request.owner_id, ex=self.cfg.owner_ttl_s))
         except redis.RedisError as exc:
             raise StoreUnavailable(f"state store unreachable: {type(exc).__name__}") from exc
         requested_at_ms = claim.requested_at_ms if claim else int(time.time() * 1000)
@@ -441,8 +442,10 @@ class Submitter:
         fingerprint = hashlib.sha256(request.fingerprint().encode()).hexdigest()
         now = int(time.time() * 1000)
         fresh_id = new_delivery_id()
-        stored = self._claim(keys=[rkey], args=[fingerprint, fresh_id, now, now,
-                                                self.cfg.idempotency_ttl_s])
+        # waited for (CHOREO_REDIS_WAIT_REPLICAS): a claim a failover lost would let a retry
+        # of the same key publish a second delivery
+        stored = write_waited(self.redis, rkey, lambda pipe: self._claim(
+            keys=[rkey], args=[fingerprint, fresh_id, now, now, self.cfg.idempotency_ttl_s], client=pipe))
         if not stored:
             return _Claim(rkey, fresh_id, now, owned=True)
         delivery_id, held_fp, requested_at, claimed_at, confirmed = (
@@ -453,7 +456,8 @@ class Submitter:
             return _Claim(rkey, delivery_id, -1, owned=False)
         if now - int(claimed_at or "0") < self.cfg.publish_timeout_s * 1000:
             raise IdempotencyInProgress(delivery_id)
-        if not self._take_over(keys=[rkey], args=[claimed_at, now]):
+        if not write_waited(self.redis, rkey, lambda pipe: self._take_over(keys=[rkey], args=[claimed_at, now],
+                                                                           client=pipe)):
             raise IdempotencyInProgress(delivery_id)
         self.log.info("republishing a stale idempotent request", delivery_id=delivery_id)
         return _Claim(rkey, delivery_id, int(requested_at), owned=True)

@@ -11,8 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from choreo.config import settings
+from choreo.redis_client import is_cluster
 from producers.client import DeliveryClient
-from producers.errors import AdmissionRefused
+from producers.errors import AdmissionRefused, StoreUnavailable
+from producers.submit import Submitter, idempotency_redis_key, owner_redis_key
 from tests.factories import request_body
 from tests.helpers import ServiceProcess, wait_for
 from tests.ingestion import end_offsets, ingestion_settings, records_since, serving
@@ -115,3 +118,28 @@ def test_one_owner_cannot_take_the_whole_in_flight_cap(stack: None, unique: str)
         assert [r.status_code for r in others] == [202] * int(cap * share), [r.text for r in others]
         past_cap = client.post("/deliveries", json=request_body(owner_id=f"third-{unique}"))
         assert past_cap.status_code == 429 and past_cap.json()["reason"] == "in_flight"
+
+
+def test_an_idempotency_claim_is_accepted_only_once_a_replica_holds_it(
+        stack: None, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``CHOREO_REDIS_WAIT_REPLICAS``, a request's idempotency claim and owner record
+    are answered on only once a replica holds them: a failover that lost the claim would let
+    a retry of the same key publish a second delivery. On the cluster lane every master has
+    a replica and the request is accepted; a single node has none, and it is refused as a
+    store failure (503), never accepted on a write only one node holds."""
+    monkeypatch.setenv("CHOREO_REDIS_WAIT_REPLICAS", "1")
+    monkeypatch.setenv("CHOREO_REDIS_WAIT_MS", "200")
+    settings.cache_clear()
+    submitter = Submitter(ingestion_settings(unique)).start()
+    owner, key = f"owner-{unique}", f"key-{unique}"
+    try:
+        if is_cluster(submitter.redis):
+            accepted = submitter.wait(submitter.submit(request_body(owner_id=owner), key, owner=owner))
+            assert submitter.redis.get(owner_redis_key(accepted.delivery_id)) == owner.encode()
+        else:
+            with pytest.raises(StoreUnavailable):
+                submitter.submit(request_body(owner_id=owner), key, owner=owner)
+            assert submitter.redis.exists(idempotency_redis_key(owner, key))  # written, not trusted
+    finally:
+        submitter.close()
+        settings.cache_clear()

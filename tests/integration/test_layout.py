@@ -14,6 +14,7 @@ from choreo import keys, layout
 from choreo.publisher import Publisher
 from choreo.state import STEP_FIELDS, Begin, StateTable, StepStatus, delivery_key
 from consumers.workflow import WORKFLOW
+from tests.factories import delivery_request
 from tests.helpers import CLUSTER_URL, ServiceProcess
 from tests.integration.test_ops_pipeline import private_redis  # noqa: F401 - fixture
 
@@ -50,10 +51,12 @@ def test_no_process_starts_on_a_store_of_another_layout(private_redis: redis.Red
     assert service.proc.wait(60) != 0
     said = service.log_file.read_text(errors="replace")
     assert f"layout '{keys.LAYOUT + 1}'" in said and f"reads layout {keys.LAYOUT}" in said
+    publisher = Publisher("test", WORKFLOW, redis_client=private_redis)
+    request = delivery_request()
     with pytest.raises(layout.LayoutMismatch):
-        Publisher("test", WORKFLOW, redis_client=private_redis)
+        publisher.publish(request, str(uuid.uuid4()), topic=f"layout.{uuid.uuid4().hex[:8]}")
     assert list(private_redis.scan_iter()) == [layout.LAYOUT_KEY.encode()], "a refused process wrote state"
 
     private_redis.delete(layout.LAYOUT_KEY)  # an empty store takes the layout of the first process
-    Publisher("test", WORKFLOW, redis_client=private_redis)
+    publisher.open_steps([(request.delivery_id, "delivery.requested")])
     assert private_redis.get(layout.LAYOUT_KEY) == str(keys.LAYOUT).encode()
