@@ -49,7 +49,7 @@ def connect(url: str, **options: Any) -> redis.Redis:
     for seed in seeds(url):
         probe = redis.Redis.from_url(seed, **options)
         try:
-            probe.execute_command("CLUSTER INFO")
+            probe.execute_command("CLUSTER INFO")  # type: ignore[no-untyped-call]
             clustered = True
         except ResponseError:  # "cluster support disabled", or a proxy that knows no CLUSTER
             clustered = False

@@ -15,34 +15,24 @@ from pathlib import Path
 from typing import ClassVar
 
 from choreo import Context, Effects, Retryable, UndoRequested, derived_id
-from choreo.events import Event
 from consumers import package as v1
 from consumers.agents import PermanentFailure
+from schemas import models as v1_events
 from schemas.models import DeliveryRequested, PackageFailed
 
 HERE = Path(__file__).parent
 REV = "2"
 
 
-class PackageReady(Event):
+class PackageReady(v1_events.PackageReady):
     schema_file: ClassVar[Path] = HERE / "PackageReady.avsc"
-    topic: ClassVar[str] = "package.ready"
 
-    delivery_id: str
-    package_id: str
-    package_size: str
-    weight_kg: float
-    ready_at: datetime
     label: str | None = None
 
 
-class PackageCancelled(Event):
+class PackageCancelled(v1_events.PackageCancelled):
     schema_file: ClassVar[Path] = HERE / "PackageCancelled.avsc"
-    topic: ClassVar[str] = "package.cancelled"
 
-    delivery_id: str
-    package_id: str | None = None
-    cancelled_at: datetime
     label: str | None = None
 
 
