@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     # (bench/README.md, "What the broker spends its CPU on")
     kafka_fetch_min_bytes: int = Field(1, ge=1, validation_alias="CHOREO_KAFKA_FETCH_MIN_BYTES")
     kafka_fetch_wait_max_ms: int = Field(100, ge=0, validation_alias="CHOREO_KAFKA_FETCH_WAIT_MS")
+    # how long a starting service waits for the broker's first answer before it says so and
+    # exits (a supervisor such as ``choreo up`` restarts it with back-off)
+    kafka_connect_timeout_s: float = Field(10.0, gt=0, le=300, validation_alias="CHOREO_KAFKA_CONNECT_TIMEOUT_S")
     # how long a transactional producer waits before retrying a request the broker refused
     # for now: a transaction begun right after a commit meets CONCURRENT_TRANSACTIONS until
     # the last one's markers are written (bench/README.md, "Where a batch's time goes")

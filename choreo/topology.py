@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
+from choreo.config import settings
 from choreo.kafka import admin, ensure_topics
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
 from choreo.service import Service
@@ -118,7 +119,8 @@ def ensure_service(service: Service, workflow: Workflow | None = None,
     runs when everything exists; a missing topic it may not create raises ``TopicsMissing``.
     Returns what it created."""
     client = admin(bootstrap)
-    listed = client.list_topics(timeout=30).topics  # only the topics this principal may see
+    # only the topics this principal may see
+    listed = client.list_topics(timeout=settings().kafka_connect_timeout_s).topics
     existing = {name: len(meta.partitions) for name, meta in listed.items()}
     wanted = Topology()
     _declare(wanted, service, partitions_for(service.topics, existing,

@@ -152,7 +152,10 @@ def run_service(
 ) -> None:
     """Run one instance of a service until SIGTERM, after creating the topics it declares
     that do not exist yet (a new subscriber needs no manual step)."""
+    from confluent_kafka import KafkaException
+
     from choreo import topology
+    from choreo.config import settings
     from choreo.layout import LayoutMismatch
     from choreo.runner import Runner, RunnerOptions
     from choreo.service import load_service
@@ -177,6 +180,9 @@ def run_service(
         topology.ensure_service(service, flow)
     except topology.TopicsMissing as exc:
         fail(str(exc))
+    except KafkaException as exc:  # the broker's first answer is this service's first need
+        fail(f"Kafka at {settings().kafka_bootstrap_servers} did not answer within "
+             f"{settings().kafka_connect_timeout_s:g} s: {exc.args[0].str()}")
     try:
         Runner(service, RunnerOptions(instance=instance, metrics_port=metrics_port), workflow=flow).run()
     except LayoutMismatch as exc:

@@ -4,6 +4,7 @@ creates has the partition count of the topics it reads (not the default)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import UTC, datetime
 
@@ -50,3 +51,17 @@ def test_a_new_subscriber_emitting_to_a_new_topic_needs_no_manual_step(stack: No
     assert len(out) == 20
     assert _partitions(target) == UPSTREAM_PARTITIONS
     assert _partitions(f"{source}.dlq") == UPSTREAM_PARTITIONS
+
+
+def test_a_service_whose_broker_does_not_answer_says_so_soon_and_exits(unique: str) -> None:
+    """Not a 30 s wait ending in a traceback: one line naming the broker, within the connect
+    timeout, and an exit a supervisor (``choreo up``) restarts with back-off."""
+    service = ServiceProcess("consumers.notifier:service", instance=f"nobroker-{unique}", env={
+        "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1", "CHOREO_KAFKA_CONNECT_TIMEOUT_S": "2"}).start()
+    assert service.proc is not None
+    started = time.monotonic()
+    assert service.proc.wait(60) == 1
+    assert time.monotonic() - started < 20
+    said = service.log_file.read_text(errors="replace")
+    assert "error: Kafka at 127.0.0.1:1 did not answer within 2 s" in said
+    assert "Traceback" not in said
