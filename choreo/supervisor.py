@@ -202,16 +202,15 @@ def on_delivery_failed(failure: Any, ctx: Context) -> None:
     ``compensating``, the compensation log says so, and the newest completed one is asked
     to undo its work (the others follow, one confirmation at a time)."""
     reason = f"{failure.reason}: {failure.detail}"[:500]
+    undone = undoes(failure.compensate, watched().flow)
     raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), deadline_index(failure.delivery_id)],
-                   args=[now_ms(), failure.delivery_id, failure.failed_step, reason,
-                         *undoes(failure.compensate, watched().flow)])
+                   args=[now_ms(), failure.delivery_id, failure.failed_step, reason, *undone])
     marked = parse_marked(raw)
     for step in marked.steps:
         _record(ctx, failure.delivery_id, str(step["step"]), "COMPENSATING", int(step["attempt"]), reason)
         ctx.log.info("compensation.requested", step=step["step"], was=step["before"],
                      reason=failure.reason)
     _ask_undo(ctx, failure.delivery_id, marked.next, reason)
-    undone = undoes(failure.compensate, watched().flow)
     if marked.told and undone:
         # its compensation ended before this failure was read (every undo already confirmed,
         # one already failed, or its state gone): this failure's record tells the submitter
