@@ -403,7 +403,11 @@ return cjson.encode(answer)
 # delivery.failed that asked for it still marks the step compensated (and that one then
 # skips it), so the two events never race each other into a wrong final state. The answer
 # names the next step to undo, if any, and whether the compensation ended (``settle``):
-# 'compensated:<status before>:<attempt>:<next>:<told>:<undo order>:<reason>'.
+# 'compensated:<status before>:<attempt>:<next>:<reason>\x1f<told>\x1f<undo order>'. The
+# last two are appended after the free-text reason behind unit separators, so a version that
+# knows only 'compensated:<before>:<attempt>:<next>:<reason>' still reads the rest, and this
+# one reads an answer such a version remembered (no separator: nothing told).
+UNIT = "\x1f"  # what separates the answer's appended fields (Lua's '\31')
 MARK_COMPENSATED = OnceEffect("mark_compensated", with_steps(_SETTLE + _NEXT_UNDO + """
 local st = step_get(KEYS[1], ARGV[1], 'status')
 if not st then return 'ignored:none' end
@@ -411,8 +415,8 @@ if st == 'compensated' then return 'ignored:compensated' end
 local now = tonumber(ARGV[2])
 step_set(KEYS[1], ARGV[1], {status = 'compensated', compensated_at = now, updated = now})
 return 'compensated:' .. st .. ':' .. (step_get(KEYS[1], ARGV[1], 'attempt') or 1) .. ':' .. next_undo(KEYS[1])
-  .. ':' .. settle(KEYS[1]) .. ':' .. (redis.call('HGET', KEYS[1], 'undo.order') or '')
   .. ':' .. (redis.call('HGET', KEYS[1], 'undo.reason') or '')
+  .. '\\31' .. settle(KEYS[1]) .. '\\31' .. (redis.call('HGET', KEYS[1], 'undo.order') or '')
 """))
 
 

@@ -44,7 +44,7 @@ from choreo.state import StateTable, Source, deadline_index, delivery_key
 from choreo.supervision import (
     COMPENSATION, COMPENSATION_FAILURES, COMPENSATIONS, FORWARD, LEADER, MARK_COMPENSATED,
     MARK_COMPENSATING, REPORTS, REQUEUES, Action, KeyedCompensationRecord, Policies, Scanner,
-    SourceReader, StepPolicy, SupervisorSettings, Transitions, labels, parse_marked,
+    UNIT, SourceReader, StepPolicy, SupervisorSettings, Transitions, labels, parse_marked,
     split_list,
 )
 from choreo.join import FAILED
@@ -233,7 +233,8 @@ def _undone(ctx: Context, delivery_id: str, step: str) -> None:
     verdict, _, rest = raw.partition(":")
     if verdict != "compensated":
         return
-    before, attempt, following, told, order, reason = (rest.split(":", 5) + [""] * 5)[:6]
+    before, attempt, following, tail = (rest.split(":", 3) + [""] * 3)[:4]
+    reason, told, order = tail.rsplit(UNIT, 2) if tail.count(UNIT) >= 2 else (tail, "", "")
     if before not in ("compensating", "compensation_failed"):
         # the undo was read before the delivery.failed that asked for it (another topic, maybe
         # another instance): log the request too, first, so the compacted log ends COMPENSATED

@@ -111,7 +111,7 @@ def cancelled() -> PackageCancelled:
 
 def test_a_confirmed_undo_logs_the_step_compensated_and_asks_the_next() -> None:
     outcome = run(supervisor.service, cancelled(), topic=supervisor.topic("package.cancelled"),
-                  answers={"mark_compensated": "compensated:compensating:3:drone:::FLIGHT_REFUSED: a: b"})
+                  answers={"mark_compensated": "compensated:compensating:3:drone:FLIGHT_REFUSED: a: b\x1f\x1f"})
     assert outcome.effects[0].args[0] == "package"
     assert log_of(outcome) == [("package", "COMPENSATED", 3)]
     assert outcome.emitted[0].event_id == derived_id("d-1", "package", "COMPENSATED")
@@ -128,7 +128,7 @@ def test_the_last_confirmed_undo_asks_for_nothing_more() -> None:
 
 def test_the_undo_that_ends_the_compensation_tells_the_outcome_on_its_record() -> None:
     outcome = run(supervisor.service, cancelled(), topic=supervisor.topic("package.cancelled"),
-                  answers={"mark_compensated": "compensated:compensating:1::compensated:drone,package:NO_DRONE: x"})
+                  answers={"mark_compensated": "compensated:compensating:1::NO_DRONE: x\x1fcompensated\x1fdrone,package"})
     [record] = [e for e in outcome.emitted if isinstance(e.event, CompensationRecord)]
     assert isinstance(record.event, CompensationRecord)
     assert (record.event.status, record.event.outcome, record.event.undone, record.event.reason) == (
@@ -145,6 +145,16 @@ def test_a_failure_read_after_its_compensation_ended_tells_the_outcome(ended: st
     [record] = [e.event for e in outcome.emitted if isinstance(e.event, CompensationRecord)]
     assert isinstance(record, CompensationRecord)
     assert (record.step, record.status, record.outcome, record.undone) == ("package", status, ended, ["package"])
+
+
+def test_an_answer_remembered_by_the_version_before_reads_as_nothing_told() -> None:
+    """'compensated:<before>:<attempt>:<next>:<reason>', remembered before the told outcome
+    was appended, and replayed now: the reason stays whole, nothing is told."""
+    outcome = run(supervisor.service, cancelled(), topic=supervisor.topic("package.cancelled"),
+                  answers={"mark_compensated": "compensated:compensating:1::NO_DRONE_FITS: no drone carries 99.0 kg"})
+    [record] = [e.event for e in outcome.emitted if isinstance(e.event, CompensationRecord)]
+    assert isinstance(record, CompensationRecord)
+    assert (record.status, record.outcome, record.undone) == ("COMPENSATED", "", [])
 
 
 def test_an_undo_seen_before_its_request_logs_the_request_first() -> None:
