@@ -114,7 +114,9 @@ class Lease:
             [posted] = run_together(self.client, [(self._post, [
                 ([self.shard_key(shard)], [self.fence, token, self.ttl_ms]) for shard in range(keys.SHARDS)])])
             if not all(int(answer) == 1 for answer in posted):
-                self.fence = None  # a newer holder posted meanwhile (we paused past the TTL)
+                # a newer holder posted meanwhile (we paused past the TTL): give the key up
+                # too, so the holder of the newest fence, or the next one, may take it
+                self.release()
         return self.fence is not None
 
     def shard_key(self, shard: int) -> str:

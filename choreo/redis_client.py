@@ -19,8 +19,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.client import Pipeline
-from redis.exceptions import (AskError, ClusterError, ConnectionError as RedisConnectionError, ReadOnlyError,
-                              ResponseError, SlotNotCoveredError, TimeoutError as RedisTimeout, TryAgainError)
+from redis.exceptions import (AskError, ClusterError, ConnectionError as RedisConnectionError, NoPermissionError,
+                              ReadOnlyError, ResponseError, SlotNotCoveredError, TimeoutError as RedisTimeout,
+                              TryAgainError)
 
 from choreo.config import settings
 
@@ -49,8 +50,11 @@ def connect(url: str, **options: Any) -> redis.Redis:
     for seed in seeds(url):
         probe = redis.Redis.from_url(seed, **options)
         try:
-            probe.execute_command("CLUSTER INFO")  # type: ignore[no-untyped-call]
-            clustered = True
+            answer = probe.execute_command("CLUSTER INFO")  # type: ignore[no-untyped-call]
+            clustered = "cluster_state" in (answer if isinstance(answer, dict) else str(answer))
+        except NoPermissionError:  # neither answer can be trusted: say so rather than guess
+            probe.close()
+            raise
         except ResponseError:  # "cluster support disabled", or a proxy that knows no CLUSTER
             clustered = False
         except RedisConnectionError as exc:

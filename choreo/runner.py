@@ -221,6 +221,7 @@ class Runner:
                     collect_batch_cycles()
                 if time.monotonic() >= next_lag:
                     self._measure_lag()
+                    self._check_layout()
                     next_lag = time.monotonic() + LAG_PERIOD_S
                 for i, periodic in enumerate(self.service.periodic):
                     if time.monotonic() >= next_tick[i]:
@@ -244,6 +245,17 @@ class Runner:
                         max(0, high - tp.offset))
         except KafkaException as exc:
             self.log.debug("lag.unavailable", error=str(exc))
+
+    def _check_layout(self) -> None:
+        """The store's layout again: after a FLUSHALL another version's process may have
+        claimed it, and this one must stop writing rather than mix layouts."""
+        try:
+            layout.claim(self.redis)
+        except TRANSIENT as exc:
+            self.log.debug("layout.unchecked", error=str(exc))
+        except layout.LayoutMismatch as exc:
+            self.log.error("layout.mismatch", error=str(exc))
+            raise SystemExit(f"{self.service.name}: {exc}") from exc
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.log.info("service.stopping", signal=signum)

@@ -39,7 +39,7 @@ from choreo.keys import of_delivery
 from choreo.logs import get_logger
 from choreo.outcomes import told_in_state
 from choreo.publisher import Publish, Publisher
-from choreo.redis_client import connect, write_waited
+from choreo.redis_client import ReplicationLag, connect, write_waited
 from choreo.state import delivery_key, parse_steps
 from choreo.workflow import Workflow
 from producers import metrics
@@ -67,6 +67,13 @@ if stored[1] then return stored end
 redis.call('HSET', KEYS[1], 'd', ARGV[2], 'f', ARGV[1], 'r', ARGV[3], 'c', ARGV[4], 'ok', '0')
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 return {}
+"""
+# Free a claim this request made (its delivery id) and never used.
+_FREE = """
+if redis.call('HGET', KEYS[1], 'd') == ARGV[1] and redis.call('HGET', KEYS[1], 'ok') == '0' then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
 """
 # Take over a stale claim only if nobody else did meanwhile (compare claimed_at).
 _TAKE_OVER = """
@@ -158,6 +165,7 @@ class Submitter:
         self.admission = admission or Admission(self.cfg, self.redis, workflow, TOPIC)
         self._claim = self.redis.register_script(_CLAIM)
         self._take_over = self.redis.register_script(_TAKE_OVER)
+        self._free = self.redis.register_script(_FREE)
         self._pending = 0
         self._pending_lock = threading.Lock()
         self._stop = threading.Event()
@@ -261,6 +269,7 @@ class Submitter:
         request = parse_request(data)
         if owner is not None and not hmac.compare_digest(request.owner_id.encode(), owner.encode()):
             raise OwnerMismatch("the request's owner_id is not the authenticated owner")
+        claim: _Claim | None = None
         try:
             claim = self._claim_key(request, idempotency_key) if idempotency_key else None
             if claim is not None and not claim.owned and claim.requested_at_ms < 0:
@@ -274,6 +283,8 @@ class Submitter:
                 okey = owner_redis_key(delivery_id)
                 write_waited(self.redis, okey, lambda pipe: pipe.set(okey, request.owner_id, ex=self.cfg.owner_ttl_s))
         except redis.RedisError as exc:
+            if claim is not None and claim.owned:  # the owner record failed after the claim
+                self._free_claim(claim.key, claim.delivery_id)
             raise StoreUnavailable(f"state store unreachable: {type(exc).__name__}") from exc
         requested_at_ms = claim.requested_at_ms if claim else int(time.time() * 1000)
         return _Item(request, delivery_id, requested_at_ms, claim, owner_recorded=owner is not None)
@@ -444,8 +455,12 @@ class Submitter:
         fresh_id = new_delivery_id()
         # waited for (CHOREO_REDIS_WAIT_REPLICAS): a claim a failover lost would let a retry
         # of the same key publish a second delivery
-        stored = write_waited(self.redis, rkey, lambda pipe: self._claim(
-            keys=[rkey], args=[fingerprint, fresh_id, now, now, self.cfg.idempotency_ttl_s], client=pipe))
+        try:
+            stored = write_waited(self.redis, rkey, lambda pipe: self._claim(
+                keys=[rkey], args=[fingerprint, fresh_id, now, now, self.cfg.idempotency_ttl_s], client=pipe))
+        except ReplicationLag:
+            self._free_claim(rkey, fresh_id)
+            raise
         if not stored:
             return _Claim(rkey, fresh_id, now, owned=True)
         delivery_id, held_fp, requested_at, claimed_at, confirmed = (
@@ -461,6 +476,14 @@ class Submitter:
             raise IdempotencyInProgress(delivery_id)
         self.log.info("republishing a stale idempotent request", delivery_id=delivery_id)
         return _Claim(rkey, delivery_id, int(requested_at), owned=True)
+
+    def _free_claim(self, rkey: str, delivery_id: str) -> None:
+        """A claim this request made and will not use (no replica acknowledged it, or the
+        owner record after it failed): freed, so a retry starts afresh, not "in progress"."""
+        try:
+            self._free(keys=[rkey], args=[delivery_id])
+        except redis.RedisError as exc:  # it expires by TTL; a retry meanwhile takes it over
+            self.log.warning("could not free an idempotency claim", error=str(exc))
 
     def _leave_nothing(self, items: Sequence[_Item]) -> None:
         """The requests were not accepted: free their keys so a retry starts afresh, and drop

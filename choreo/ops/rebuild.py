@@ -63,6 +63,7 @@ from typing import Any
 import redis
 from confluent_kafka import TopicPartition
 
+from choreo import layout
 from choreo.kafka import wait_transactions_settled
 from choreo.config import settings
 from choreo.dedupe import seen_field, seen_key
@@ -495,6 +496,7 @@ def rebuild(workflow: Workflow, *, since_ms: int | None = None,
             raise RuntimeError(f"services still consuming: {active}; stop them first (or --force)")
     since = since_ms if since_ms is not None else now_ms() - DEFAULT_WINDOW_S * 1000
     client = client or connect(settings().redis_url, socket_timeout=10)
+    layout.claim(client)  # what it writes is this version's layout
     rebuilder = Rebuilder(workflow, client, prefix=prefix)
     report = RebuildReport(since_ms=since)
     # a service killed mid-transaction leaves it open until it times out: read only once

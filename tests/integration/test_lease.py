@@ -75,3 +75,4 @@ def test_a_holder_that_finds_a_newer_fence_posted_steps_down(client: redis.Redis
     a = Lease(client, name, "a", 1000)
     assert not a.acquire() and a.fence is None
     assert client.get(shard_copy_key(name, 3)) == f"newer|{10**6}".encode()
+    assert holder(client, name) is None  # it gave the key up for whoever comes next
