@@ -15,7 +15,7 @@ from choreo.publisher import Publisher
 from choreo.state import STEP_FIELDS, Begin, StateTable, StepStatus, delivery_key
 from consumers.workflow import WORKFLOW
 from tests.factories import delivery_request
-from tests.helpers import CLUSTER_URL, ServiceProcess
+from tests.helpers import CLUSTER_URL, ServiceProcess, wait_for
 from tests.integration.test_ops_pipeline import private_redis  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.integration
@@ -60,3 +60,20 @@ def test_no_process_starts_on_a_store_of_another_layout(private_redis: redis.Red
     private_redis.delete(layout.LAYOUT_KEY)  # an empty store takes the layout of the first process
     publisher.open_steps([(request.delivery_id, "delivery.requested")])
     assert private_redis.get(layout.LAYOUT_KEY) == str(keys.LAYOUT).encode()
+
+
+def test_a_running_service_stops_when_the_store_changes_layout_under_it(private_redis: redis.Redis) -> None:  # noqa: F811
+    """After a FLUSHALL a process of another layout may claim the store first: a service
+    already running must stop writing beside it, not go on."""
+    url = CLUSTER_URL or "redis://{host}:{port}/0".format(**private_redis.connection_pool.connection_kwargs)
+    service = ServiceProcess("consumers.notifier:service", instance=f"layout-{uuid.uuid4().hex[:6]}",
+                             env={"REDIS_URL": url}).start()
+    assert service.proc is not None
+    try:
+        wait_for(lambda: "service.started" in service.log_file.read_text(errors="replace"), timeout_s=60,
+                 interval_s=0.5, what="the service running")
+        private_redis.set(layout.LAYOUT_KEY, keys.LAYOUT + 1)
+        assert service.proc.wait(60) != 0
+        assert "layout.mismatch" in service.log_file.read_text(errors="replace")
+    finally:
+        service.kill()
