@@ -16,7 +16,7 @@ test: setup
 	.venv/bin/python -m infra.apicurio_lane
 	.venv/bin/python -m infra.redis_cluster_lane
 
-# the pipeline benchmark as bench/README.md quotes it (≈ 2½ min); figures in bench/results/
+# the pipeline benchmark as bench/README.md quotes it (≈ 3 min); figures in bench/results/
 BENCH_ARGS ?= --deliveries 2000 --repeats 3 --rates 100 --out bench/results/pipeline.json
 bench: setup
 	.venv/bin/python -m bench.pipeline $(BENCH_ARGS)
