@@ -123,22 +123,41 @@ def test_a_forged_or_disallowed_reply_topic_is_refused_and_nothing_is_written(un
         running.kill()
 
 
+def reply_topic(world: World) -> str:
+    """This test's reply topic, created before any service may look it up (a service that
+    finds no topic believes so for a while)."""
+    topic = f"replies.sup.{world.prefix.strip('.').replace('.', '-')}"
+    ensure_topics([topic], partitions=3)
+    return topic
+
+
+def request_with_reply(world: World, reply: str, n: int = 2) -> dict[str, str]:
+    """``n`` requests naming ``reply``, on the world's pipeline: their trace ids by delivery id."""
+    flow = sup_pipeline.workflow(world.prefix, sup_pipeline.build(world.prefix, DEADLINE_S, BUDGET, 0))
+    publisher = Publisher("sup-test", workflow=flow, redis_client=world.redis)
+    traces = {d: publisher.publish(delivery_request(d, reply_topic=reply), str(uuid.uuid4()),
+                                   topic=world.topic("delivery.requested")).trace_id
+              for d in (str(uuid.uuid4()) for _ in range(n))}
+    publisher.flush(30)
+    return traces
+
+
+def replies(topic: str, n: int, timeout_s: float) -> list[tuple[str, DeliveryOutcome]]:
+    """The outcomes on ``topic`` once there are ``n``, and a moment more (for any extra)."""
+    wait_for(lambda: len(outcomes(topic)) >= n, timeout_s=timeout_s, what="the replies")
+    time.sleep(1.0)
+    return outcomes(topic)
+
+
 def test_a_requeued_step_still_replies_once(world: World) -> None:
     """A drone step killed mid-work is requeued by the supervisor: the requeue carries the
     reply topic on, and the delivery that ships after it replies once."""
-    reply = f"replies.sup.{world.prefix.strip('.').replace('.', '-')}"
-    ensure_topics([reply], partitions=3)
+    reply = reply_topic(world)
     world.start("package")
     world.start("delivery")
     world.supervisor()
     drone = world.start("drone", SUP_SLOW_FIRST_DRONE_MS="60000")  # hangs in its first attempt
-    flow = sup_pipeline.workflow(world.prefix, sup_pipeline.build(world.prefix, DEADLINE_S, BUDGET, 0))
-    publisher = Publisher("sup-test", workflow=flow, redis_client=world.redis)
-    ids = [str(uuid.uuid4()) for _ in range(2)]
-    for delivery_id in ids:
-        publisher.publish(delivery_request(delivery_id, reply_topic=reply), str(uuid.uuid4()),
-                          topic=world.topic("delivery.requested"))
-    publisher.flush(30)
+    ids = list(request_with_reply(world, reply))
     wait_for(lambda: all(world.state(d).get("drone.status") == "processing" for d in ids),
              timeout_s=30, what="drone steps in progress")
     drone.kill()
@@ -147,9 +166,7 @@ def test_a_requeued_step_still_replies_once(world: World) -> None:
     world.start("drone", instance="1")
     wait_for(lambda: set(ids) <= set(world.by_delivery("delivery.shipped")), timeout_s=45,
              what="every delivery shipped")
-    got = wait_for(lambda: len(o := outcomes(reply)) >= len(ids) and o, timeout_s=30, what="the replies")
-    time.sleep(1.0)
-    got = outcomes(reply)
+    got = replies(reply, len(ids), timeout_s=30)
     assert sorted(k for k, _ in got) == sorted(ids)
     assert {o.outcome for _, o in got} == {"shipped"}
 
@@ -158,26 +175,19 @@ def test_a_delivery_the_supervisor_fails_still_replies_once(world: World) -> Non
     """A drone step that fails every try spends its budget: the supervisor fails the delivery.
     Its failure continues the request's story (read from the step's input), so the outcome
     still reaches the reply topic, once, in the request's trace."""
-    reply = f"replies.sup.{world.prefix.strip('.').replace('.', '-')}"
-    ensure_topics([reply], partitions=3)
+    reply = reply_topic(world)
     world.start("package")
     world.start("drone", AGENT_DISPATCH_TRANSIENT_RATE="1.0")
     world.start("delivery")
     world.supervisor()
-    flow = sup_pipeline.workflow(world.prefix, sup_pipeline.build(world.prefix, DEADLINE_S, BUDGET, 0))
-    publisher = Publisher("sup-test", workflow=flow, redis_client=world.redis)
-    ids = [str(uuid.uuid4()) for _ in range(2)]
-    traces = {d: publisher.publish(delivery_request(d, reply_topic=reply), str(uuid.uuid4()),
-                                   topic=world.topic("delivery.requested")).trace_id for d in ids}
-    publisher.flush(30)
+    traces = request_with_reply(world, reply)
+    ids = list(traces)
     failed = wait_for(lambda: (r := world.by_delivery("delivery.failed")) and set(ids) <= set(r) and r,
                       timeout_s=120, what="the deliveries failed by the supervisor")
     for d in ids:
         assert failed[d][0].header("producer") == world.name  # the supervisor decided it
         assert (failed[d][0].envelope or Envelope("", "")).trace_id == traces[d]
-    got = wait_for(lambda: len(o := outcomes(reply)) >= len(ids) and o, timeout_s=30, what="the replies")
-    time.sleep(1.0)
-    got = outcomes(reply)
+    got = replies(reply, len(ids), timeout_s=30)
     assert sorted(k for k, _ in got) == sorted(ids)
     # its ready package was cancelled: told compensated, in the request's trace, once
     assert {o.outcome for _, o in got} == {"compensated"} and all(o.compensate == ["package"] for _, o in got)
@@ -189,25 +199,16 @@ def test_a_compensation_that_fails_for_good_replies_failed_once(world: World) ->
     """The drone is refused (the delivery fails, its ready package is to be cancelled) and the
     warehouse refuses every cancel: the undo fails past its budget and the submitter is told
     failed, once, not compensated; and nothing is told before the compensation ended."""
-    reply = f"replies.sup.{world.prefix.strip('.').replace('.', '-')}"
-    ensure_topics([reply], partitions=3)
+    reply = reply_topic(world)
     world.start("package", AGENT_WAREHOUSE_CANCEL_PERMANENT_RATE="1.0")
     world.start("drone", AGENT_DISPATCH_PERMANENT_RATE="1.0")
     world.start("delivery")
     world.supervisor()
-    flow = sup_pipeline.workflow(world.prefix, sup_pipeline.build(world.prefix, DEADLINE_S, BUDGET, 0))
-    publisher = Publisher("sup-test", workflow=flow, redis_client=world.redis)
-    ids = [str(uuid.uuid4()) for _ in range(2)]
-    for delivery_id in ids:
-        publisher.publish(delivery_request(delivery_id, reply_topic=reply), str(uuid.uuid4()),
-                          topic=world.topic("delivery.requested"))
-    publisher.flush(30)
+    ids = list(request_with_reply(world, reply))
     wait_for(lambda: all(world.state(d).get("package.status") == "compensating" for d in ids),
              timeout_s=45, what="the cancels asked")
     assert outcomes(reply) == []  # decided failed, but its compensation has not ended
-    got = wait_for(lambda: len(o := outcomes(reply)) >= len(ids) and o, timeout_s=60, what="the replies")
-    time.sleep(1.0)
-    got = outcomes(reply)
+    got = replies(reply, len(ids), timeout_s=60)
     assert sorted(k for k, _ in got) == sorted(ids)
     assert {(o.outcome, o.reason, o.event_type) for _, o in got} == {
         ("failed", "COMPENSATION_FAILED", "CompensationRecord")}
