@@ -557,18 +557,29 @@ class Runner:
         DeliveryShipped can never join the supervisor's DeliveryFailed."""
         closing = [w for w in done if w.handler.step is not None and w.ctx is not None
                    and not w.ctx.keep_step_open]
+        now = now_ms()
+        # the steps each attempt's outputs start: opened by its own finish when they are of
+        # its delivery (one script item, only if the outputs are published), else apart
+        opens = {id(w): self._pending_steps(w.ctx.emitted if w.ctx else [], now) for w in done}
+        closes = {id(w) for w in closing}
+        own = [[(step, by, attempt) for d, step, by, attempt in opens[id(w)] if d == w.envelope.correlation_id]
+               for w in closing]
+        elsewhere = {id(w): [o for o in opens[id(w)] if o[0] != w.envelope.correlation_id] for w in closing}
         verdicts = dict(zip(map(id, closing), self.state.complete_many(
             [(w.envelope.correlation_id, w.handler.step or "", w.envelope.attempt) for w in closing],
-            now_ms())))
+            now, own, [o for w in done if id(w) not in closes for o in opens[id(w)]])))
         publish: list[tuple[Emitted, Envelope, Any]] = []
+        late_opens: list[tuple[str, str, int, int]] = []
         for w in done:
             finished = verdicts.get(id(w), "ok")
             if finished in ("stale", "ignored"):
                 metrics.IGNORED.labels(self.service.name, w.topic, "late").inc()
                 w.log.info("step.late_answer_dropped", step=w.handler.step, why=finished)
                 continue
+            late_opens += elsewhere.get(id(w), [])
             publish += [(emitted, w.envelope, w.span) for emitted in (w.ctx.emitted if w.ctx else ())]
-        self._open_steps([emitted for emitted, _, _ in publish])
+        if late_opens:
+            self.state.open_many(late_opens, now)
         for emitted, cause, span in publish:
             self._produce(emitted, cause, span)
 
@@ -583,16 +594,23 @@ class Runner:
             self.encoders[key] = Encoder(model, topic, self.registry)
         return self.encoders[key]
 
+    def _pending_steps(self, outputs: list[Emitted], now: int) -> list[tuple[str, str, int, int]]:
+        """The steps the outputs trigger, to open before they are produced."""
+        if self.workflow is None:
+            return []
+        return self.workflow.pending_steps([(emitted.event.key, emitted.topic) for emitted in outputs], now)
+
     def _open_steps(self, outputs: list[Emitted]) -> None:
         """Register the steps the outputs trigger, before they are produced (one round trip)."""
-        if self.workflow is not None:
-            now = now_ms()
-            self.state.open_many(self.workflow.pending_steps(
-                [(emitted.event.key, emitted.topic) for emitted in outputs], now), now)
+        now = now_ms()
+        pending = self._pending_steps(outputs, now)
+        if pending:
+            self.state.open_many(pending, now)
 
     def _produce(self, emitted: Emitted, cause: Envelope, handling: Any = None) -> None:
-        """Produce in the open transaction (steps it triggers were opened by ``_open_steps``);
-        traced, its span (under ``handling``, the handler's) is the output's parent."""
+        """Produce in the open transaction (the steps it triggers were opened before: by its
+        attempt's finish, or ``_open_steps``); traced, its span (under ``handling``, the
+        handler's) is the output's parent."""
         # an output starts its own steps at attempt 1: inheriting the input's attempt (say 2,
         # after a requeue) would make the other half of a fan-in look stale downstream
         envelope = (emitted.cause or cause).child(

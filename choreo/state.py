@@ -27,7 +27,7 @@ from typing import Any
 import redis
 
 from choreo import keys
-from choreo.batch import BatchScript
+from choreo.batch import BatchScript, Item, run_together
 from choreo.redis_client import NodePipelines, raise_first
 
 
@@ -292,6 +292,27 @@ return 'ok'
 """
 
 
+# A finish that also opens the steps its attempt's outputs start, when it lets them be
+# published ('ok', 'replay'): one script item where there were two, and no round trip of its
+# own for the opening. ARGV after the finish's: (step, complete-by, index member, attempt)
+# of each step to open, all of the same delivery.
+_FINISH_OPENING = """
+local verdict = (function()
+%s
+end)()
+if verdict == 'ok' or verdict == 'replay' then
+  for i = 7, #ARGV, 4 do
+    if not step_get(KEYS[1], ARGV[i], 'status') then
+      step_set(KEYS[1], ARGV[i], {status = 'pending', complete_by = tonumber(ARGV[i + 1]),
+               attempt = tonumber(ARGV[i + 3]), tries = 0, failures = 0, updated = tonumber(ARGV[3])})
+      redis.call('ZADD', KEYS[2], ARGV[i + 1], ARGV[i + 2])
+    end
+  end
+end
+return verdict
+""" % _FINISH
+
+
 # Writes a test, a benchmark or the rebuild makes outside a transition: ARGV = (step, value
 # name, JSON value) triples; a step of '' sets a plain field of the hash (outcome, fanin.*).
 _PUT = with_steps("""
@@ -388,6 +409,7 @@ class StateTable:
         self._begin = StepScript(client, _BEGIN)
         self._try_again = client.register_script(_TRY_AGAIN)
         self._finish = StepScript(client, _FINISH)
+        self._finish_opening = StepScript(client, _FINISH_OPENING)
         self._note_dead_letter = client.register_script(_NOTE_DEAD_LETTER)
         self._put = client.register_script(_PUT)
 
@@ -400,10 +422,13 @@ class StateTable:
 
     def open_many(self, items: Sequence[tuple[str, str, int, int]], now_ms: int) -> None:
         """``open`` for many (delivery, step, complete-by ms, attempt) in one round trip."""
-        self._open.run([
-            ([delivery_key(delivery_id), deadline_index(delivery_id)],
-             [step, complete_by_ms, now_ms, index_member(delivery_id, step), attempt])
-            for delivery_id, step, complete_by_ms, attempt in items])
+        self._open.run(self._open_items(items, now_ms))
+
+    @staticmethod
+    def _open_items(items: Sequence[tuple[str, str, int, int]], now_ms: int) -> list[Item]:
+        return [([delivery_key(delivery_id), deadline_index(delivery_id)],
+                 [step, complete_by_ms, now_ms, index_member(delivery_id, step), attempt])
+                for delivery_id, step, complete_by_ms, attempt in items]
 
     def abandon_many(self, items: Sequence[tuple[str, str]]) -> None:
         """Withdraw steps opened for triggers that were never published (still pending):
@@ -436,10 +461,25 @@ class StateTable:
             in zip(items, seen, strict=True)])
         return [_started(text(r), item[2]) for r, item in zip(answers, items)]
 
-    def complete_many(self, items: list[tuple[str, str, int]], now_ms: int) -> list[str]:
-        """``finish(COMPLETED)`` for a whole batch in one round trip: (delivery, step, attempt)."""
-        return self._finish_many([(delivery_id, step, attempt, StepStatus.COMPLETED, "")
-                                  for delivery_id, step, attempt in items], now_ms)
+    def complete_many(self, items: list[tuple[str, str, int]], now_ms: int,
+                      opening: Sequence[Sequence[tuple[str, int, int]]] = (),
+                      also_open: Sequence[tuple[str, str, int, int]] = ()) -> list[str]:
+        """``finish(COMPLETED)`` for a whole batch, (delivery, step, attempt) each, in one
+        round trip. ``opening``: per item, the steps of its own delivery that its outputs
+        start, (step, complete-by ms, attempt), opened only if the finish lets them be
+        published. ``also_open``: steps to open whatever the finishes answer (``open_many``'s
+        items), in the same round trip."""
+        openings = list(opening) or [()] * len(items)
+        finishes = [
+            ([delivery_key(delivery_id), deadline_index(delivery_id)],
+             [step, attempt, now_ms, StepStatus.COMPLETED.value, index_member(delivery_id, step), "",
+              *(value for name, complete_by, opened_attempt in opens
+                for value in (name, complete_by, index_member(delivery_id, name), opened_attempt))])
+            for (delivery_id, step, attempt), opens in zip(items, openings, strict=True)]
+        runs: list[tuple[BatchScript, Sequence[Item]]] = [(self._finish_opening, finishes)]
+        if also_open:
+            runs.append((self._open, self._open_items(also_open, now_ms)))
+        return [text(r) for r in run_together(self.client, runs)[0]]
 
     def try_again(self, delivery_id: str, step: str, attempt: int) -> int:
         """Count one more try against the step's budget; -1 when this attempt is stale."""

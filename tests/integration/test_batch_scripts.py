@@ -17,7 +17,7 @@ from choreo.effects import EffectCall, OnceEffect, run_all
 from choreo.envelope import Envelope
 from choreo.redis_client import TRANSIENT, ReplicationLag, connect, is_cluster
 from choreo.service import Context
-from choreo.state import StateTable, StepStatus
+from choreo.state import StateTable, StepStatus, deadline_index, index_member
 
 pytestmark = pytest.mark.integration
 
@@ -65,6 +65,28 @@ def test_a_step_transition_sees_the_records_an_earlier_item_wrote(
     assert state.complete_many([(delivery, "package", 1), (delivery, "package", 1)], 4) == ["ok", "replay"]
     assert state.steps(delivery)["package"].status == "completed"
     assert state.finish(delivery, "drone", 1, 5, StepStatus.FAILED, "late") == "stale"
+
+
+def test_a_finish_opens_the_steps_its_outputs_start_only_when_they_are_published(
+        redis_client: redis.Redis, unique: str) -> None:
+    """One item finishes a step and opens the next ones of its delivery, unless the attempt is
+    a late answer (its outputs are dropped); steps opened apart go in the same round trip."""
+    state = StateTable(redis_client)
+    now, later = 1_000, 10**13
+    ok, late, other = (f"{name}-{unique}" for name in ("ok", "late", "other"))
+    state.open_many([(ok, "package", later, 1), (late, "package", later, 2)], now)
+    verdicts = state.complete_many(
+        [(ok, "package", 1), (late, "package", 1)], now,
+        opening=[[("delivery", later, 1)], [("delivery", later, 1)]],
+        also_open=[(other, "drone", later, 1)])
+    assert verdicts == ["ok", "stale"]
+    assert state.steps(ok)["delivery"].status == StepStatus.PENDING
+    assert "delivery" not in state.steps(late)  # a late answer's outputs start nothing
+    assert state.steps(other)["drone"].status == StepStatus.PENDING
+    assert redis_client.zscore(deadline_index(ok), index_member(ok, "delivery")) == later
+    # a replay of the finish opens nothing twice and changes no opened step
+    assert state.complete_many([(ok, "package", 1)], now + 5, opening=[[("delivery", later + 1, 1)]]) == ["replay"]
+    assert state.steps(ok)["delivery"].complete_by == later
 
 
 def test_an_item_answering_an_error_fails_the_call(redis_client: redis.Redis) -> None:
