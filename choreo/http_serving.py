@@ -52,6 +52,8 @@ class HttpLimits:
     keep_alive_s: int = 5  # idle with no request under way (uvicorn's timeout_keep_alive)
     max_connections: int = 2000  # uvicorn's limit_concurrency: 503 past it
     max_connections_per_ip: int = 256
+    linger_s: float = 2.0  # after a refusal, input read and dropped before the close...
+    linger_bytes: int = 256 * 1024  # ...for at most this long and this much
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._body_left: int | None = None  # of a Content-Length body being received
         self._chunked = False  # a chunked body is being received
         self._refusing = False  # a head was refused: 431 once the responses under way are out
+        self._linger_left: int | None = None  # answered and closing: input still to drop
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     # -- connections ---------------------------------------------------------------------
 
@@ -124,17 +128,28 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if not self.guard.per_ip[self._ip]:
                 del self.guard.per_ip[self._ip]
             self._ip = None
-        if self._timer is not None:
-            self._timer.cancel()
+        for timer in (self._timer, self._linger_timer):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
 
     # -- reading -------------------------------------------------------------------------
+
+    @property
+    def _closing(self) -> bool:
+        """Closed, or answered and closing (``_close_lingering``)."""
+        return self.transport.is_closing() or self._linger_left is not None
 
     @property
     def _body_open(self) -> bool:
         return self._chunked or self._body_left is not None
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_left is not None:
+            self._linger_left -= len(data)
+            if self._linger_left <= 0:
+                self.transport.close()
+            return
         if self._ip is None or self._refusing:
             return  # refused: nothing more is parsed
         if self._deadline is None and not self._body_open:
@@ -146,7 +161,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self._refuse_head()
                 return
             super().data_received(data[start:end])
-            if self.transport.is_closing():
+            if self._closing:
                 return
             if self._head_open:
                 self._head_bytes += part
@@ -195,7 +210,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.transport.is_closing():
+        if self._closing:
             return
         if self._refusing and self._idle():
             self._answer(431, "headers_too_large",
@@ -244,7 +259,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _expire(self, phase: str) -> None:
         """The head or body took too long: 408 where no response is under way, else close."""
-        if self.transport.is_closing():
+        if self._closing:
             return
         log.info("http.request_timeout", phase=phase, client=self._ip)
         cycle = self.cycle
@@ -265,7 +280,23 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.transport.write(b"".join([
             STATUS_LINE[status], b"content-type: ", content_type.encode(), b"\r\n",
             b"content-length: ", str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body]))
-        self.transport.close()
+        self._close_lingering()
+
+    def _close_lingering(self) -> None:
+        """Close after an answer without losing it. Closing a socket with input unread
+        makes the kernel reset the connection, and a reset can discard the answer in the
+        client's buffer before the client reads it: a refused head usually leaves input
+        unread. So the write side is shut (the client sees the end after the answer) and
+        input is read and dropped, within ``linger_s`` and ``linger_bytes``, until the
+        client closes too (asyncio then closes the transport) or a bound is reached."""
+        if self._closing:
+            return
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._linger_left = self.limits.linger_bytes
+        self._disarm()
+        self.flow.resume_reading()
+        self._linger_timer = self.loop.call_later(self.limits.linger_s, self.transport.close)
 
 
 def guarded_protocol(limits: HttpLimits, error_body: ErrorBody) -> type[GuardedHttpProtocol]:

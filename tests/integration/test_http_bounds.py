@@ -250,6 +250,28 @@ def test_pipelined_heads_past_the_bound_are_refused(server: Server) -> None:
         assert len(statuses) == first.count(b"HTTP/1.1") + 1, statuses  # nothing after the refusal
 
 
+def test_a_refusal_reaches_a_client_whose_input_was_left_unread(server: Server) -> None:
+    """A client that sent more than the server read before refusing it still gets the
+    refusal and a clean end: closing with input unread would reset the connection, and a
+    reset can destroy the answer before the client reads it."""
+    head = (f"POST {server.post_path} HTTP/1.1\r\nHost: x\r\nX-Junk: ".encode()
+            + b"a" * (LIMITS.max_head_bytes + 100) + b"\r\n")
+    unread = b"b" * (128 * 1024)
+    for _ in range(3):
+        with connect(server, "127.0.0.9") as sock:
+            sock.sendall(head + unread)
+            time.sleep(0.5)  # the server answers and closes before the client reads
+            answer, ended = b"", False
+            try:
+                while chunk := sock.recv(65536):
+                    answer += chunk
+                ended = True
+            except ConnectionResetError:
+                pass
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        assert ended, "the connection was reset instead of closed after the answer"
+
+
 def exchange(server: Server, pieces: list[bytes], responses: int) -> list[bytes]:
     """Send ``pieces`` one write each (a pause between them, so they arrive as separate
     reads); the statuses of the first ``responses`` answers."""
