@@ -28,7 +28,7 @@ import redis
 
 from choreo import keys
 from choreo.batch import BatchScript, Item, run_together
-from choreo.redis_client import NodePipelines, raise_first
+from choreo.redis_client import NodePipelines, raise_first, write_waited
 
 
 class StepStatus(StrEnum):
@@ -482,8 +482,12 @@ class StateTable:
         return [text(r) for r in run_together(self.client, runs)[0]]
 
     def try_again(self, delivery_id: str, step: str, attempt: int) -> int:
-        """Count one more try against the step's budget; -1 when this attempt is stale."""
-        return int(self._try_again(keys=[delivery_key(delivery_id)], args=[step, attempt]))
+        """Count one more try against the step's budget; -1 when this attempt is stale. The
+        count waits for a replica (``write_waited``): one a failover lost would give the step
+        tries beyond its budget."""
+        key = delivery_key(delivery_id)
+        return int(write_waited(self.client, key,
+                                lambda pipe: self._try_again(keys=[key], args=[step, attempt], client=pipe)))
 
     def finish(self, delivery_id: str, step: str, attempt: int, now_ms: int,
                status: StepStatus, error: str = "") -> str:

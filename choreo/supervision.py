@@ -54,7 +54,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from choreo import keys
 from choreo.effects import OnceEffect
-from choreo.redis_client import NodePipelines
+from choreo.redis_client import NodePipelines, write_waited
 from choreo.runtime_events import CompensationRecord
 from choreo.state import (deadline_index, deadline_shard, deadline_shards, delivery_key, index_member,
                           with_steps)
@@ -460,11 +460,13 @@ class Transitions:
 
     def record_report(self, delivery_id: str, step: str, attempt: int, kind: str, now_ms: int,
                       error: str) -> str:
-        """Make a reported step due now (any instance may: it is idempotent and unfenced)."""
-        result = self._record_report(
-            keys=[delivery_key(delivery_id), deadline_index(delivery_id)],
-            args=[step, attempt, kind, now_ms, index_member(delivery_id, step), error[:500]],
-        )
+        """Make a reported step due now (any instance may: it is idempotent and unfenced).
+        The record waits for a replica (``write_waited``): the report's offset is committed
+        on it, and a failover that lost it would leave the step to its deadline, late."""
+        keys = [delivery_key(delivery_id), deadline_index(delivery_id)]
+        args: list[str | int] = [step, attempt, kind, now_ms, index_member(delivery_id, step), error[:500]]
+        result = write_waited(self.client, keys[0],
+                              lambda pipe: self._record_report(keys=keys, args=args, client=pipe))
         return result.decode() if isinstance(result, bytes) else str(result)
 
 

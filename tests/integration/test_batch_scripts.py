@@ -18,6 +18,7 @@ from choreo.envelope import Envelope
 from choreo.redis_client import TRANSIENT, ReplicationLag, connect, is_cluster
 from choreo.service import Context
 from choreo.state import StateTable, StepStatus, deadline_index, index_member
+from choreo.supervision import Transitions
 
 pytestmark = pytest.mark.integration
 
@@ -166,5 +167,29 @@ def test_a_batch_waits_for_a_replica_of_each_master_it_wrote_to(
                 incr.run(items)
             assert "0 of 1 replicas" in str(lag.value) and time.monotonic() - started >= 0.19
             assert isinstance(lag.value, TRANSIENT)  # the runner aborts and reads the batch again
+    finally:
+        settings.cache_clear()
+
+
+def test_a_try_count_and_a_recovery_report_wait_for_a_replica(
+        redis_client: redis.Redis, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two writes outside a batch that a committed offset rests on wait too: a step's try
+    count (lost, the step would get tries past its budget) and the supervisor's record of a
+    report (lost, the step would wait for its deadline)."""
+    state, transitions = StateTable(redis_client), Transitions(redis_client)
+    delivery = f"waited-{unique}"
+    state.open_many([(delivery, "package", 10**13, 1)], 1)
+    monkeypatch.setenv("CHOREO_REDIS_WAIT_REPLICAS", "1")
+    monkeypatch.setenv("CHOREO_REDIS_WAIT_MS", "200")
+    settings.cache_clear()
+    try:
+        writes = [lambda: state.try_again(delivery, "package", 1),
+                  lambda: transitions.record_report(delivery, "package", 1, "FAILED", 2, "boom")]
+        if is_cluster(redis_client):
+            assert [write() for write in writes] == [1, "due"]
+        else:
+            for write in writes:
+                with pytest.raises(ReplicationLag, match="0 of 1 replicas"):
+                    write()
     finally:
         settings.cache_clear()
