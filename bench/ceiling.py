@@ -1,8 +1,8 @@
 """The ceiling: the pipeline's happy path as plain consume→produce stages with no logic.
 
 Each stage of ``bench.common.HAPPY_PATH`` runs as its own process (as each service does),
-with the runtime's consumer and producer settings (batches of up to 500, 50 ms poll, the
-fetch settings of ``choreo.kafka.transactional_consumer_config``, linger 2 ms, lz4), on its own fresh topics with the pipeline's
+with the runtime's consumer and producer settings (its batch loop: the first record, then
+what arrives within ``CHOREO_BATCH_GATHER_MS``, up to 500; the fetch settings of ``choreo.kafka.transactional_consumer_config``, linger 2 ms, lz4), on its own fresh topics with the pipeline's
 partition count, and produces records of the same sizes (the pipeline's own values and
 headers, captured from a warm-up run). In ``transactional`` mode each batch is one Kafka
 transaction with its input offsets, as in ``choreo.runner``; in plain mode offsets are
@@ -17,17 +17,14 @@ requests.
 
     python -m bench.ceiling stage SPEC.json   # run one stage until SIGTERM
 
-The runtime's own switches (``CHOREO_KAFKA_FETCH_WAIT_MS``, ``CHOREO_KAFKA_FETCH_MIN_BYTES``,
-``CHOREO_KAFKA_COMPRESSION``) apply to the stages too; ``BENCH_CONSUME=first`` (wait for the
-first record, then take what arrives within 5 ms, instead of ``consume(500, 0.05)``) tries a
-change of the batching loop on the no-logic chain first (an A/B).
+The runtime's own switches (``CHOREO_BATCH_GATHER_MS``, ``CHOREO_KAFKA_FETCH_WAIT_MS``,
+``CHOREO_KAFKA_FETCH_MIN_BYTES``, ``CHOREO_KAFKA_COMPRESSION``) apply to the stages too.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -36,6 +33,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
+from choreo.config import settings
 from choreo.kafka import (
     pipeline_producer_config, transactional_consumer_config, transactional_producer_config,
 )
@@ -98,15 +96,14 @@ def next_offsets(batch: list[Message]) -> list[TopicPartition]:
     return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
 
 
-def next_batch(consumer: Consumer, first_then_drain: bool, tuned: bool = False) -> list[Message]:
+def next_batch(consumer: Consumer, tuned: bool) -> list[Message]:
+    """The tuned stage's batch, or the runtime's (``choreo.runner.Runner._next_batch``)."""
     if tuned:
         return consumer.consume(TUNED_BATCH, TUNED_POLL_S)
-    if not first_then_drain:
-        return consumer.consume(BATCH, POLL_S)
-    first = consumer.poll(POLL_S)
-    if first is None:
+    first = consumer.consume(1, POLL_S)
+    if not first:
         return []
-    return [first, *consumer.consume(BATCH - 1, 0.005)]
+    return [*first, *consumer.consume(BATCH - 1, settings().batch_gather_ms / 1000)]
 
 
 class FanIn:
@@ -141,9 +138,6 @@ def run_stage(spec: dict[str, Any]) -> None:
                          **({"linger.ms": TUNED_LINGER_MS} if tuned else {})})
     if transactional:
         producer.init_transactions(30)
-    # BENCH_CONSUME=first: wait for the first record only, then what arrives within 5 ms (the
-    # runtime's consume(500, 0.05) waits for 500 records or all 50 ms): an A/B of that change
-    first_then_drain = os.environ.get("BENCH_CONSUME", "batch") == "first"
     running = [True]
 
     def stop(*_: Any) -> None:
@@ -155,7 +149,7 @@ def run_stage(spec: dict[str, Any]) -> None:
     consumer.subscribe(list(routes))
     try:
         while running[0]:
-            batch = [m for m in next_batch(consumer, first_then_drain, tuned) if m.error() is None]
+            batch = [m for m in next_batch(consumer, tuned) if m.error() is None]
             if not batch:
                 continue
             if transactional:

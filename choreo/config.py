@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     # (bench/README.md, "What the broker spends its CPU on")
     kafka_fetch_min_bytes: int = Field(1, ge=1, validation_alias="CHOREO_KAFKA_FETCH_MIN_BYTES")
     kafka_fetch_wait_max_ms: int = Field(100, ge=0, validation_alias="CHOREO_KAFKA_FETCH_WAIT_MS")
+    # a service's batch: its first record, then what else arrives within this many ms, up to
+    # the batch size (bench/README.md, "The batch loop")
+    batch_gather_ms: int = Field(5, ge=0, le=1000, validation_alias="CHOREO_BATCH_GATHER_MS")
     # how long a starting service waits for the broker's first answer before it says so and
     # exits (a supervisor such as ``choreo up`` restarts it with back-off)
     kafka_connect_timeout_s: float = Field(10.0, gt=0, le=300, validation_alias="CHOREO_KAFKA_CONNECT_TIMEOUT_S")

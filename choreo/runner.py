@@ -262,13 +262,14 @@ class Runner:
         self.running = False
 
     def _next_batch(self) -> list[Message]:
-        """Up to a full batch, or what came within the poll timeout. Waiting for the batch
-        to fill costs a hop up to the timeout below capacity, but taking whatever has
-        arrived made smaller transactions whose broker CPU cost more latency than it saved
-        on 2 cores (bench/README.md, "Where a batch's time goes")."""
-        started = time.perf_counter()
-        messages = self.consumer.consume(self.service.batch_size, self.options.poll_timeout_s)
-        if messages:  # an idle poll is not a batch's wait
+        """The first record to come within the poll timeout, then what else arrives within
+        ``CHOREO_BATCH_GATHER_MS``, up to a full batch. A backlog makes full batches at once;
+        below capacity a record waits at most the gather time, where one batch consume would
+        wait for a full batch or its whole timeout (bench/README.md, "The batch loop")."""
+        messages = self.consumer.consume(1, self.options.poll_timeout_s)
+        if messages and self.service.batch_size > 1:
+            started = time.perf_counter()  # the batch's wait; an idle poll is none
+            messages += self.consumer.consume(self.service.batch_size - 1, self.cfg.batch_gather_ms / 1000)
             metrics.child(metrics.BATCH_PHASE_SECONDS, self.service.name, "consume").observe(
                 time.perf_counter() - started)
         good = []
