@@ -39,7 +39,7 @@ from choreo.keys import of_delivery
 from choreo.logs import get_logger
 from choreo.outcomes import told_in_state
 from choreo.publisher import Publish, Publisher
-from choreo.redis_client import ReplicationLag, connect, write_waited
+from choreo.redis_client import NodePipelines, ReplicationLag, connect, raise_first, write_waited
 from choreo.state import delivery_key, parse_steps
 from choreo.workflow import Workflow
 from producers import metrics
@@ -144,7 +144,13 @@ class _Claim:
     key: str
     delivery_id: str
     requested_at_ms: int
-    owned: bool  # this call created the claim (forget it if the publish fails)
+    owned: bool  # this call holds the claim: it publishes, and gives the claim up if that fails
+    taken_over_at_ms: int | None = None  # when it took over a stale claim; None: it made the claim
+
+    @property
+    def fresh(self) -> bool:
+        """Made by this call: nothing was ever published under it."""
+        return self.owned and self.taken_over_at_ms is None
 
 
 class Submitter:
@@ -284,7 +290,7 @@ class Submitter:
                 write_waited(self.redis, okey, lambda pipe: pipe.set(okey, request.owner_id, ex=self.cfg.owner_ttl_s))
         except redis.RedisError as exc:
             if claim is not None and claim.owned:  # the owner record failed after the claim
-                self._free_claim(claim.key, claim.delivery_id)
+                self._give_up([claim])
             raise StoreUnavailable(f"state store unreachable: {type(exc).__name__}") from exc
         requested_at_ms = claim.requested_at_ms if claim else int(time.time() * 1000)
         return _Item(request, delivery_id, requested_at_ms, claim, owner_recorded=owner is not None)
@@ -475,7 +481,7 @@ class Submitter:
                                                                            client=pipe)):
             raise IdempotencyInProgress(delivery_id)
         self.log.info("republishing a stale idempotent request", delivery_id=delivery_id)
-        return _Claim(rkey, delivery_id, int(requested_at), owned=True)
+        return _Claim(rkey, delivery_id, int(requested_at), owned=True, taken_over_at_ms=now)
 
     def _free_claim(self, rkey: str, delivery_id: str) -> None:
         """A claim this request made and will not use (no replica acknowledged it, or the
@@ -485,17 +491,37 @@ class Submitter:
         except redis.RedisError as exc:  # it expires by TTL; a retry meanwhile takes it over
             self.log.warning("could not free an idempotency claim", error=str(exc))
 
+    def _give_up(self, claims: Sequence[_Claim]) -> None:
+        """Claims whose request was not accepted (one round trip). One this request made is
+        freed. One it took over stays, with its delivery id, and may be taken over again at
+        once: the crashed publish it took over may have reached the broker, so a retry must
+        publish the same delivery again (consumers drop the copy by its event id), never a
+        new one."""
+        if not claims:
+            return
+        pipes = NodePipelines(self.redis)
+        for claim in claims:
+            if claim.fresh:
+                self._free(keys=[claim.key], args=[claim.delivery_id], client=pipes.on(claim.key))
+            else:
+                self._take_over(keys=[claim.key], args=[claim.taken_over_at_ms, 0], client=pipes.on(claim.key))
+        try:
+            raise_first(pipes.execute())
+        except redis.RedisError as exc:  # they expire by TTL; a retry takes a stale one over
+            self.log.warning("could not give up idempotency claims", error=str(exc))
+
     def _leave_nothing(self, items: Sequence[_Item]) -> None:
-        """The requests were not accepted: free their keys so a retry starts afresh, and drop
-        their owner records (one round trip)."""
-        keys = [item.claim.key for item in items if item.claim is not None and item.claim.owned]
-        keys += [owner_redis_key(item.delivery_id) for item in items if item.owner_recorded]
-        if not keys:
+        """The requests were not accepted: give their claims up (``_give_up``) so a retry
+        starts afresh, and drop the owner records of deliveries never published before."""
+        self._give_up([item.claim for item in items if item.claim is not None and item.claim.owned])
+        owners = [owner_redis_key(item.delivery_id) for item in items
+                  if item.owner_recorded and (item.claim is None or item.claim.fresh)]
+        if not owners:
             return
         try:
-            self.redis.delete(*keys)
-        except redis.RedisError as exc:  # they expire by TTL; a retry meanwhile republishes
-            self.log.warning("could not free idempotency keys or owner records", error=str(exc))
+            self.redis.delete(*owners)
+        except redis.RedisError as exc:  # they expire by TTL
+            self.log.warning("could not drop owner records", error=str(exc))
 
     # -- waiting -----------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ opens again once the service is back and has caught up."""
 
 from __future__ import annotations
 
+import hashlib
 import signal
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ from choreo.config import settings
 from choreo.redis_client import is_cluster
 from producers.client import DeliveryClient
 from producers.errors import AdmissionRefused, StoreUnavailable
+from producers.model import parse_request
 from producers.submit import Submitter, idempotency_redis_key, owner_redis_key
 from tests.factories import request_body
 from tests.helpers import ServiceProcess, wait_for
@@ -144,3 +146,34 @@ def test_an_idempotency_claim_is_accepted_only_once_a_replica_holds_it(
     finally:
         submitter.close()
         settings.cache_clear()
+
+
+def test_a_refused_take_over_keeps_the_claims_delivery_for_the_next_retry(stack: None, unique: str) -> None:
+    """A request takes over the stale claim of an instance that crashed while publishing,
+    and is then refused at the door. The crashed publish may have reached the broker, so the
+    claim keeps its delivery id and owner record, and the next retry publishes that same
+    delivery, never a second one for the same key."""
+    owner, key = f"owner-{unique}", f"key-{unique}"
+    body = request_body(owner_id=owner)
+    rkey = idempotency_redis_key(owner, key)
+    crashed = f"crashed-{unique}"
+    fingerprint = hashlib.sha256(parse_request(body).fingerprint().encode()).hexdigest()
+    full = Submitter(ingestion_settings(unique, INGESTION_MAX_IN_FLIGHT=1)).start()
+    try:
+        full.redis.hset(rkey, mapping={"d": crashed, "f": fingerprint, "r": 1, "c": 1, "ok": "0"})
+        full.redis.expire(rkey, 600)
+        full.redis.set(owner_redis_key(crashed), owner, ex=600)
+        full.wait(full.submit(request_body(owner_id=f"other-{unique}")))  # takes the only place
+        with pytest.raises(AdmissionRefused):
+            full.submit(body, key, owner=owner)
+        assert full.redis.hget(rkey, "d") == crashed.encode()
+        assert full.redis.get(owner_redis_key(crashed)) == owner.encode()
+    finally:
+        full.close()
+    retry = Submitter(ingestion_settings(unique)).start()
+    try:
+        accepted = retry.wait(retry.submit(body, key, owner=owner))
+        assert accepted.delivery_id == crashed and not accepted.replayed
+        assert retry.redis.hget(rkey, "ok") == b"1"
+    finally:
+        retry.close()
