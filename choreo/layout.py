@@ -8,9 +8,10 @@ record is written back with the values past its own ``STEP_FIELDS``, through Red
 so an appended value is a string or an integer below 10^14, which survive that unchanged,
 never an array, an object or a float), and treats a field it does not know as absent. The
 n-th effect of a kind for one event has its own remembered answer, and a remembered
-answer's form only grows at its end, so each version reads the other's. So a service upgraded one instance at a time needs no drain: the
-new instances continue the deliveries the old ones began, and the old ones those the new
-ones began (``tests/integration/test_rolling_upgrade.py``). A service's own records
+answer's form only grows at its end, so each version reads the other's. So a service
+upgraded one instance at a time needs no drain: the new instances continue the deliveries
+the old ones began, and the old ones those the new ones began
+(``tests/integration/test_rolling_upgrade.py``). A service's own records
 (``service.record``) and its events follow the same rule: fields are added, never renamed
 or given a new meaning, and an event's new field is optional (the registry's BACKWARD check).
 
@@ -25,7 +26,7 @@ version (or rebuild the state from Kafka after a FLUSHALL) before the new layout
 
 from __future__ import annotations
 
-from typing import Any
+import redis
 
 from choreo import keys
 
@@ -36,7 +37,7 @@ class LayoutMismatch(RuntimeError):
     """The store holds state of a layout this version does not read."""
 
 
-def claim(client: Any) -> int:
+def claim(client: redis.Redis) -> int:
     """The store's layout, set to this version's when it names none. Raises
     ``LayoutMismatch`` when it names another."""
     before = client.set(LAYOUT_KEY, keys.LAYOUT, nx=True, get=True)  # the value it had, if any
