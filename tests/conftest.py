@@ -25,12 +25,37 @@ if TYPE_CHECKING:
     from tests.pipeline import Pipeline
 
 
+# the ``unique`` suffixes this session handed out: its tests' own topics carry them, and
+# the session deletes those topics at its end (only its own: another session may run beside
+# it), or a day of runs leaves the broker tens of thousands of partition directories and it
+# runs out of file descriptors
+SESSION_SUFFIXES: set[str] = set()
+
+
 @pytest.fixture(scope="session")
 def stack() -> Iterator[None]:
     from infra import stack as local_stack
 
     local_stack.start()
     yield
+    delete_session_topics()
+
+
+def delete_session_topics() -> None:
+    """Best effort: a broker that is down or slow by now fails no test."""
+    from confluent_kafka import KafkaException
+
+    from choreo.kafka import admin
+
+    client = admin()
+    try:
+        names = [name for name in client.list_topics(timeout=10).topics
+                 if any(suffix in name for suffix in SESSION_SUFFIXES)]
+        for start in range(0, len(names), 200):
+            for future in client.delete_topics(names[start:start + 200], operation_timeout=30).values():
+                future.exception(timeout=60)
+    except (KafkaException, TimeoutError):
+        pass
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +71,9 @@ def redis_client(stack: None) -> redis.Redis:
 @pytest.fixture()
 def unique() -> str:
     """A short unique suffix so tests never share topics, groups or keys."""
-    return uuid.uuid4().hex[:10]
+    suffix = uuid.uuid4().hex[:10]
+    SESSION_SUFFIXES.add(suffix)
+    return suffix
 
 
 @pytest.fixture()
