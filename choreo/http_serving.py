@@ -112,8 +112,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         ip = self.client[0] if self.client else ""
         if self.guard.per_ip[ip] >= self.limits.max_connections_per_ip:
             log.warning("http.too_many_connections", client=ip, limit=self.limits.max_connections_per_ip)
+            # closed at once, not lingering: this connection is counted against no address's
+            # cap, so a client that opens them fast must not hold them
             self._answer(429, "too_many_connections",
-                         f"more than {self.limits.max_connections_per_ip} connections from one address")
+                         f"more than {self.limits.max_connections_per_ip} connections from one address",
+                         linger=False)
             return
         self.guard.per_ip[ip] += 1
         self._ip = ip
@@ -275,12 +278,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         else:
             self.transport.close()
 
-    def _answer(self, status: int, code: str, message: str) -> None:
+    def _answer(self, status: int, code: str, message: str, linger: bool = True) -> None:
         content_type, body = self.guard.error_body(status, code, message)
         self.transport.write(b"".join([
             STATUS_LINE[status], b"content-type: ", content_type.encode(), b"\r\n",
             b"content-length: ", str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body]))
-        self._close_lingering()
+        if linger:
+            self._close_lingering()
+        else:
+            self.transport.close()
 
     def _close_lingering(self) -> None:
         """Close after an answer without losing it. Closing a socket with input unread
