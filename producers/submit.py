@@ -68,12 +68,21 @@ redis.call('HSET', KEYS[1], 'd', ARGV[2], 'f', ARGV[1], 'r', ARGV[3], 'c', ARGV[
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 return {}
 """
-# Free a claim this request made (its delivery id) and never used.
+# Free a claim this request made and never used: its delivery id, still unconfirmed and
+# still this request's (claimed_at: another instance may have taken it over meanwhile).
 _FREE = """
-if redis.call('HGET', KEYS[1], 'd') == ARGV[1] and redis.call('HGET', KEYS[1], 'ok') == '0' then
+local stored = redis.call('HMGET', KEYS[1], 'd', 'ok', 'c')
+if stored[1] == ARGV[1] and stored[2] == '0' and stored[3] == ARGV[2] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
+"""
+# Confirm a claim's request, only while the claim still names its delivery (a claim freed or
+# expired meanwhile is not made again, without its id and TTL).
+_CONFIRM = """
+if redis.call('HGET', KEYS[1], 'd') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'ok', '1')
+return 1
 """
 # Take over a stale claim only if nobody else did meanwhile (compare claimed_at).
 _TAKE_OVER = """
@@ -145,12 +154,13 @@ class _Claim:
     delivery_id: str
     requested_at_ms: int
     owned: bool  # this call holds the claim: it publishes, and gives the claim up if that fails
-    taken_over_at_ms: int | None = None  # when it took over a stale claim; None: it made the claim
+    claimed_at_ms: int = 0  # when this call made or took over the claim (its ``c``)
+    taken_over: bool = False  # an earlier request's publish under it may have reached the broker
 
-    @property
-    def fresh(self) -> bool:
-        """Made by this call: nothing was ever published under it."""
-        return self.owned and self.taken_over_at_ms is None
+
+def _freed(claim: _Claim, handed_over: bool) -> bool:
+    """A claim given up is freed only when nothing was ever handed to a producer under it."""
+    return not handed_over and not claim.taken_over
 
 
 class Submitter:
@@ -171,6 +181,7 @@ class Submitter:
         self.admission = admission or Admission(self.cfg, self.redis, workflow, TOPIC)
         self._claim = self.redis.register_script(_CLAIM)
         self._take_over = self.redis.register_script(_TAKE_OVER)
+        self._confirm = self.redis.register_script(_CONFIRM)
         self._free = self.redis.register_script(_FREE)
         self._pending = 0
         self._pending_lock = threading.Lock()
@@ -290,7 +301,7 @@ class Submitter:
                 write_waited(self.redis, okey, lambda pipe: pipe.set(okey, request.owner_id, ex=self.cfg.owner_ttl_s))
         except redis.RedisError as exc:
             if claim is not None and claim.owned:  # the owner record failed after the claim
-                self._give_up([claim])
+                self._give_up([claim], handed_over=False)
             raise StoreUnavailable(f"state store unreachable: {type(exc).__name__}") from exc
         requested_at_ms = claim.requested_at_ms if claim else int(time.time() * 1000)
         return _Item(request, delivery_id, requested_at_ms, claim, owner_recorded=owner is not None)
@@ -425,7 +436,8 @@ class Submitter:
                 self.publisher.abandon_steps([(delivery_id, DeliveryRequested.topic)])
             except redis.RedisError:  # the supervisor then finds steps with no source: it fails them
                 pass
-            self._leave_nothing([item])
+            # a report of failure (a timeout) does not prove the record was not written
+            self._leave_nothing([item], handed_over=True)
             self.log.warning("publish not confirmed", delivery_id=delivery_id, event_id=event_id,
                              error=str(err))
             _settle(future, exc=DeliveryPublishError(delivery_id, str(err)))
@@ -434,7 +446,7 @@ class Submitter:
         metrics.ACCEPTED.labels(self.entry).inc()
         if claim is not None:
             try:
-                self.redis.hset(claim.key, "ok", "1")
+                self._confirm(keys=[claim.key], args=[delivery_id])
             except redis.RedisError as exc:  # a retry republishes the same event id: harmless
                 self.log.warning("could not confirm idempotency key", delivery_id=delivery_id,
                                  error=str(exc))
@@ -465,10 +477,10 @@ class Submitter:
             stored = write_waited(self.redis, rkey, lambda pipe: self._claim(
                 keys=[rkey], args=[fingerprint, fresh_id, now, now, self.cfg.idempotency_ttl_s], client=pipe))
         except ReplicationLag:
-            self._free_claim(rkey, fresh_id)
+            self._give_up([_Claim(rkey, fresh_id, now, owned=True, claimed_at_ms=now)], handed_over=False)
             raise
         if not stored:
-            return _Claim(rkey, fresh_id, now, owned=True)
+            return _Claim(rkey, fresh_id, now, owned=True, claimed_at_ms=now)
         delivery_id, held_fp, requested_at, claimed_at, confirmed = (
             v.decode() if v is not None else "" for v in stored)
         if held_fp != fingerprint:
@@ -477,45 +489,47 @@ class Submitter:
             return _Claim(rkey, delivery_id, -1, owned=False)
         if now - int(claimed_at or "0") < self.cfg.publish_timeout_s * 1000:
             raise IdempotencyInProgress(delivery_id)
-        if not write_waited(self.redis, rkey, lambda pipe: self._take_over(keys=[rkey], args=[claimed_at, now],
-                                                                           client=pipe)):
+        claim = _Claim(rkey, delivery_id, int(requested_at), owned=True, claimed_at_ms=now, taken_over=True)
+        try:
+            taken = write_waited(self.redis, rkey, lambda target: self._take_over(
+                keys=[rkey], args=[claimed_at, now], client=target))
+        except ReplicationLag:  # not to be trusted: given up at once, not held for the timeout
+            self._give_up([claim], handed_over=False)
+            raise
+        if not taken:
             raise IdempotencyInProgress(delivery_id)
         self.log.info("republishing a stale idempotent request", delivery_id=delivery_id)
-        return _Claim(rkey, delivery_id, int(requested_at), owned=True, taken_over_at_ms=now)
+        return claim
 
-    def _free_claim(self, rkey: str, delivery_id: str) -> None:
-        """A claim this request made and will not use (no replica acknowledged it, or the
-        owner record after it failed): freed, so a retry starts afresh, not "in progress"."""
-        try:
-            self._free(keys=[rkey], args=[delivery_id])
-        except redis.RedisError as exc:  # it expires by TTL; a retry meanwhile takes it over
-            self.log.warning("could not free an idempotency claim", error=str(exc))
-
-    def _give_up(self, claims: Sequence[_Claim]) -> None:
-        """Claims whose request was not accepted (one round trip). One this request made is
-        freed. One it took over stays, with its delivery id, and may be taken over again at
-        once: the crashed publish it took over may have reached the broker, so a retry must
-        publish the same delivery again (consumers drop the copy by its event id), never a
-        new one."""
+    def _give_up(self, claims: Sequence[_Claim], handed_over: bool) -> None:
+        """Claims whose request was not accepted (one round trip). One under which nothing
+        reached the producer, this call's or an earlier one's, is freed, so a retry starts
+        afresh. Any other stays, with its delivery id, and may be taken over at once: a
+        record handed to the producer, now or by the request taken over, may have reached
+        the broker although no report said so, so a retry must publish the same delivery
+        again (consumers drop the copy by its event id), never a new one. Either way only
+        while the claim is still this call's (its claimed-at)."""
         if not claims:
             return
         pipes = NodePipelines(self.redis)
         for claim in claims:
-            if claim.fresh:
-                self._free(keys=[claim.key], args=[claim.delivery_id], client=pipes.on(claim.key))
+            if _freed(claim, handed_over):
+                self._free(keys=[claim.key], args=[claim.delivery_id, claim.claimed_at_ms],
+                           client=pipes.on(claim.key))
             else:
-                self._take_over(keys=[claim.key], args=[claim.taken_over_at_ms, 0], client=pipes.on(claim.key))
+                self._take_over(keys=[claim.key], args=[claim.claimed_at_ms, 0], client=pipes.on(claim.key))
         try:
             raise_first(pipes.execute())
         except redis.RedisError as exc:  # they expire by TTL; a retry takes a stale one over
             self.log.warning("could not give up idempotency claims", error=str(exc))
 
-    def _leave_nothing(self, items: Sequence[_Item]) -> None:
-        """The requests were not accepted: give their claims up (``_give_up``) so a retry
-        starts afresh, and drop the owner records of deliveries never published before."""
-        self._give_up([item.claim for item in items if item.claim is not None and item.claim.owned])
-        owners = [owner_redis_key(item.delivery_id) for item in items
-                  if item.owner_recorded and (item.claim is None or item.claim.fresh)]
+    def _leave_nothing(self, items: Sequence[_Item], handed_over: bool = False) -> None:
+        """The requests were not accepted: give their claims up (``_give_up``), and drop the
+        owner records of the deliveries whose claims are freed, or that had no claim."""
+        self._give_up([item.claim for item in items if item.claim is not None and item.claim.owned],
+                      handed_over)
+        owners = [owner_redis_key(item.delivery_id) for item in items if item.owner_recorded
+                  and (item.claim is None or _freed(item.claim, handed_over))]
         if not owners:
             return
         try:

@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import hashlib
 import signal
+import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import pytest
+import redis
+from confluent_kafka import KafkaError
 
 from choreo.config import settings
 from choreo.redis_client import is_cluster
 from producers.client import DeliveryClient
 from producers.errors import AdmissionRefused, StoreUnavailable
 from producers.model import parse_request
-from producers.submit import Submitter, idempotency_redis_key, owner_redis_key
+from producers.submit import Submitter, _Item, idempotency_redis_key, owner_redis_key
 from tests.factories import request_body
 from tests.helpers import ServiceProcess, wait_for
 from tests.ingestion import end_offsets, ingestion_settings, records_since, serving
@@ -148,21 +152,28 @@ def test_an_idempotency_claim_is_accepted_only_once_a_replica_holds_it(
         settings.cache_clear()
 
 
+def stale_claim(redis_client: redis.Redis, owner: str, key: str, body: dict[str, Any], delivery_id: str) -> str:
+    """The claim an instance left when it crashed while publishing, a minute ago; its key."""
+    rkey = idempotency_redis_key(owner, key)
+    fingerprint = hashlib.sha256(parse_request(body).fingerprint().encode()).hexdigest()
+    then = int(time.time() * 1000) - 60_000
+    redis_client.hset(rkey, mapping={"d": delivery_id, "f": fingerprint, "r": then, "c": then, "ok": "0"})
+    redis_client.expire(rkey, 600)
+    redis_client.set(owner_redis_key(delivery_id), owner, ex=600)
+    return rkey
+
+
 def test_a_refused_take_over_keeps_the_claims_delivery_for_the_next_retry(stack: None, unique: str) -> None:
     """A request takes over the stale claim of an instance that crashed while publishing,
     and is then refused at the door. The crashed publish may have reached the broker, so the
     claim keeps its delivery id and owner record, and the next retry publishes that same
     delivery, never a second one for the same key."""
-    owner, key = f"owner-{unique}", f"key-{unique}"
+    owner, key, crashed = f"owner-{unique}", f"key-{unique}", f"crashed-{unique}"
     body = request_body(owner_id=owner)
-    rkey = idempotency_redis_key(owner, key)
-    crashed = f"crashed-{unique}"
-    fingerprint = hashlib.sha256(parse_request(body).fingerprint().encode()).hexdigest()
+    start = end_offsets()
     full = Submitter(ingestion_settings(unique, INGESTION_MAX_IN_FLIGHT=1)).start()
     try:
-        full.redis.hset(rkey, mapping={"d": crashed, "f": fingerprint, "r": 1, "c": 1, "ok": "0"})
-        full.redis.expire(rkey, 600)
-        full.redis.set(owner_redis_key(crashed), owner, ex=600)
+        rkey = stale_claim(full.redis, owner, key, body, crashed)
         full.wait(full.submit(request_body(owner_id=f"other-{unique}")))  # takes the only place
         with pytest.raises(AdmissionRefused):
             full.submit(body, key, owner=owner)
@@ -177,3 +188,32 @@ def test_a_refused_take_over_keeps_the_claims_delivery_for_the_next_retry(stack:
         assert retry.redis.hget(rkey, "ok") == b"1"
     finally:
         retry.close()
+    assert [event.delivery_id for _, event, _ in records_since(start)
+            if event.owner_id == owner] == [crashed]  # one record for the key, of that delivery
+
+
+def test_a_claim_whose_publish_was_reported_failed_keeps_its_delivery(stack: None, unique: str) -> None:
+    """The broker's report of a failed publish (a timeout) does not prove the record was not
+    written: the claim keeps its delivery id and owner record for the retry, taken over at
+    once rather than after the publish timeout; a claim under which nothing was handed to the
+    producer is freed."""
+    owner = f"owner-{unique}"
+    body = request_body(owner_id=owner)
+    submitter = Submitter(ingestion_settings(unique)).start()
+    try:
+        reported = submitter._prepare(body, f"reported-{unique}", owner)
+        refused = submitter._prepare(body, f"refused-{unique}", owner)
+        assert isinstance(reported, _Item) and isinstance(refused, _Item)
+        submitter._leave_nothing([refused])  # refused at the door: nothing was handed over
+        assert not submitter.redis.exists(idempotency_redis_key(owner, f"refused-{unique}"))
+        assert not submitter.redis.exists(owner_redis_key(refused.delivery_id))
+        submitter._pending += 1  # as _publish counts it
+        submitter._done(reported, "event", "trace", KafkaError(KafkaError._MSG_TIMED_OUT), Future(),
+                        time.monotonic())
+        rkey = idempotency_redis_key(owner, f"reported-{unique}")
+        assert submitter.redis.hmget(rkey, "d", "c", "ok") == [reported.delivery_id.encode(), b"0", b"0"]
+        assert submitter.redis.get(owner_redis_key(reported.delivery_id)) == owner.encode()
+        retried = submitter.wait(submitter.submit(body, f"reported-{unique}", owner=owner))
+        assert retried.delivery_id == reported.delivery_id and not retried.replayed
+    finally:
+        submitter.close()
