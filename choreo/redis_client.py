@@ -156,11 +156,14 @@ class NodePipelines:
             cast(redis.RedisCluster, self.client).nodes_manager.initialize()
 
 
-def write_waited(client: redis.Redis, key: str, write: Callable[[Pipeline], Any]) -> Any:
-    """The reply to one write (``write`` queues it on the pipeline it is given) on the node
-    serving ``key``; with ``CHOREO_REDIS_WAIT_REPLICAS`` set, only once that many replicas
-    hold it (``ReplicationLag`` otherwise). For a write outside a batch that an answer to a
-    caller rests on: a failover must not lose it after the caller was told."""
+def write_waited(client: redis.Redis, key: str, write: Callable[[redis.Redis | Pipeline], Any]) -> Any:
+    """The reply to one write of ``key``; with ``CHOREO_REDIS_WAIT_REPLICAS`` set, only once
+    that many replicas hold it (``ReplicationLag`` otherwise). For a write outside a batch
+    that an answer to a caller rests on: a failover must not lose it after the caller was
+    told. ``write`` sends the write to the target it is given: the client itself, or, to
+    wait, a pipeline on the key's node that ends with ``WAIT``."""
+    if not settings().redis_wait_replicas:
+        return write(client)
     pipes = NodePipelines(client)
     write(pipes.on(key))
     return raise_first(pipes.execute())[0]
