@@ -13,7 +13,10 @@ too. ``GuardedHttpProtocol`` adds what is missing, for both HTTP servers of the 
   within ``body_timeout_s`` of the head's end, else 408 and the connection is closed;
 * a head past ``max_head_bytes`` is refused with 431 before the parser holds it, each
   request's own, also when several requests come in one read (pipelining);
-* one client address holds at most ``max_connections_per_ip`` connections (429 past it).
+* one client address holds at most ``max_connections_per_ip`` connections (429 past it);
+* after a 408 or 431 the connection lingers (``linger_s``, ``linger_bytes``): the input the
+  client still sends is read and dropped, so the close is not a reset that destroys the
+  answer before the client reads it.
 
 It lives in ``choreo`` because both servers import ``choreo`` already and neither may
 import the other: the schema registry is a product of its own, ingestion its client.
@@ -151,7 +154,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._linger_left is not None:
             self._linger_left -= len(data)
             if self._linger_left <= 0:
-                self.transport.close()
+                self.transport.abort()
             return
         if self._ip is None or self._refusing:
             return  # refused: nothing more is parsed
@@ -271,6 +274,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             # what uvicorn does when a client leaves: the handler's receive() gets
             # http.disconnect and whatever it sends afterwards is dropped
             cycle.disconnected = True
+            cycle.waiting_for_100_continue = False  # nothing may be written after the answer
             cycle.message_event.set()
             self._answer(408, "request_timeout", message)
         elif phase == "head" and self._head_open and self._idle():
@@ -297,12 +301,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         client closes too (asyncio then closes the transport) or a bound is reached."""
         if self._closing:
             return
-        if self.transport.can_write_eof():
+        half_closed = self.transport.can_write_eof()  # not over TLS
+        if half_closed:
             self.transport.write_eof()
         self._linger_left = self.limits.linger_bytes
         self._disarm()
+        self._unset_keepalive_if_required()  # the linger's bounds are the only ones left
         self.flow.resume_reading()
-        self._linger_timer = self.loop.call_later(self.limits.linger_s, self.transport.close)
+        # once half-closed, abort rather than close: a close waits for a client that reads
+        # nothing to take the answer; over TLS a close still says so (close_notify)
+        end = self.transport.abort if half_closed else self.transport.close
+        self._linger_timer = self.loop.call_later(self.limits.linger_s, end)
 
 
 def guarded_protocol(limits: HttpLimits, error_body: ErrorBody) -> type[GuardedHttpProtocol]:
