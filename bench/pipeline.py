@@ -57,7 +57,7 @@ from confluent_kafka import Consumer, TopicPartition
 from bench.ceiling import Record, save_samples
 from bench.common import (
     HAPPY_PATH, SOURCE_TOPIC, TERMINAL_TOPIC, Hops, ProcSample, Stage, batch_figures,
-    free_port, hop_count, latency_summary, load_average, parse_metrics, rate, sample_process,
+    free_port, hop_count, latency_summary, load_average, metric_sum, parse_metrics, rate, sample_process,
     run_header, summarise_repeats, thread_cpu, write_figures,
 )
 from choreo.config import REPO_ROOT, settings
@@ -74,6 +74,9 @@ SERVICES = ["package", "drone-scheduler", "delivery", "notifier", "supervisor"]
 # what --profile takes besides service names: the submitting driver (py-spy) and the broker
 # (Java Flight Recorder; its profile run also profiles one transactional ceiling run)
 OTHER_PROFILES = ("ingestion", "kafka")
+# the services' batched script items (``choreo.metrics.SCRIPT_ITEMS``; the ingestion driver's
+# own calls are not scraped)
+SCRIPT_ITEMS = "choreo_redis_script_items_total"
 OUTCOME_TOPICS = ["delivery.shipped", "delivery.failed"]
 # records the services keep of every delivery, by design (business logs, not runtime state)
 BUSINESS_LOGS = (fleet.history_key,)
@@ -82,7 +85,8 @@ BUSINESS_LOGS = (fleet.history_key,)
 ADMISSION_SET = inflight_keys(IngestionSettings().inflight_key)[0]
 TARGETS = {"ratio_tuned": 0.35, "p50_ms_at_100": 100.0, "p99_ms_at_100": 250.0,
            "p99_ms_at_half_capacity": 500.0, "rss_mb_per_service": 150.0,
-           "redis_bytes_per_inflight": 1024.0, "redis_bytes_retained_per_completed": 150.0}
+           "redis_bytes_per_inflight": 1024.0, "redis_bytes_retained_per_completed": 150.0,
+           "redis_script_items_per_delivery": 10.0}
 TUNED_SCALE = 5  # the tuned chain runs this many times the deliveries (it is that much faster)
 HALF = "half"  # the open-loop run at half of the measured capacity
 
@@ -485,6 +489,8 @@ class Bench:
             "redis_used_memory_before": mem_before, "redis_used_memory_after": mem_after,
             "redis_bytes_retained_per_delivery": round((mem_after - mem_before) / max(1, len(ids))),
             "redis_commands_per_delivery": commands,
+            "redis_script_items_per_delivery": round(
+                (metric_sum(after, SCRIPT_ITEMS) - metric_sum(before, SCRIPT_ITEMS)) / max(1, figures["terminal"]), 1),
             "load_average": load_average(),
         })
         if profiles:
@@ -828,7 +834,8 @@ def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
                                     "latency.p95_ms", "latency.p99_ms", "latency.max_ms",
                                     "cpu.total_cpu_us_per_delivery", "cpu.cpu_bound_deliveries_per_s",
                                     "cpu.net_total_cpu_us_per_delivery",
-                                    "cpu.net_cpu_bound_deliveries_per_s", "cpu.jit_cpu_us_per_delivery"])
+                                    "cpu.net_cpu_bound_deliveries_per_s", "cpu.jit_cpu_us_per_delivery",
+                                    "redis_script_items_per_delivery"])
 
 
 def evaluate(summary: dict[str, Any]) -> dict[str, Any]:
@@ -859,6 +866,8 @@ def evaluate(summary: dict[str, Any]) -> dict[str, Any]:
         "redis_bytes_per_inflight_delivery": check(summary.get("redis_bytes_per_inflight"),
                                                    TARGETS["redis_bytes_per_inflight"], False),
         "redis_bytes_retained_per_completed": retained,
+        "redis_script_items_per_delivery": check(summary.get("redis_script_items_per_delivery"),
+                                                 TARGETS["redis_script_items_per_delivery"], False),
     }
 
 
@@ -985,6 +994,7 @@ def summarise(result: dict[str, Any], bench: Bench) -> dict[str, Any]:
         "redis_runtime_bytes_retained_per_completed": result["memory"]["counted_bytes_per_delivery"]["released"]["own"],
         "redis_business_log_bytes_per_completed": result["memory"]["business_log_bytes_per_completed_delivery"],
         "redis_admission_set_bytes_per_completed": result["memory"]["admission_set_bytes_per_completed_delivery"],
+        "redis_script_items_per_delivery": pipe["redis_script_items_per_delivery"]["median"],
         "hops_per_delivery": {"produced": bench.hops.produced, "consumed": bench.hops.consumed},
         "load_average": {"before": result["machine"]["load_average_before"],
                          "after": result["machine"]["load_average_after"]},

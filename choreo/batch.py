@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from choreo import tracing
+from choreo import metrics, tracing
 from choreo.config import settings
 from choreo.redis_client import NodePipelines, is_cluster, slot_of
 
@@ -110,7 +110,9 @@ def run_together(client: redis.Redis, batches: Sequence[tuple[BatchScript, Seque
                 chunk = positions[i:i + CHUNK]
                 calls.append((b, script, chunk, [items[p] for p in chunk]))
     answers: list[list[Any]] = [[None] * len(items) for _, items in batches]
-    span = tracing.start_redis_batch(len(calls), sum(len(c[3]) for c in calls)) if tracing.enabled() else None
+    item_count = sum(len(c[3]) for c in calls)
+    metrics.SCRIPT_ITEMS.inc(item_count)
+    span = tracing.start_redis_batch(len(calls), item_count) if tracing.enabled() else None
     with tracing.spanning(span):
         replies = _send(client, calls)
     for (b, _, positions, _), reply in zip(calls, replies):

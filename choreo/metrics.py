@@ -37,6 +37,9 @@ EFFECTS_PER_ROUND_TRIP = Histogram("choreo_effects_per_round_trip", "Handler eff
 BATCH_PHASE_SECONDS = Histogram("choreo_batch_phase_seconds", "Seconds per batch in each phase",
                                 ["service", "phase"],
                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
+# every item of the runtime's batched scripts (``choreo.batch``): what a delivery costs Redis
+# in script runs, whatever the round trips carrying them (bench/README.md)
+SCRIPT_ITEMS = Counter("choreo_redis_script_items_total", "Items run by the runtime's batched Redis scripts")
 TXN_ABORTS = Counter("choreo_transaction_aborts_total", "Aborted transactions (replayed)", ["service"])
 LAG = Gauge("choreo_consumer_lag", "Consumer lag per partition", ["service", "topic", "partition"])
 

@@ -64,9 +64,14 @@ def test_the_benchmark_measures_every_figure_on_its_own_stack(tmp_path: Path) ->
     kept = summary["redis_bytes_retained_per_completed"]
     assert kept >= counted["released"]["total"] + memory["business_log_bytes_per_completed_delivery"]
     assert summary["targets_met"]["redis_bytes_retained_per_completed"] is (kept <= 150)
+    # the services' batched script items per delivery: a delivery takes several per hop
+    items = closed["redis_script_items_per_delivery"]
+    assert summary["redis_script_items_per_delivery"] == items >= result["hops"]["consumed"]
+    assert summary["targets_met"]["redis_script_items_per_delivery"] is (items <= 10)
     assert set(summary["targets_met"]) == {
         "ratio_tuned", "p50_ms_at_100_offered", "p99_ms_at_100_offered", "p99_ms_at_half_capacity",
-        "max_service_peak_rss_mb", "redis_bytes_per_inflight_delivery", "redis_bytes_retained_per_completed"}
+        "max_service_peak_rss_mb", "redis_bytes_per_inflight_delivery", "redis_bytes_retained_per_completed",
+        "redis_script_items_per_delivery"}
 
 
 def test_the_ingestion_benchmark_measures_both_servers_and_loses_nothing(tmp_path: Path) -> None:
