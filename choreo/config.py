@@ -19,6 +19,10 @@ class Settings(BaseSettings):
     kafka_bootstrap_servers: str = Field("127.0.0.1:9092", validation_alias="KAFKA_BOOTSTRAP_SERVERS")
     redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="REDIS_URL")
     schema_registry_url: str = Field("http://127.0.0.1:8081", validation_alias="SCHEMA_REGISTRY_URL")
+    # how long one request to the registry may take: its client waits for ever by default,
+    # and a registry that accepts a connection and never answers would stall every consumer
+    # that meets a schema id it has not cached (retried once, then the batch is retried)
+    registry_timeout_s: float = Field(5.0, gt=0, le=60, validation_alias="CHOREO_REGISTRY_TIMEOUT_S")
     # off: producers only look their schema up (contracts are registered at deploy time by
     # ``choreo schemas register``); on: a development convenience for throwaway topics
     schema_registry_auto_register: bool = Field(False, validation_alias="SCHEMA_REGISTRY_AUTO_REGISTER")

@@ -326,7 +326,7 @@ class Runner:
             self.log.warning("batch.transient", error=f"redis: {exc}")
             self._abort(batch)
             time.sleep(0.5 + random.random())
-        except BatchTransient as exc:
+        except (BatchTransient, RegistryUnavailable) as exc:  # the latter from an output's encoding
             self.log.warning("batch.transient", error=str(exc))
             self._abort(batch)
             time.sleep(0.5 + random.random())

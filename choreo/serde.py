@@ -57,15 +57,20 @@ class RegistryUnavailable(Exception):
 
 
 SCHEMA_NOT_FOUND = 40403  # the registry API's error code for an unknown schema id
+RETRIABLE_STATUS = (408, 429, 500, 502, 503, 504)  # answers of a registry that may answer later
 
 _clients: dict[str, SchemaRegistryClient] = {}
 
 
 def registry_client(url: str | None = None) -> SchemaRegistryClient:
-    """One client per registry URL and process, so schema lookups are cached once."""
+    """One client per registry URL and process, so schema lookups are cached once. Each
+    request is bounded (``CHOREO_REGISTRY_TIMEOUT_S``) and retried once, shortly: the
+    client's defaults wait for ever and back off up to 20 s, past a consumer's poll interval."""
     url = url or settings().schema_registry_url
     if url not in _clients:
-        _clients[url] = SchemaRegistryClient({"url": url})
+        _clients[url] = SchemaRegistryClient({
+            "url": url, "timeout": settings().registry_timeout_s,
+            "max.retries": 1, "retries.wait.ms": 200, "retries.max.wait.ms": 1000})
     return _clients[url]
 
 
@@ -91,7 +96,19 @@ class Encoder(Generic[E]):
         self._serializer = AvroSerializer(client, model.avro_schema(), conf={"auto.register.schemas": register})
 
     def __call__(self, event: E) -> bytes:
-        data = self._serializer(event.to_avro(), self._ctx)
+        """The event's bytes. ``RegistryUnavailable`` when the registry cannot be asked now
+        (its schema id is looked up once, then cached): the caller retries, where any other
+        error (a schema never registered) is for the deployment to fix."""
+        try:
+            data = self._serializer(event.to_avro(), self._ctx)
+        except SchemaRegistryError as exc:
+            if exc.http_status_code in RETRIABLE_STATUS:
+                raise RegistryUnavailable(str(exc)) from exc
+            raise
+        except Exception as exc:
+            if isinstance(exc, (OSError, ConnectionError)) or _is_transport_error(exc):
+                raise RegistryUnavailable(str(exc)) from exc
+            raise
         if not isinstance(data, bytes):
             raise TypeError(f"serializer returned {type(data).__name__} for {self.topic}")
         return data
