@@ -10,16 +10,18 @@ from typing import TYPE_CHECKING
 import pytest
 import redis
 
-from choreo.config import settings
-from choreo.redis_client import connect
-
-# the workflow ``choreo.supervisor`` watches when a test imports it in process (``choreo run``
-# sets it from --workflow; the tests that run a supervisor of their own name theirs)
+# set before anything imports ``choreo``, whose modules may read the settings (and cache them)
+# as they load. The workflow ``choreo.supervisor`` watches when a test imports it in process
+# (``choreo run`` sets it from --workflow; the tests that run a supervisor of their own name
+# theirs)
 os.environ.setdefault("SUPERVISOR_WORKFLOW", "consumers.workflow:WORKFLOW")
 # tests on the open local stack publish to throwaway topics of their own, whose schemas no
 # deploy registered: there producers register on first use (the secured stack's env files
 # turn it off, as a deployment does)
 os.environ.setdefault("SCHEMA_REGISTRY_AUTO_REGISTER", "true")
+
+from choreo.config import settings  # noqa: E402
+from choreo.redis_client import connect  # noqa: E402
 
 if TYPE_CHECKING:
     from tests.pipeline import Pipeline
