@@ -21,8 +21,9 @@ class Settings(BaseSettings):
     schema_registry_url: str = Field("http://127.0.0.1:8081", validation_alias="SCHEMA_REGISTRY_URL")
     # how long one request to the registry may take: its client waits for ever by default,
     # and a registry that accepts a connection and never answers would stall every consumer
-    # that meets a schema id it has not cached (retried once, then the batch is retried)
-    registry_timeout_s: float = Field(5.0, gt=0, le=60, validation_alias="CHOREO_REGISTRY_TIMEOUT_S")
+    # that meets a schema id it has not cached (retried twice, then the batch is retried).
+    # A fresh registry's first write creates its Kafka writer, which takes seconds
+    registry_timeout_s: float = Field(10.0, gt=0, le=15, validation_alias="CHOREO_REGISTRY_TIMEOUT_S")
     # off: producers only look their schema up (contracts are registered at deploy time by
     # ``choreo schemas register``); on: a development convenience for throwaway topics
     schema_registry_auto_register: bool = Field(False, validation_alias="SCHEMA_REGISTRY_AUTO_REGISTER")

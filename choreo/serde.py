@@ -58,19 +58,22 @@ class RegistryUnavailable(Exception):
 
 SCHEMA_NOT_FOUND = 40403  # the registry API's error code for an unknown schema id
 RETRIABLE_STATUS = (408, 429, 500, 502, 503, 504)  # answers of a registry that may answer later
+REGISTRY_RETRIES = 2  # after the first try of a request
+REGISTRY_RETRY_MAX_WAIT_MS = 2000  # the longest wait before a retry
 
 _clients: dict[str, SchemaRegistryClient] = {}
 
 
 def registry_client(url: str | None = None) -> SchemaRegistryClient:
     """One client per registry URL and process, so schema lookups are cached once. Each
-    request is bounded (``CHOREO_REGISTRY_TIMEOUT_S``) and retried once, shortly: the
-    client's defaults wait for ever and back off up to 20 s, past a consumer's poll interval."""
+    request is bounded (``CHOREO_REGISTRY_TIMEOUT_S``) and retried twice, shortly: the
+    client's defaults wait for ever and back off up to 20 s, past a consumer's poll interval
+    (60 s), which three tries and their waits stay well within."""
     url = url or settings().schema_registry_url
     if url not in _clients:
         _clients[url] = SchemaRegistryClient({
-            "url": url, "timeout": settings().registry_timeout_s,
-            "max.retries": 1, "retries.wait.ms": 200, "retries.max.wait.ms": 1000})
+            "url": url, "timeout": settings().registry_timeout_s, "max.retries": REGISTRY_RETRIES,
+            "retries.wait.ms": 500, "retries.max.wait.ms": REGISTRY_RETRY_MAX_WAIT_MS})
     return _clients[url]
 
 
