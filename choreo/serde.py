@@ -109,7 +109,7 @@ class Encoder(Generic[E]):
                 raise RegistryUnavailable(str(exc)) from exc
             raise
         except Exception as exc:
-            if isinstance(exc, (OSError, ConnectionError)) or _is_transport_error(exc):
+            if _is_transport_error(exc):
                 raise RegistryUnavailable(str(exc)) from exc
             raise
         if not isinstance(data, bytes):
@@ -268,8 +268,6 @@ def _ask(schema_id: int, call: Callable[[], T]) -> T:
                 DeadLetterReason.UNKNOWN_SCHEMA, f"schema id {schema_id} unknown to the registry"
             ) from exc
         raise RegistryUnavailable(str(exc)) from exc
-    except (OSError, ConnectionError) as exc:
-        raise RegistryUnavailable(str(exc)) from exc
     except Exception as exc:
         if _is_transport_error(exc):
             raise RegistryUnavailable(str(exc)) from exc
@@ -279,5 +277,6 @@ def _ask(schema_id: int, call: Callable[[], T]) -> T:
 
 
 def _is_transport_error(exc: BaseException) -> bool:
-    """httpx errors (connection refused, timeouts) surface from the registry client."""
-    return type(exc).__module__.startswith(("httpx", "httpcore"))
+    """The registry could not be reached: a socket error, or one of httpx's (connection
+    refused, timeouts), which surface from the registry client as they are."""
+    return isinstance(exc, OSError) or type(exc).__module__.startswith(("httpx", "httpcore"))
