@@ -285,7 +285,7 @@ def batch_figures(before: Mapping[str, float], after: Mapping[str, float], servi
     }
 
 
-BATCH_PHASES = ("consume", "dedupe", "decode", "begin", "handlers", "finish", "offsets", "commit")
+BATCH_PHASES = ("consume", "decode", "begin", "handlers", "finish", "offsets", "commit")
 
 
 def phase_means(before: Mapping[str, float], after: Mapping[str, float],

@@ -1,4 +1,4 @@
-"""Consumer-side deduplication on stable event ids, one Redis call per batch.
+"""Consumer-side deduplication on stable event ids, in the step's begin.
 
 An event id (with its attempt: a supervisor requeue is a new attempt) is remembered per
 service with the input position (topic|partition|offset) that first carried it. The same
@@ -9,32 +9,19 @@ copy) whose outputs were already committed from the first position: it is skippe
 A workflow service also skips every event of a *released* delivery (``choreo.release``): its
 dedupe entries are gone with the rest of its state, and the tombstone left in its step table
 says it is finished.
+
+The check is the first part of the begin script (``choreo.state``): one script item per
+input does both, for a batch in one round trip. An input outside any step, or one about to
+be dead-lettered, runs the check alone (a begin with no step).
 """
 
 from __future__ import annotations
 
 import base64
 import uuid
-from collections.abc import Sequence
-from enum import StrEnum
-
-import redis
 
 from choreo import keys
-from choreo.batch import BatchScript
-from choreo.state import Sighting, delivery_key
-
-# KEYS: the dedupe hash, the step table. ARGV: field, position, ttl s, '1' to refuse released.
-_SEEN = """
-if ARGV[4] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return 2 end
-local previous = redis.call('HGET', KEYS[1], ARGV[1])
-if previous and previous ~= ARGV[2] then return 0 end
-if not previous then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-end
-return 1
-"""
+from choreo.state import Sighting
 
 
 def seen_key(delivery_id: str) -> str:
@@ -63,34 +50,6 @@ def compact_id(event_id: str) -> str:
         return event_id
 
 
-class Seen(StrEnum):
-    FRESH = "fresh"  # first sighting, or a replay at the same position: run it
-    DUPLICATE = "duplicate"  # already handled from another position
-    RELEASED = "released"  # its delivery is finished and its state released
-
-
-_VERDICTS = {0: Seen.DUPLICATE, 1: Seen.FRESH, 2: Seen.RELEASED}
-
-
-class Deduper:
-    def __init__(self, client: redis.Redis, service: str, ttl_s: int,
-                 refuse_released: bool = False) -> None:
-        self.client = client
-        self.service = service
-        self.ttl_s = ttl_s
-        # only a workflow's own services: the releaser waits for their groups, not for others
-        self.refuse_released = refuse_released
-        self._script = BatchScript(client, _SEEN)
-
-    def sighting(self, delivery_id: str, event_id: str, position: str) -> Sighting:
-        """Where this service deduplicates the event read at ``position``."""
-        return Sighting(seen_key(delivery_id), seen_prefix(self.service, event_id), position)
-
-    def verdicts(self, items: Sequence[tuple[str, str, int, str]]) -> list[Seen]:
-        """For (delivery id, event id, attempt, position) items: whether each is to run."""
-        refuse = "1" if self.refuse_released else "0"
-        answers = self._script.run([
-            ([seen_key(delivery_id), delivery_key(delivery_id)],
-             [seen_field(self.service, event_id, attempt), position, self.ttl_s, refuse])
-            for delivery_id, event_id, attempt, position in items])
-        return [_VERDICTS[int(r)] for r in answers]
+def sighting(service: str, delivery_id: str, event_id: str, position: str) -> Sighting:
+    """Where ``service`` deduplicates the event read at ``position``."""
+    return Sighting(seen_key(delivery_id), seen_prefix(service, event_id), position)

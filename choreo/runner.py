@@ -31,7 +31,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 from choreo import metrics
 from choreo.kafka import transactional_consumer_config, transactional_producer_config
 from choreo.config import settings
-from choreo.dedupe import Deduper, Seen
+from choreo import dedupe
 from choreo.envelope import Envelope, HeaderList, Unusable, pairs, derived_id, now_ms
 from choreo.errors import DeadLetterReason, DeliveryReleased, Rejected, Retryable
 from choreo.events import Event
@@ -87,6 +87,17 @@ class Work:
     verdict: Begin | None = None
     ctx: Context | None = None
     span: Any = None  # its handler's span, when tracing is on (choreo.tracing)
+
+
+@dataclass
+class Refused:
+    """An input that can never succeed (past the hop limit, undecodable): dead-lettered once
+    the dedupe has seen it, so a copy of it is skipped as any copy is."""
+
+    message: Message
+    envelope: Envelope
+    reason: DeadLetterReason
+    detail: str
 
 
 @dataclass
@@ -174,8 +185,6 @@ class Runner:
         self.state = StateTable(self.redis)
         # the release waits for the workflow's services only, so only they refuse its deliveries
         self.in_workflow = workflow is not None and service.name in {s.name for s in workflow.services}
-        self.dedupe = Deduper(self.redis, service.name, self.cfg.dedupe_ttl_s,
-                              refuse_released=self.in_workflow)
         self.registry = registry_client()
         self.decoders = {t: Decoder(h.model, t, self.registry) for t, h in service.handlers.items()}
         self.joinable = frozenset(s.name for s in service.steps() if len(s.triggers) > 1)
@@ -294,21 +303,17 @@ class Runner:
     # -- one batch, one transaction -------------------------------------------------------
 
     def _process(self, batch: list[Message]) -> None:
-        """One transaction for the batch, with Redis work batched per phase: dedupe, begin
-        (one round trip each for the whole batch), handlers (their own effects), then
-        finish for all and only then the outputs of the attempts that still own their step."""
+        """One transaction for the batch, with Redis work batched per phase: dedupe and begin
+        (one round trip for the whole batch), handlers (their own effects), then finish for
+        all and only then the outputs of the attempts that still own their step."""
         self._dead_lettered.clear()
         clock = PhaseClock(self.service.name)
-        work: list[Work] = []
+        taken: list[Work | Refused] = []
         try:
-            parsed = [Envelope.parse(m.headers()) for m in batch]  # read once per message
-            seen = self._seen(batch, [e if isinstance(e, Envelope) else None for e in parsed])
-            clock.lap("dedupe")
             self.producer.begin_transaction()
-            work = [w for m, e, s in zip(batch, parsed, seen)
-                    if (w := self._prepare(m, e, s)) is not None]
+            taken = [t for m in batch if (t := self._prepare(m, Envelope.parse(m.headers()))) is not None]
             clock.lap("decode")
-            self._begin_all(work)
+            work = self._begin_all(taken)
             clock.lap("begin")
             done = self._run_all(work)
             clock.lap("handlers")
@@ -339,9 +344,9 @@ class Runner:
                              retriable=err.retriable(), abortable=err.txn_requires_abort())
             self._abort(batch)
         finally:
-            for w in work:
-                if w.span is not None:
-                    w.span.end()
+            for t in taken:
+                if isinstance(t, Work) and t.span is not None:
+                    t.span.end()
         # after an abort the rewound batch is consumed again (maybe by another instance)
 
     def _commit(self, attempts: int = 5) -> None:
@@ -356,22 +361,6 @@ class Runner:
                 if not err.retriable() or err.txn_requires_abort() or attempt == attempts:
                     raise
                 self.log.warning("transaction.commit_retry", error=str(err), attempt=attempt)
-
-    def _seen(self, batch: list[Message], envelopes: list[Envelope | None]) -> list[Seen]:
-        """Which messages are to run: not copies of an event already handled at another
-        position, nor events of a released delivery."""
-        keyed: list[tuple[int, tuple[str, str, int, str]]] = []
-        for i, (m, env) in enumerate(zip(batch, envelopes)):
-            if env is not None:
-                keyed.append((i, (env.correlation_id, env.event_id, env.attempt, _position(m))))
-        try:
-            verdicts = self.dedupe.verdicts([item for _, item in keyed])
-        except TRANSIENT as exc:
-            raise BatchTransient(f"redis: {exc}") from exc
-        seen = [Seen.FRESH] * len(batch)
-        for (i, _), verdict in zip(keyed, verdicts):
-            seen[i] = verdict
-        return seen
 
     def _tick(self, periodic: Periodic) -> None:
         """One run of a periodic task, its output in one transaction (no input offsets)."""
@@ -408,25 +397,22 @@ class Runner:
 
     # -- one message -------------------------------------------------------------------
 
-    def _prepare(self, message: Message, envelope: Envelope | Unusable, seen: Seen) -> Work | None:
-        """Decode and guard one message; what can never succeed is dead-lettered here."""
+    def _prepare(self, message: Message, envelope: Envelope | Unusable) -> Work | Refused | None:
+        """Decode and guard one message. One without a usable envelope is dead-lettered here
+        (nothing names its event); one that can never succeed is refused, dead-lettered
+        after the dedupe."""
         topic = message.topic() or ""
         metrics.child(metrics.EVENTS_IN, self.service.name, topic).inc()
-        if seen is not Seen.FRESH:
-            metrics.IGNORED.labels(self.service.name, topic, seen.value).inc()
-            return None
         if isinstance(envelope, Unusable):
             self._dead_letter(message, envelope.reason, envelope.detail)
             return None
         if envelope.hops > self.service.max_hops:
-            self._dead_letter(message, DeadLetterReason.HOP_LIMIT,
-                              f"{envelope.hops} hops > limit {self.service.max_hops}")
-            return None
+            return Refused(message, envelope, DeadLetterReason.HOP_LIMIT,
+                           f"{envelope.hops} hops > limit {self.service.max_hops}")
         try:
             event = self.decoders[topic](message.value())
         except DecodeFailure as exc:
-            self._dead_letter(message, exc.reason, str(exc))
-            return None
+            return Refused(message, envelope, exc.reason, str(exc))
         except RegistryUnavailable as exc:
             raise BatchTransient(f"registry: {exc}") from exc
         log = self.log.bind(event_id=envelope.event_id, delivery_id=envelope.correlation_id,
@@ -437,22 +423,45 @@ class Runner:
             "choreo.attempt": envelope.attempt}) if tracing.enabled() else None
         return Work(message, topic, self.service.handlers[topic], envelope, event, log, span=span)
 
-    def _begin_all(self, work: list[Work]) -> None:
-        stepped = [w for w in work if w.handler.step is not None]
+    def _begin_all(self, taken: list[Work | Refused]) -> list[Work]:
+        """Dedupe every input and begin the steps of those that run, in one round trip; the
+        inputs to run come back (copies and events of released deliveries are skipped, the
+        refused ones dead-lettered)."""
+        run: list[Work] = []
+        for t, (verdict, attempt) in zip(taken, self._begin_verdicts(taken)):
+            topic = t.message.topic() or ""
+            if verdict in (Begin.DUPLICATE, Begin.RELEASED):
+                metrics.IGNORED.labels(self.service.name, topic, verdict.value).inc()
+            elif isinstance(t, Refused):
+                self._dead_letter(t.message, t.reason, t.detail)
+            else:
+                t.verdict = verdict
+                if attempt != t.envelope.attempt:  # it joined the step's current attempt: answer as that
+                    t.envelope = replace(t.envelope, attempt=attempt)
+                    t.log = t.log.bind(attempt=attempt, joined=True)
+                run.append(t)
+        return run
+
+    def _begin_verdicts(self, taken: list[Work | Refused]) -> list[tuple[Begin, int]]:
         now = now_ms()
-        verdicts = self.state.begin_many([
-            (w.envelope.correlation_id, w.handler.step or "", w.envelope.attempt, now,
-             int(w.handler.deadline_s * 1000),
-             Source(w.handler.topic, w.topic, w.message.partition() or 0, w.message.offset() or 0).text())
-            for w in stepped
-        ], self.service.retry_budget, self.joinable, [
-            self.dedupe.sighting(w.envelope.correlation_id, w.envelope.event_id, _position(w.message))
-            if w.handler.step in self.joinable else None for w in stepped])
-        for w, (verdict, attempt) in zip(stepped, verdicts):
-            w.verdict = verdict
-            if attempt != w.envelope.attempt:  # it joined the step's current attempt: answer as that
-                w.envelope = replace(w.envelope, attempt=attempt)
-                w.log = w.log.bind(attempt=attempt, joined=True)
+        return self.state.begin_many(
+            [self._begin_item(t, now) for t in taken], self.service.retry_budget, self.joinable,
+            [dedupe.sighting(self.service.name, t.envelope.correlation_id, t.envelope.event_id,
+                             self._dedupe_position(t.message)) for t in taken],
+            self.cfg.dedupe_ttl_s, refuse_released=self.in_workflow)
+
+    @staticmethod
+    def _begin_item(t: Work | Refused, now: int) -> tuple[str, str, int, int, int, str]:
+        """An input's begin: of its step, or of none (deduplicated only)."""
+        if isinstance(t, Refused) or t.handler.step is None:
+            return t.envelope.correlation_id, "", t.envelope.attempt, now, 0, ""
+        source = Source(t.handler.topic, t.topic, t.message.partition() or 0, t.message.offset() or 0)
+        return (t.envelope.correlation_id, t.handler.step, t.envelope.attempt, now,
+                int(t.handler.deadline_s * 1000), source.text())
+
+    def _dedupe_position(self, message: Message) -> str:
+        """Where a message lies, as the dedupe remembers it."""
+        return f"{message.topic()}|{message.partition()}|{message.offset()}"
 
     def _run_all(self, work: list[Work]) -> list[Work]:
         """Run the batch's handlers; the ones whose outputs await ``finish`` are returned, in
@@ -756,11 +765,6 @@ def _waves(work: list[Work]) -> list[list[Work]]:
             waves.append([])
         waves[k].append(w)
     return waves
-
-
-def _position(message: Message) -> str:
-    """Where a message lies, as the dedupe remembers it."""
-    return f"{message.topic()}|{message.partition()}|{message.offset()}"
 
 
 def _next_offsets(batch: list[Message]) -> list[TopicPartition]:

@@ -42,9 +42,11 @@ class StepStatus(StrEnum):
 
 
 class Begin(StrEnum):
-    """What the runtime may do with an input event for a step."""
+    """What the runtime may do with an input event (for its step, if it has one)."""
 
     GO = "go"  # run the handler
+    DUPLICATE = "duplicate"  # already handled from another position (choreo.dedupe): skip
+    RELEASED = "released"  # its delivery is finished and its state released: skip
     REPLAY = "replay"  # already completed: run again for the same (remembered) answers
     STALE = "stale"  # an older attempt than the current token: ignore
     CLOSED = "closed"  # failed or compensating: a late answer, record and ignore
@@ -179,9 +181,27 @@ return 1
 """
 
 _BEGIN = """
--- a released delivery (choreo.release) is finished: nothing of it starts again
-if redis.call('HEXISTS', KEYS[1], 'done') == 1 then return 'closed' end
 local K, step = KEYS[1], ARGV[1]
+-- a released delivery (choreo.release) is finished: nothing of it starts again, and a
+-- workflow's own service (ARGV[12] = '1') ignores its events outright
+local released = redis.call('HEXISTS', K, 'done') == 1
+if released and ARGV[12] == '1' then return 'released' end
+-- the service's dedupe (choreo.dedupe; KEYS[3]: its hash, ARGV[9]: the event's field there
+-- without its attempt, ARGV[10]: this input's position, ARGV[11]: the hash's TTL): the
+-- position that first carried the event at this attempt runs (again, when its transaction
+-- aborted); another position is a copy whose outputs were committed from the first
+if KEYS[3] then
+  local field = ARGV[9] .. ARGV[2]
+  local previous = redis.call('HGET', KEYS[3], field)
+  if previous and previous ~= ARGV[10] then return 'duplicate' end
+  if not previous then
+    redis.call('HSET', KEYS[3], field, ARGV[10])
+    redis.call('EXPIRE', KEYS[3], ARGV[11])
+  end
+end
+-- no step: an input deduplicated only (a handler outside any step, an input to dead-letter)
+if step == '' then return 'go' end
+if released then return 'closed' end
 local attempt, now = tonumber(ARGV[2]), tonumber(ARGV[3])
 local status = step_get(K, step, 'status')
 if not status then
@@ -207,8 +227,7 @@ if attempt < token then
      and string.find(origins, ',' .. origin .. ',', 1, true) then return 'stale' end
   -- the same event may be on its way at the current attempt from another position: the
   -- supervisor's requeue of this very half, sent before it joined. The first position the
-  -- service's dedupe saw at that attempt runs, the other is a copy (KEYS[3]: the dedupe
-  -- hash, ARGV[9]: the event's field there without its attempt, ARGV[10]: this position)
+  -- service's dedupe saw at that attempt runs, the other is a copy
   if KEYS[3] then
     local taken = redis.call('HGET', KEYS[3], ARGV[9] .. token)
     if taken and taken ~= ARGV[10] then return 'stale' end
@@ -375,10 +394,11 @@ class Source:
 @dataclass(frozen=True)
 class Sighting:
     """Where the service's dedupe (``choreo.dedupe``) keeps an input's event: the hash, the
-    event's field there without its attempt, and the input's position. A fan-in half that
-    joins a newer attempt claims its event at that attempt there, so the supervisor's requeue
-    of the same half, sent before the join, is a copy and does not publish the decision again
-    (a chaos run published 146 terminal events twice, RELIABILITY.md)."""
+    event's field there without its attempt, and the input's position. The begin checks it
+    first, in the same script item. A fan-in half that joins a newer attempt claims its event
+    at that attempt there too, so the supervisor's requeue of the same half, sent before the
+    join, is a copy and does not publish the decision again (a chaos run published 146
+    terminal events twice, RELIABILITY.md)."""
 
     key: str
     field_prefix: str
@@ -445,18 +465,25 @@ class StateTable:
 
     def begin_many(self, items: list[tuple[str, str, int, int, int, str]], budget: int,
                    joinable: set[str] | frozenset[str] = frozenset(),
-                   sightings: Sequence[Sighting | None] = ()) -> list[tuple[Begin, int]]:
+                   sightings: Sequence[Sighting | None] = (), dedupe_ttl_s: int = 0,
+                   refuse_released: bool = False) -> list[tuple[Begin, int]]:
         """``begin`` for a whole batch in one round trip: (delivery, step, attempt, now,
         default deadline ms, source) per item; each verdict comes with the attempt the input
-        runs as (the current one when it joins a step requeued meanwhile). ``joinable``: the
-        steps with several trigger topics (a fan-in), whose other triggers may join.
-        ``sightings``: where each item's event is deduplicated (one per item, ``None`` for
-        a step no input can join), so only one copy of an event runs at the attempt it joins."""
+        runs as (the current one when it joins a step requeued meanwhile). A step of ``""``:
+        an input that is deduplicated only. ``joinable``: the steps with several trigger
+        topics (a fan-in), whose other triggers may join.
+
+        ``sightings``: where each item's event is deduplicated, kept for ``dedupe_ttl_s``
+        (``None``: not deduplicated), checked before the step: a copy is ``DUPLICATE``.
+        ``refuse_released``: every event of a released delivery is ``RELEASED`` (a workflow's
+        own services); else a step of one is ``CLOSED``."""
         seen: Sequence[Sighting | None] = sightings or [None] * len(items)
+        refuse = "1" if refuse_released else "0"
         answers = self._begin.run([
             ([delivery_key(delivery_id), deadline_index(delivery_id), *([at.key] if at else [])],
              [step, attempt, now, default_deadline_ms, budget, index_member(delivery_id, step),
-              source, "1" if step in joinable else "0", *([at.field_prefix, at.position] if at else [])])
+              source, "1" if step in joinable else "0",
+              *((at.field_prefix, at.position, dedupe_ttl_s) if at else ("", "", 0)), refuse])
             for (delivery_id, step, attempt, now, default_deadline_ms, source), at
             in zip(items, seen, strict=True)])
         return [_started(text(r), item[2]) for r, item in zip(answers, items)]

@@ -41,18 +41,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from confluent_kafka import ConsumerGroupTopicPartitions
 
 from choreo.config import settings
-from choreo.dedupe import Seen
-from choreo.envelope import Envelope
 from choreo.kafka import CommittedOffsets, base_config, admin
 from choreo.ops.records import Span, reader, resolve
-from choreo.runner import Runner, RunnerOptions
+from choreo.runner import Refused, Runner, RunnerOptions, Work
 from choreo.service import Service
+from choreo.state import Begin
 from choreo.workflow import Workflow
 
 
@@ -87,26 +85,6 @@ class ReplayResult:
     warnings: list[str] = field(default_factory=list)
 
 
-class _AtReplayPosition:
-    """A message as the dedupe sees it during a replay: same envelope, a replay position."""
-
-    def __init__(self, message: Message, tag: str) -> None:
-        self._message = message
-        self._tag = tag
-
-    def headers(self) -> Any:
-        return self._message.headers()
-
-    def topic(self) -> str:
-        return f"{self._tag}:{self._message.topic()}"
-
-    def partition(self) -> int | None:
-        return self._message.partition()
-
-    def offset(self) -> int | None:
-        return self._message.offset()
-
-
 class ReplayRunner(Runner):
     """The service's runner on a replay group and an explicit assignment (see module doc)."""
 
@@ -129,12 +107,17 @@ class ReplayRunner(Runner):
         self.released_count = 0
         self.aborts = 0
 
-    def _seen(self, batch: list[Message], envelopes: list[Envelope | None]) -> list[Seen]:
-        verdicts = super()._seen(cast(list[Message], [_AtReplayPosition(m, self.group) for m in batch]),
-                                 envelopes)
-        self.fresh_count += sum(v is Seen.FRESH for v in verdicts)
-        self.duplicate_count += sum(v is Seen.DUPLICATE for v in verdicts)
-        self.released_count += sum(v is Seen.RELEASED for v in verdicts)
+    def _dedupe_position(self, message: Message) -> str:
+        """A replay position: an event the live service handled is a copy here."""
+        return f"{self.group}:{super()._dedupe_position(message)}"
+
+    def _begin_verdicts(self, taken: list[Work | Refused]) -> list[tuple[Begin, int]]:
+        verdicts = super()._begin_verdicts(taken)
+        duplicates = sum(v is Begin.DUPLICATE for v, _ in verdicts)
+        released = sum(v is Begin.RELEASED for v, _ in verdicts)
+        self.duplicate_count += duplicates
+        self.released_count += released
+        self.fresh_count += len(verdicts) - duplicates - released
         return verdicts
 
     def _abort(self, batch: list[Message]) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from choreo.dedupe import Deduper, Seen
+from choreo.dedupe import sighting
 from choreo.lease import Lease, lease_key
 from choreo.state import Begin, StateTable, StepStatus, delivery_key
 from consumers.workflow import WORKFLOW
@@ -118,10 +118,10 @@ def test_a_service_runs_the_pipeline_scripts_on_its_own_keys(acl_redis: AclRedis
     assert state.begin(delivery, "prepare_package", 1, now, 30_000, 10, "t|t|0|0") is Begin.GO
     assert state.finish(delivery, "prepare_package", 1, now, StepStatus.COMPLETED) == "ok"
     assert state.steps(delivery)["prepare_package"].status == "completed"
-    dedupe = Deduper(client, "package", 3600)
-    item = (delivery, "event-1", 1, "delivery.requested|0|7")
-    assert dedupe.verdicts([item]) == [Seen.FRESH]
-    assert dedupe.verdicts([(delivery, "event-1", 1, "delivery.requested|0|8")]) == [Seen.DUPLICATE]
+    seen = [sighting("package", delivery, "event-1", position)
+            for position in ("delivery.requested|0|7", "delivery.requested|0|8")]
+    assert state.begin_many([(delivery, "", 1, now, 0, "")] * 2, 10, sightings=seen, dedupe_ttl_s=3600) \
+        == [(Begin.GO, 1), (Begin.DUPLICATE, 1)]
     client.hset(f"pkg:{{{delivery}}}", "size", "S")  # its own record
     # scripts are served by EVALSHA once loaded (redis-py loads them on NOSCRIPT)
     assert client.script_exists(state._begin.sha) == [True]

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from choreo import keys
-from choreo.dedupe import Deduper, Seen
+from choreo.dedupe import sighting
 from choreo.lease import Lease
 from choreo.ops import status
 from choreo.state import Begin, Source, StateTable, StepStatus, deadline_index, delivery_key, index_member
@@ -278,17 +278,21 @@ def test_a_fan_in_failure_left_unpublished_by_a_killed_batch_is_requeued(
     assert drop.kind == "drop" and drop.data["why"] == "outcome failed"
 
 
-def _read(table: StateTable, dedupe: Deduper, d: str, event_id: str, attempt: int, now: int,
-          source: str) -> tuple[Begin, int] | Seen:
-    """One fan-in half read by the delivery service as its runner does: the dedupe first,
-    then (if it is to run) the step's verdict and the attempt it runs as."""
-    position = "|".join(source.split("|")[-3:])  # topic|partition|offset, as the runner keys it
-    [seen] = dedupe.verdicts([(d, event_id, attempt, position)])
-    if seen is not Seen.FRESH:
-        return seen
-    [verdict] = table.begin_many([(d, "delivery", attempt, now, DEADLINE, source)], BUDGET, {"delivery"},
-                                 [dedupe.sighting(d, event_id, position)])
-    return verdict
+def _read(table: StateTable, d: str, event_id: str, attempt: int, now: int,
+          source: str) -> tuple[Begin, int]:
+    """One fan-in half read by the delivery service as its runner reads it: one begin that
+    deduplicates the event first, then gives the step's verdict and the attempt it runs as."""
+    return _read_together(table, d, [(event_id, attempt, source)], now)[0]
+
+
+def _read_together(table: StateTable, d: str, halves: list[tuple[str, int, str]],
+                   now: int) -> list[tuple[Begin, int]]:
+    """Several inputs read in one batch: one begin call, in order."""
+    return table.begin_many(
+        [(d, "delivery", attempt, now, DEADLINE, source) for _, attempt, source in halves], BUDGET, {"delivery"},
+        # topic|partition|offset, as the runner keys it
+        [sighting("delivery", d, event_id, "|".join(source.split("|")[-3:])) for event_id, _, source in halves],
+        3600)
 
 
 def test_a_half_that_joined_makes_its_requeued_copy_a_duplicate(client: redis.Redis, lease: Lease) -> None:
@@ -299,26 +303,33 @@ def test_a_half_that_joined_makes_its_requeued_copy_a_duplicate(client: redis.Re
     attempt to the dedupe and a completed step to ``begin``, so its replay published the
     remembered decision a second time. The half that joins now claims its event at the
     attempt it joins, so the copy is a duplicate; a copy seen first makes the half stale."""
-    dedupe = Deduper(client, "delivery", 3600)
     d, table = _fan_in_after_both_upstreams(client)
     package, half, copy = str(uuid.uuid4()), "package.ready|0|311", "package.ready|retry.p|0|7"
-    assert _read(table, dedupe, d, package, 1, 1_003_000, half) == (Begin.EXPIRED, 1)
+    assert _read(table, d, package, 1, 1_003_000, half) == (Begin.EXPIRED, 1)
     claim = _scan(client, lease, 1_003_010)[(d, "delivery")]
     assert claim.kind == "claim" and claim.data["attempt"] == 2
     requeue = _scan(client, lease, int(claim.data["backoff"]) + 1_003_010)[(d, "delivery")]
     assert requeue.kind == "requeue" and requeue.data["source"] == half
-    assert _read(table, dedupe, d, package, 1, 1_003_100, half) == (Begin.GO, 2)  # read again: joins
+    assert _read(table, d, package, 1, 1_003_100, half) == (Begin.GO, 2)  # read again: joins
     assert table.finish(d, "delivery", 2, 1_003_110, StepStatus.COMPLETED) == "ok"
-    assert _read(table, dedupe, d, package, 2, 1_003_200, copy) is Seen.DUPLICATE
-    assert _read(table, dedupe, d, package, 1, 1_003_210, half) == (Begin.REPLAY, 2)  # its own replay
-    # the other order: the requeued copy is seen first (in the same batch or an earlier one)
+    assert _read(table, d, package, 2, 1_003_200, copy) == (Begin.DUPLICATE, 2)
+    assert _read(table, d, package, 1, 1_003_210, half) == (Begin.REPLAY, 2)  # its own replay
+    # the other order: the requeued copy is read first
     d, table = _fan_in_after_both_upstreams(client)
-    assert _read(table, dedupe, d, package, 1, 1_003_000, half) == (Begin.EXPIRED, 1)
+    assert _read(table, d, package, 1, 1_003_000, half) == (Begin.EXPIRED, 1)
     assert _scan(client, lease, 1_003_010)[(d, "delivery")].kind == "claim"
-    [seen] = dedupe.verdicts([(d, package, 2, "retry.p|0|7")])
-    assert seen is Seen.FRESH
-    assert _read(table, dedupe, d, package, 1, 1_003_100, half) == (Begin.STALE, 1)
-    assert _read(table, dedupe, d, package, 2, 1_003_110, copy) == (Begin.GO, 2)
+    assert _read(table, d, package, 2, 1_003_100, copy) == (Begin.GO, 2)
+    assert _read(table, d, package, 1, 1_003_110, half) == (Begin.STALE, 1)
+    assert _read(table, d, package, 2, 1_003_120, copy) == (Begin.GO, 2)  # its own replay
+    # both in one batch, in either order: the first to claim the attempt runs, the other does not
+    for first_copy in (False, True):
+        d, table = _fan_in_after_both_upstreams(client)
+        assert _read(table, d, package, 1, 1_003_000, half) == (Begin.EXPIRED, 1)
+        assert _scan(client, lease, 1_003_010)[(d, "delivery")].kind == "claim"
+        halves = [(package, 1, half), (package, 2, copy)]
+        verdicts = _read_together(table, d, halves[::-1] if first_copy else halves, 1_003_100)
+        assert verdicts == ([(Begin.GO, 2), (Begin.STALE, 1)] if first_copy
+                            else [(Begin.GO, 2), (Begin.DUPLICATE, 2)])
 
 
 def test_a_step_with_one_trigger_keeps_one_source(client: redis.Redis, lease: Lease) -> None:
