@@ -15,9 +15,9 @@ no answer remembered is not run: it answers ``RELEASED``, and the runner drops t
 That is an attempt which began before the release and resumed after it (a stalled or
 fenced instance): run, it would book a drone for a delivery that has already ended.
 
-An effect on keys of another hash slot (a pool shared by all deliveries, a release index)
-cannot run in the same script as its delivery's memo on a Redis Cluster. It runs in three
-calls instead: recall the answer (or learn the delivery is released), run the body, remember
+On a single node every effect runs with its memo in one script. An effect on keys of
+another hash slot (a pool shared by all deliveries, a release index) cannot do so on a
+Redis Cluster. There it runs in three calls instead: recall the answer (or learn the delivery is released), run the body, remember
 the first answer given. Such a body must itself be idempotent for the same arguments (a
 pool's reservation for a holder answers the member already held), since a crash between the
 last two calls runs it again; a delivery released between the first and the last call gets
@@ -35,6 +35,7 @@ import redis
 from choreo import keys as layout
 from choreo.batch import BatchScript, Item, run_together
 from choreo.dedupe import compact_id
+from choreo.redis_client import is_cluster
 from choreo.state import delivery_key
 
 # an answer no effect body gives (bodies return text they build, never a NUL byte)
@@ -131,7 +132,8 @@ class EffectCall:
 
     @property
     def local(self) -> bool:
-        """Whether its keys lie in its delivery's slot, so it runs with its memo in one script."""
+        """Whether its keys lie in its delivery's slot, so it runs with its memo in one script
+        on a cluster too."""
         return all(layout.in_slot_of(key, self.delivery_id) for key in self.keys)
 
     def run(self, client: redis.Redis) -> str | None:
@@ -152,13 +154,14 @@ class Op(Generic[T]):
 
 
 def run_all(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:
-    """Every call's answer, in order: the calls on their delivery's slot in one round trip,
-    those on another slot in three (see the module doc)."""
+    """Every call's answer, in order: in one round trip, but for those on another slot of a
+    cluster, in three (see the module doc)."""
     answers: list[str | None] = [None] * len(calls)
-    local = [i for i, call in enumerate(calls) if call.local]
+    together = not is_cluster(client)  # one node: a script may take any keys
+    local = [i for i, call in enumerate(calls) if together or call.local]
     for i, answer in zip(local, _in_order(client, [calls[i] for i in local], _with_memo)):
         answers[i] = answer
-    foreign = [i for i, call in enumerate(calls) if not call.local]
+    foreign = [i for i, call in enumerate(calls) if not (together or call.local)]
     if foreign:
         for i, answer in zip(foreign, _elsewhere(client, [calls[i] for i in foreign])):
             answers[i] = answer
