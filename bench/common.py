@@ -306,21 +306,28 @@ def phase_means(before: Mapping[str, float], after: Mapping[str, float],
 # -- misc -----------------------------------------------------------------------------------
 
 
-def free_port(pair: bool = False) -> int:
-    """A free loopback port (and the one after it when ``pair``: Kafka's controller)."""
+def free_port(count: int = 1, offset: int = 0) -> int:
+    """A free loopback port and the ``count - 1`` after it (Kafka's controller; a Redis
+    Cluster's nodes), each with its port ``+ offset`` free too when ``offset`` is set (a
+    cluster node's bus)."""
     for _ in range(50):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = int(sock.getsockname()[1])
-        if not pair:
+        wanted = [port + n for n in range(count)]
+        if wanted[-1] + offset <= 65535 and _all_free([*wanted[1:], *(p + offset for p in wanted if offset)]):
             return port
-        with socket.socket() as other:
+    raise RuntimeError(f"no {count} free ports in a row found")
+
+
+def _all_free(ports: Sequence[int]) -> bool:
+    for port in ports:
+        with socket.socket() as sock:
             try:
-                other.bind(("127.0.0.1", port + 1))
+                sock.bind(("127.0.0.1", port))
             except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair found")
+                return False
+    return True
 
 
 def rate(count: float, seconds: float) -> float:

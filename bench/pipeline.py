@@ -61,10 +61,11 @@ from bench.common import (
     run_header, summarise_repeats, thread_cpu, write_figures,
 )
 from choreo.config import REPO_ROOT, settings
-from choreo.redis_client import connect
+from choreo.redis_client import connect, is_cluster
 from choreo.release import state_keys
 from choreo.state import deadline_index, deadline_shards
 from consumers.drone_scheduler import fleet
+from infra.redis_cluster import BUS_OFFSET, MASTERS, REPLICAS_PER_MASTER, RedisCluster
 from consumers.workflow import WORKFLOW
 from producers.admission import inflight_keys
 from producers.settings import IngestionSettings
@@ -100,13 +101,16 @@ def log(message: str) -> None:
 
 @dataclasses.dataclass
 class Private:
-    """A stack of our own: its data directory, ports and the env that points at it."""
+    """A stack of our own: its data directory, ports and the env that points at it. With
+    ``redis_cluster``, Redis is a Redis Cluster of three masters and three replicas on the
+    six ports from ``redis``, found from its first node as a deployment's would be."""
 
     data_dir: Path
     kafka: int
     redis: int
     registry: int
     owned_dir: bool
+    redis_cluster: bool = False
 
     @property
     def env(self) -> dict[str, str]:
@@ -120,21 +124,45 @@ class Private:
             "redis": ("REDIS_URL", f"redis://127.0.0.1:{self.redis}/0"),
             "registry": ("SCHEMA_REGISTRY_URL", f"http://127.0.0.1:{self.registry}"),
         }
-        return {**{var: url for part, (var, url) in private.items() if part not in outside},
-                "CHOREO_DATA_DIR": str(self.data_dir)}
+        env = {**{var: url for part, (var, url) in private.items() if part not in outside},
+               "CHOREO_DATA_DIR": str(self.data_dir)}
+        if self.redis_cluster:  # started here, not by the stack: to the stack it is external
+            env[stack.EXTERNAL_ENV] = ",".join(sorted(outside | {"redis"}))
+        return env
 
     @classmethod
-    def at(cls, directory: str | None) -> Private:
+    def at(cls, directory: str | None, redis_cluster: bool = False) -> Private:
+        from infra import stack
+
+        if redis_cluster and "redis" in stack.external():
+            raise SystemExit(f"--redis-cluster starts its own cluster: take redis out of {stack.EXTERNAL_ENV}")
         data_dir = Path(directory or tempfile.mkdtemp(prefix="choreo-bench-")).resolve()
         data_dir.mkdir(parents=True, exist_ok=True)
         ports_file = data_dir / "bench-ports.json"
-        if ports_file.exists():
-            ports = json.loads(ports_file.read_text())
-        else:
-            ports = {"kafka": free_port(pair=True), "redis": free_port(), "registry": free_port()}
+        ports = json.loads(ports_file.read_text()) if ports_file.exists() else {}
+        if ports.get("redis_cluster", False) != redis_cluster:
+            nodes = MASTERS * (1 + REPLICAS_PER_MASTER)
+            ports = {"kafka": free_port(2), "registry": free_port(), "redis_cluster": redis_cluster,
+                     "redis": free_port(nodes, BUS_OFFSET) if redis_cluster else free_port()}
             ports_file.write_text(json.dumps(ports))
         return cls(data_dir, ports["kafka"], ports["redis"], ports["registry"],
-                   owned_dir=directory is None)
+                   owned_dir=directory is None, redis_cluster=redis_cluster)
+
+    def cluster(self) -> RedisCluster:
+        return RedisCluster(self.data_dir, base_port=self.redis)
+
+    def pids(self) -> dict[str, int]:
+        """The stack's processes by name; each node of a Redis Cluster apart."""
+        from infra import stack
+        from infra.redis_server import redis_process
+        from infra.registry_process import registry_process
+
+        cfg = settings()
+        redis_nodes = (self.cluster().processes() if self.redis_cluster
+                       else [redis_process(cfg.redis_url, cfg.data_dir)])
+        found = {"kafka": stack.kafka_cluster(cfg).node(0).pid(), "registry": registry_process(cfg).pid(),
+                 **{"redis" if not self.redis_cluster else node.name: node.pid() for node in redis_nodes}}
+        return {name: pid for name, pid in found.items() if pid is not None}
 
     def activate(self) -> None:
         """Point this process (and every child it starts) at the private stack."""
@@ -148,8 +176,11 @@ class Private:
         from consumers.workflow import WORKFLOW
         from infra import stack
 
-        log(f"private stack in {self.data_dir} (Kafka :{self.kafka}, Redis :{self.redis}, "
+        log(f"private stack in {self.data_dir} (Kafka :{self.kafka}, Redis :{self.redis}"
+            f"{' and the five ports after it, a Redis Cluster' if self.redis_cluster else ''}, "
             f"registry :{self.registry})")
+        if self.redis_cluster:
+            self.cluster().start(timeout_s=60)
         stack.start()
         topology.create(WORKFLOW, partitions)
         contracts.register(contracts.topic_models(WORKFLOW, RUNTIME_EVENTS))
@@ -160,6 +191,8 @@ class Private:
 
         if not keep:
             stack.stop()
+            if self.redis_cluster:
+                self.cluster().stop(timeout_s=15)
             if self.owned_dir:
                 shutil.rmtree(self.data_dir, ignore_errors=True)
 
@@ -173,16 +206,27 @@ def add_private_stack_options(parser: argparse.ArgumentParser, figures_file: str
     parser.add_argument("--out", default=str(RESULTS / figures_file))
 
 
-def stack_pids() -> dict[str, int]:
-    from infra import stack
-    from infra.redis_server import redis_process
-    from infra.registry_process import registry_process
+def redis_info(client: redis.Redis, section: str) -> list[dict[str, Any]]:
+    """``INFO section`` of each node that holds data: the one node, or every master of a cluster
+    (redis-py's cluster client asks one node unless told otherwise)."""
+    if is_cluster(client):
+        return list(client.info(section, target_nodes=redis.RedisCluster.PRIMARIES).values())
+    return [client.info(section)]
 
-    cfg = settings()
-    found = {"kafka": stack.kafka_cluster(cfg).node(0).pid(),
-             "redis": redis_process(cfg.redis_url, cfg.data_dir).pid(),
-             "registry": registry_process(cfg).pid()}
-    return {name: pid for name, pid in found.items() if pid is not None}
+
+def used_memory(client: redis.Redis) -> int:
+    return sum(int(info["used_memory"]) for info in redis_info(client, "memory"))
+
+
+def command_stats(client: redis.Redis) -> dict[str, dict[str, float]]:
+    """``INFO commandstats``' calls and µs per command, summed over the nodes."""
+    total: dict[str, dict[str, float]] = {}
+    for info in redis_info(client, "commandstats"):
+        for name, stats in info.items():
+            into = total.setdefault(name, {"calls": 0, "usec": 0})
+            into["calls"] += stats["calls"]
+            into["usec"] += stats["usec"]
+    return total
 
 
 # -- processes we watch ---------------------------------------------------------------------
@@ -437,7 +481,7 @@ class Bench:
 
     def pids(self) -> dict[str, int]:
         found = {n: pid for n, p in self.services.items() if (pid := p.pid()) is not None}
-        return {**found, **stack_pids()}
+        return {**found, **self.private.pids()}
 
     # -- the pipeline ------------------------------------------------------------------------
 
@@ -447,8 +491,8 @@ class Bench:
         watch = Watch(self.pids())
         observer = Observer(OUTCOME_TOPICS)
         before = scrape(self.metrics_ports)
-        mem_before = int(client.info("memory")["used_memory"])
-        commands_before = client.info("commandstats")
+        mem_before = used_memory(client)
+        commands_before = command_stats(client)
         if profile:
             self.profile_dir.mkdir(parents=True, exist_ok=True)
         spies = self._start_profilers([p for p in profile if p not in OTHER_PROFILES], tag)
@@ -477,8 +521,8 @@ class Bench:
                                      **summarise_profile(ingestion_profile.read_text(),
                                                          top=self.args.profile_top)}
         after = scrape(self.metrics_ports)
-        mem_after = int(client.info("memory")["used_memory"])
-        commands = redis_commands(commands_before, client.info("commandstats"), len(ids))
+        mem_after = used_memory(client)
+        commands = redis_commands(commands_before, command_stats(client), len(ids))
         observer.close()
         figures = outcome_figures(driven, observer, self.hops, waited)
         figures.update({
@@ -519,7 +563,7 @@ class Bench:
     def _start_broker_profile(self, tag: str) -> tuple[int, Path]:
         from bench import jfr
 
-        pid = stack_pids()["kafka"]
+        pid = self.private.pids()["kafka"]
         self.profile_dir.mkdir(parents=True, exist_ok=True)
         out = (self.profile_dir / f"kafka-{tag}.jfr").resolve()  # the broker resolves it, not us
         jfr.start(pid, out)
@@ -605,7 +649,7 @@ class Bench:
                         cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT,
                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
             wait_for_groups(groups, 60)
-            watch = Watch({**{n_: p.pid for n_, p in procs.items()}, **stack_pids()})
+            watch = Watch({**{n_: p.pid for n_, p in procs.items()}, **self.private.pids()})
             observer = Observer([prefix + TERMINAL_TOPIC])
             broker = self._start_broker_profile(tag) if profile_broker else None
             watch.begin()
@@ -674,7 +718,7 @@ class Bench:
         client = connect(settings().redis_url)
         step_consumers = self._pids("package", "drone-scheduler")
         notifier = self._pids("notifier")
-        base = int(client.info("memory")["used_memory"])
+        base = used_memory(client)
         logs_base = self._business_log_bytes(client)
         admission_base = self._bytes_of(client, ADMISSION_SET)
         shared_base = self._shared_bytes(client)
@@ -683,7 +727,7 @@ class Bench:
             os.kill(pid, signal.SIGSTOP)
         try:
             driven = run_drivers(pipeline_driver_argvs(n, 0, 1, 99), self.work, "memory")
-            accepted_mem = int(client.info("memory")["used_memory"])
+            accepted_mem = used_memory(client)
             counted_accepted = self._counted(client, [i for i, _, _ in driven["accepted"]], shared_base)
         finally:
             for pid in step_consumers:
@@ -693,7 +737,7 @@ class Bench:
             waited = observer.wait_for(ids, self.args.timeout)
             observer.close()
             recorded = _wait(lambda: self._awaiting_release(client) >= len(ids), self.args.timeout)
-            held_mem = int(client.info("memory")["used_memory"])
+            held_mem = used_memory(client)
             counted_held = self._counted(client, ids, shared_base)
             held_keys = self._keys_of(client, ids[0]) if ids else {}
         finally:
@@ -701,7 +745,7 @@ class Bench:
                 os.kill(pid, signal.SIGCONT)
         released = _wait(lambda: self._awaiting_release(client) == 0, self.args.timeout)
         time.sleep(1.0)
-        done_mem = int(client.info("memory")["used_memory"])
+        done_mem = used_memory(client)
         counted_done = self._counted(client, ids, shared_base)
         logs = self._business_log_bytes(client) - logs_base
         admission = self._bytes_of(client, ADMISSION_SET) - admission_base
@@ -871,7 +915,7 @@ def evaluate(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    private = Private.at(args.stack_dir)
+    private = Private.at(args.stack_dir, args.redis_cluster)
     private.activate()
     bench = Bench(args, private)
     result: dict[str, Any] = {
@@ -880,7 +924,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "rates": args.rates,
                    "open_seconds": args.open_seconds, "partitions": args.partitions,
                    "instances_per_service": args.instances, "drivers": args.drivers, "log_level": args.log_level,
-                   "stack": "private (own Kafka, Redis, registry on free ports)"},
+                   "stack": "private (own Kafka, Redis, registry on free ports)",
+                   "redis": "a Redis Cluster of 3 masters and 3 replicas" if args.redis_cluster else "one node",
+                   "redis_wait_replicas": settings().redis_wait_replicas},
         "hops": dataclasses.asdict(bench.hops),
     }
     try:
@@ -927,7 +973,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["memory"] = bench.memory_probe(min(1000, args.deliveries))
         all_procs = [run_["pipeline"]["processes"] for run_ in runs]
         result["peak_rss_mb"] = {name: max(p.get(name, {}).get("peak_rss_mb", 0.0) for p in all_procs)
-                                 for name in list(bench.services) + ["kafka", "redis", "registry"]}
+                                 for name in [*bench.services, *private.pids()]}
     finally:
         bench.stop()
         private.stop(keep=args.keep_stack)
@@ -1013,6 +1059,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                               "measured capacity, which always runs)")
     parser.add_argument("--open-seconds", type=float, default=2.0, help="length of each open-loop run")
     parser.add_argument("--partitions", type=int, default=6)
+    parser.add_argument("--redis-cluster", action="store_true",
+                        help="Redis as a Redis Cluster of three masters with a replica each")
     parser.add_argument("--instances", type=int, default=1, help="processes per service")
     parser.add_argument("--drivers", type=int, default=1,
                         help="submitting processes (the Python producer API), sharing N and the rate")

@@ -74,6 +74,28 @@ def test_the_benchmark_measures_every_figure_on_its_own_stack(tmp_path: Path) ->
         "redis_script_items_per_delivery"}
 
 
+def test_the_benchmark_runs_the_pipeline_on_a_redis_cluster_of_its_own(tmp_path: Path) -> None:
+    summary, result = run_benchmark(
+        "bench.pipeline", "--redis-cluster", "--deliveries", "200", "--repeats", "1", "--warmup", "200",
+        "--rates", "100", "--open-seconds", "1", "--timeout", "90", out=tmp_path / "cluster.json")
+    assert result["config"]["redis"] == "a Redis Cluster of 3 masters and 3 replicas"
+    closed = result["runs"][0]["pipeline"]
+    assert closed["accepted"] == closed["terminal"] == 200
+    assert closed["lost_or_stuck"] == 0 and closed["more_than_one_outcome"] == 0
+    # every node's CPU is measured apart; the masters ran the scripts
+    nodes = [name for name in closed["processes"] if name.startswith("redis-")]
+    assert len(nodes) == 6 and "redis" not in closed["processes"]
+    assert sum(closed["cpu"]["net_cpu_us_per_delivery"][node] for node in nodes) > 0
+    # a batch splits by slot on a cluster: several script calls per delivery (one node: a few per batch)
+    commands = closed["redis_commands_per_delivery"]
+    assert commands["evalsha"]["calls"] >= 1
+    assert summary["redis_script_items_per_delivery"] >= result["hops"]["consumed"]
+    memory = result["memory"]
+    assert memory["all_terminal"] and memory["all_recorded"] and memory["all_released"]
+    counted = memory["counted_bytes_per_delivery"]
+    assert 0 < counted["released"]["own"] < counted["before_release"]["own"] / 4
+
+
 def test_the_ingestion_benchmark_measures_both_servers_and_loses_nothing(tmp_path: Path) -> None:
     summary, result = run_benchmark(
         "bench.ingestion", "--requests", "300", "--concurrency", "4,32", "--repeats", "1",
