@@ -41,7 +41,7 @@ class Settings(BaseSettings):
     )
     kafka_heap: str = Field("-Xms256m -Xmx768m", validation_alias="KAFKA_HEAP_OPTS")
     start_timeout_s: float = Field(90.0, validation_alias="CHOREO_START_TIMEOUT")
-    dedupe_ttl_s: int = Field(24 * 3600, validation_alias="CHOREO_DEDUPE_TTL_S")
+    dedupe_ttl_s: int = Field(24 * 3600, ge=1, validation_alias="CHOREO_DEDUPE_TTL_S")
     # the pipeline's producers (services, ingestion); an A/B switch for the benchmark too
     kafka_compression: str = Field("lz4", validation_alias="CHOREO_KAFKA_COMPRESSION")
     # the services' fetches: how many bytes the broker waits for, and for how long at most

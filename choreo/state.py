@@ -478,6 +478,8 @@ class StateTable:
         ``refuse_released``: every event of a released delivery is ``RELEASED`` (a workflow's
         own services); else a step of one is ``CLOSED``."""
         seen: Sequence[Sighting | None] = sightings or [None] * len(items)
+        if dedupe_ttl_s < 1 and any(seen):  # EXPIRE 0 would delete every service's entries
+            raise ValueError(f"a dedupe window of {dedupe_ttl_s} s: the entries must live")
         refuse = "1" if refuse_released else "0"
         answers = self._begin.run([
             ([delivery_key(delivery_id), deadline_index(delivery_id), *([at.key] if at else [])],

@@ -295,6 +295,14 @@ def _read_together(table: StateTable, d: str, halves: list[tuple[str, int, str]]
         3600)
 
 
+def test_a_begin_that_deduplicates_needs_a_window(client: redis.Redis) -> None:
+    d = _new(client, "drone")
+    with pytest.raises(ValueError, match="dedupe window"):
+        StateTable(client).begin_many([(d, "drone", 1, 1_000_100, DEADLINE, "t|t|2|41")], BUDGET,
+                                      sightings=[sighting("drone-scheduler", d, "e", "t|2|41")])
+    assert _fields(client, d)["drone.status"] == "pending"  # nothing ran
+
+
 def test_a_half_that_joined_makes_its_requeued_copy_a_duplicate(client: redis.Redis, lease: Lease) -> None:
     """Found by a chaos run (146 terminal events published twice). The package half was read
     after the fan-in's deadline and its batch aborted, so it stayed unread. The supervisor
