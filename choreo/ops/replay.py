@@ -46,6 +46,7 @@ from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from confluent_kafka import ConsumerGroupTopicPartitions
 
 from choreo.config import settings
+from choreo.envelope import Envelope, Unusable
 from choreo.kafka import CommittedOffsets, base_config, admin
 from choreo.ops.records import Span, reader, resolve
 from choreo.runner import Refused, Runner, RunnerOptions, Work
@@ -110,6 +111,12 @@ class ReplayRunner(Runner):
     def _dedupe_position(self, message: Message) -> str:
         """A replay position: an event the live service handled is a copy here."""
         return f"{self.group}:{super()._dedupe_position(message)}"
+
+    def _prepare(self, message: Message, envelope: Envelope | Unusable) -> Work | Refused | None:
+        taken = super()._prepare(message, envelope)
+        if taken is None:  # dead-lettered at once (no usable envelope): handled, as a fresh record is
+            self.fresh_count += 1
+        return taken
 
     def _begin_verdicts(self, taken: list[Work | Refused]) -> list[tuple[Begin, int]]:
         verdicts = super()._begin_verdicts(taken)
