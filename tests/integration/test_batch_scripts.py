@@ -10,7 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import redis
 
-from choreo import batch
+from choreo import batch, effects
 from choreo.batch import BatchScript, run_together
 from choreo.config import settings
 from choreo.effects import EffectCall, OnceEffect, run_all
@@ -96,9 +96,16 @@ def test_an_item_answering_an_error_fails_the_call(redis_client: redis.Redis) ->
         failing.run([([], ["good"]), ([], ["bad"])])
 
 
-def test_effects_of_a_round_run_in_input_order_across_effects(redis_client: redis.Redis, unique: str) -> None:
+@pytest.mark.parametrize("three_calls", [False, True], ids=["as-the-store-allows", "in-three-calls"])
+def test_effects_of_a_round_run_in_input_order_across_effects(
+        redis_client: redis.Redis, unique: str, three_calls: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Consecutive calls of one effect share a script call, but a later effect never runs
-    before an earlier one of another kind (a release, then a reserve of the same fleet)."""
+    before an earlier one of another kind (a release, then a reserve of the same fleet). The
+    counter lies in another slot than the deliveries: on one node each effect runs in one
+    script with its memo, on a cluster in three calls (recall, body, remember), which
+    ``three_calls`` takes on one node too."""
+    if three_calls:
+        monkeypatch.setattr(effects, "is_cluster", lambda client: True)
     count = OnceEffect("count", "return tostring(redis.call('INCRBY', KEYS[1], 1))")
     read = OnceEffect("read", "return tostring(redis.call('GET', KEYS[1]))")
     counter = f"{unique}:counter"
