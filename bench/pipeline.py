@@ -140,7 +140,7 @@ class Private:
         data_dir.mkdir(parents=True, exist_ok=True)
         ports_file = data_dir / "bench-ports.json"
         ports = json.loads(ports_file.read_text()) if ports_file.exists() else {}
-        if ports.get("redis_cluster", False) != redis_cluster:
+        if not ports or ports.get("redis_cluster", False) != redis_cluster:
             nodes = MASTERS * (1 + REPLICAS_PER_MASTER)
             ports = {"kafka": free_port(2), "registry": free_port(), "redis_cluster": redis_cluster,
                      "redis": free_port(nodes, BUS_OFFSET) if redis_cluster else free_port()}
