@@ -65,8 +65,8 @@ from choreo.redis_client import connect, is_cluster
 from choreo.release import state_keys
 from choreo.state import deadline_index, deadline_shards
 from consumers.drone_scheduler import fleet
-from infra.redis_cluster import BUS_OFFSET, MASTERS, REPLICAS_PER_MASTER, RedisCluster
 from consumers.workflow import WORKFLOW
+from infra.redis_cluster import BUS_OFFSET, MASTERS, REPLICAS_PER_MASTER, RedisCluster
 from producers.admission import inflight_keys
 from producers.settings import IngestionSettings
 
@@ -161,7 +161,7 @@ class Private:
         redis_nodes = (self.cluster().processes() if self.redis_cluster
                        else [redis_process(cfg.redis_url, cfg.data_dir)])
         found = {"kafka": stack.kafka_cluster(cfg).node(0).pid(), "registry": registry_process(cfg).pid(),
-                 **{"redis" if not self.redis_cluster else node.name: node.pid() for node in redis_nodes}}
+                 **{node.name if self.redis_cluster else "redis": node.pid() for node in redis_nodes}}
         return {name: pid for name, pid in found.items() if pid is not None}
 
     def activate(self) -> None:
