@@ -271,18 +271,24 @@ class Admission:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed: set[str] = set()  # reasons currently refusing (logged on change only)
+        # records this instance saw the broker confirm, and how many of them before the
+        # last measurement began (the others it may not count)
+        self._count_lock = threading.Lock()
+        self._published = 0
+        self._published_before_measure = 0
         self.log = get_logger(component="admission")
 
     # -- per request -------------------------------------------------------------------
 
-    def check_backlog(self) -> None:
-        """Refuse while the slowest step consumer lags past the threshold (last measurement).
+    def check_backlog(self, pending: int = 0) -> None:
+        """Refuse while the slowest step consumer lags past the threshold: ``lag``, plus the
+        ``pending`` publishes the broker has not confirmed yet.
 
         A stale measurement does not refuse (the in-flight cap still holds); it makes the
         service report not ready instead, so the failure is visible without closing the door.
         """
         limit = self.cfg.max_backlog
-        lag = self.backlog.lag
+        lag = self.lag() + pending
         if limit and lag >= limit and self.fresh():
             excess = lag - limit + 1
             rate = self.backlog.drain_per_s
@@ -291,6 +297,20 @@ class Admission:
             raise AdmissionRefused("backlog", f"the pipeline is {lag} requests behind (limit {limit})",
                                    max(self.cfg.retry_after_s, min(MAX_RETRY_AFTER_S, wait)))
         self._open("backlog")
+
+    def lag(self) -> int:
+        """The last measured lag plus what this instance published since that measurement
+        began: a flood between two measurements meets the limit, not a measurement later.
+        What was consumed meanwhile still counts until the next measurement (at most the
+        rate times one interval): a drain rate measured an interval ago could reopen the
+        door for a request while nothing drains."""
+        with self._count_lock:
+            return self.backlog.lag + self._published - self._published_before_measure
+
+    def published(self, count: int) -> None:
+        """``count`` records reached the topic (the broker confirmed them)."""
+        with self._count_lock:
+            self._published += count
 
     def reserve(self, items: Sequence[tuple[str, str]]) -> list[AdmissionRefused | None]:
         """Take places in flight for (delivery id, owner) ``items``, in order, within the cap
@@ -355,9 +375,13 @@ class Admission:
             self.log.warning("in-flight trim failed", error=str(exc))
         if not self.cfg.max_backlog or not self.groups:
             return
+        with self._count_lock:
+            published_before = self._published
         try:
-            self.backlog = self.meter.measure()
-            metrics.BACKLOG.set(self.backlog.lag)
+            backlog = self.meter.measure()
+            with self._count_lock:
+                self.backlog, self._published_before_measure = backlog, published_before
+            metrics.BACKLOG.set(backlog.lag)
         except Exception as exc:  # Kafka unreachable, topic missing: retry next tick
             self.log.warning("lag measurement failed", error=f"{type(exc).__name__}: {exc}"[:300])
 
@@ -379,5 +403,5 @@ class Admission:
             self._thread = None
 
     def snapshot(self) -> dict[str, Any]:
-        return {"backlog": self.backlog.lag, "backlog_per_group": self.backlog.per_group or {},
+        return {"backlog": self.lag(), "backlog_per_group": self.backlog.per_group or {},
                 "drain_per_s": round(self.backlog.drain_per_s, 1), "groups": self.groups}

@@ -356,7 +356,7 @@ class Submitter:
             refusals[room:] = [queue_full] * (len(items) - room)
         try:
             if room > 0 and items:
-                self.admission.check_backlog()
+                self.admission.check_backlog(pending)
                 refusals[:room] = self.admission.reserve(
                     [(item.delivery_id, item.request.owner_id) for item in items[:room]])
         except AdmissionRefused as backlog:
@@ -442,6 +442,7 @@ class Submitter:
                              error=str(err))
             _settle(future, exc=DeliveryPublishError(delivery_id, str(err)))
             return
+        self.admission.published(1)
         metrics.CONFIRM_SECONDS.observe(time.monotonic() - started)
         metrics.ACCEPTED.labels(self.entry).inc()
         if claim is not None:
