@@ -98,10 +98,26 @@ local function step_incr(key, step, name, by)
   step_set(key, step, {[name] = value})
   return value
 end
+-- args[first], args[first + 1], ...: (step, complete-by ms, deadline index member, attempt)
+-- of steps to open as pending, each unless it exists; their deadlines go in one ZADD
+local function open_steps(key, index, args, first, now)
+  local deadlines = {}
+  for i = first, #args, 4 do
+    if not step_get(key, args[i], 'status') then
+      step_set(key, args[i], {status = 'pending', complete_by = tonumber(args[i + 1]),
+               attempt = tonumber(args[i + 3]) or 1, tries = 0, failures = 0, updated = now})
+      deadlines[#deadlines + 1] = args[i + 1]
+      deadlines[#deadlines + 1] = args[i + 2]
+    end
+  end
+  if #deadlines > 0 then redis.call('ZADD', index, unpack(deadlines)) end
+  return #deadlines / 2
+end
 local function is_step_record(name, value)
   return not string.find(name, '.', 1, true) and string.sub(value, 1, 1) == '['
 end
 local function step_flush()
+  local writes = {}  -- per hash: one HSET of all its records written
   for id, where in pairs(step_dirty) do
     -- values past STEP_FIELDS were written by a newer version running beside this one
     -- (choreo.layout): kept as they are
@@ -116,9 +132,13 @@ local function step_flush()
       for i = 1, last do
         if record[i] == nil then packed[i] = cjson.null else packed[i] = record[i] end
       end
-      redis.call('HSET', where[1], where[2], cjson.encode(packed))
+      local fields = writes[where[1]] or {}
+      fields[#fields + 1] = where[2]
+      fields[#fields + 1] = cjson.encode(packed)
+      writes[where[1]] = fields
     end
   end
+  for key, fields in pairs(writes) do redis.call('HSET', key, unpack(fields)) end
   step_records, step_dirty = {}, {}
 end
 """ % ", ".join(f"'{name}'" for name in STEP_FIELDS)
@@ -165,12 +185,9 @@ def index_member(delivery_id: str, step: str) -> str:
     return f"{delivery_id}|{step}"
 
 
+# one delivery's steps: ARGV[1] = now, then open_steps' quadruples
 _OPEN = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-step_set(KEYS[1], ARGV[1], {status = 'pending', complete_by = tonumber(ARGV[2]),
-         attempt = tonumber(ARGV[5]) or 1, tries = 0, failures = 0, updated = tonumber(ARGV[3])})
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[4])
-return 1
+return open_steps(KEYS[1], KEYS[2], ARGV, 2, tonumber(ARGV[1]))
 """
 
 _ABANDON = """
@@ -319,15 +336,7 @@ _FINISH_OPENING = """
 local verdict = (function()
 %s
 end)()
-if verdict == 'ok' or verdict == 'replay' then
-  for i = 7, #ARGV, 4 do
-    if not step_get(KEYS[1], ARGV[i], 'status') then
-      step_set(KEYS[1], ARGV[i], {status = 'pending', complete_by = tonumber(ARGV[i + 1]),
-               attempt = tonumber(ARGV[i + 3]), tries = 0, failures = 0, updated = tonumber(ARGV[3])})
-      redis.call('ZADD', KEYS[2], ARGV[i + 1], ARGV[i + 2])
-    end
-  end
-end
+if verdict == 'ok' or verdict == 'replay' then open_steps(KEYS[1], KEYS[2], ARGV, 7, tonumber(ARGV[3])) end
 return verdict
 """ % _FINISH
 
@@ -446,9 +455,13 @@ class StateTable:
 
     @staticmethod
     def _open_items(items: Sequence[tuple[str, str, int, int]], now_ms: int) -> list[Item]:
-        return [([delivery_key(delivery_id), deadline_index(delivery_id)],
-                 [step, complete_by_ms, now_ms, index_member(delivery_id, step), attempt])
-                for delivery_id, step, complete_by_ms, attempt in items]
+        """One script item per delivery, opening all of its steps."""
+        opens: dict[str, list[str | int]] = {}
+        for delivery_id, step, complete_by_ms, attempt in items:
+            opens.setdefault(delivery_id, [now_ms]).extend(
+                (step, complete_by_ms, index_member(delivery_id, step), attempt))
+        return [([delivery_key(delivery_id), deadline_index(delivery_id)], args)
+                for delivery_id, args in opens.items()]
 
     def abandon_many(self, items: Sequence[tuple[str, str]]) -> None:
         """Withdraw steps opened for triggers that were never published (still pending):
