@@ -280,30 +280,35 @@ class Admission:
 
     # -- per request -------------------------------------------------------------------
 
-    def check_backlog(self, pending: int = 0) -> None:
-        """Refuse while the slowest step consumer lags past the threshold: ``lag``, plus the
-        ``pending`` publishes the broker has not confirmed yet.
+    def check_backlog(self, pending: int = 0, wanted: int = 1) -> tuple[int, AdmissionRefused | None]:
+        """How many of ``wanted`` requests the backlog lets in, and the refusal of the rest:
+        the slowest step consumer's ``lag``, plus the ``pending`` publishes not confirmed
+        yet, plus those let in here, stays under the threshold.
 
         A stale measurement does not refuse (the in-flight cap still holds); it makes the
         service report not ready instead, so the failure is visible without closing the door.
         """
         limit = self.cfg.max_backlog
         lag = self.lag() + pending
-        if limit and lag >= limit and self.fresh():
-            excess = lag - limit + 1
-            rate = self.backlog.drain_per_s
-            wait = math.ceil(excess / rate) if rate > 0 else 5 * self.cfg.retry_after_s
-            self._refusing("backlog", f"consumer lag {lag} >= {limit}")
-            raise AdmissionRefused("backlog", f"the pipeline is {lag} requests behind (limit {limit})",
-                                   max(self.cfg.retry_after_s, min(MAX_RETRY_AFTER_S, wait)))
-        self._open("backlog")
+        if not limit or lag + wanted <= limit or not self.fresh():
+            self._open("backlog")
+            return wanted, None
+        allowed = max(0, limit - lag)
+        behind = lag + allowed  # what the refused ones find
+        rate = self.backlog.drain_per_s
+        wait = math.ceil((behind - limit + 1) / rate) if rate > 0 else 5 * self.cfg.retry_after_s
+        self._refusing("backlog", f"consumer lag {behind} >= {limit}")
+        return allowed, AdmissionRefused(
+            "backlog", f"the pipeline is {behind} requests behind (limit {limit})",
+            max(self.cfg.retry_after_s, min(MAX_RETRY_AFTER_S, wait)))
 
     def lag(self) -> int:
         """The last measured lag plus what this instance published since that measurement
         began: a flood between two measurements meets the limit, not a measurement later.
         What was consumed meanwhile still counts until the next measurement (at most the
         rate times one interval): a drain rate measured an interval ago could reopen the
-        door for a request while nothing drains."""
+        door for a request while nothing drains. Each instance counts only its own
+        publishes: several let a flood past by up to the others' publishes in one interval."""
         with self._count_lock:
             return self.backlog.lag + self._published - self._published_before_measure
 
@@ -403,5 +408,6 @@ class Admission:
             self._thread = None
 
     def snapshot(self) -> dict[str, Any]:
-        return {"backlog": self.lag(), "backlog_per_group": self.backlog.per_group or {},
+        return {"backlog": self.lag(), "measured_backlog": self.backlog.lag,
+                "backlog_per_group": self.backlog.per_group or {},
                 "drain_per_s": round(self.backlog.drain_per_s, 1), "groups": self.groups}

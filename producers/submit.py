@@ -184,6 +184,7 @@ class Submitter:
         self._confirm = self.redis.register_script(_CONFIRM)
         self._free = self.redis.register_script(_FREE)
         self._pending = 0
+        self._admitting = 0  # let in by the backlog, not yet handed to the producer
         self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
@@ -322,19 +323,24 @@ class Submitter:
     def _admit_and_publish(self, items: list[_Item]) -> list[Submission | SubmitError]:
         """Admit the items, publish the admitted ones; a refused or failed item leaves
         nothing behind (its place, its idempotency claim, its owner record)."""
+        let_in = self._let_in(len(items))
         try:
-            refusals = self._admit(items)
-        except redis.RedisError:  # the script may have run, only its reply lost: undo it all
-            self.admission.release([item.delivery_id for item in items])
-            self._leave_nothing(items)
-            raise
-        admitted = [item for item, refusal in zip(items, refusals) if refusal is None]
-        try:
-            published = iter(self._publish(admitted))
-        except BaseException:  # raised before anything was produced (Publisher.publish_many)
-            self.admission.release([item.delivery_id for item in admitted])
-            self._leave_nothing(items)
-            raise
+            try:
+                refusals = self._admit(items, let_in)
+            except redis.RedisError:  # the script may have run, only its reply lost: undo it all
+                self.admission.release([item.delivery_id for item in items])
+                self._leave_nothing(items)
+                raise
+            admitted = [item for item, refusal in zip(items, refusals) if refusal is None]
+            try:
+                published = iter(self._publish(admitted))
+            except BaseException:  # raised before anything was produced (Publisher.publish_many)
+                self.admission.release([item.delivery_id for item in admitted])
+                self._leave_nothing(items)
+                raise
+        finally:
+            with self._pending_lock:
+                self._admitting -= let_in[0]
         results = [refusal if refusal is not None else next(published) for refusal in refusals]
         failed = [item for item, refusal, result in zip(items, refusals, results)
                   if refusal is None and not isinstance(result, Submission)]
@@ -342,25 +348,30 @@ class Submitter:
         self._leave_nothing([*failed, *(item for item, refusal in zip(items, refusals) if refusal)])
         return results
 
-    def _admit(self, items: list[_Item]) -> list[AdmissionRefused | None]:
-        """Each item's refusal, None for those that got a place: the producer queue's room
-        goes to the first ones, the backlog refuses all, then the in-flight cap and each
-        owner's share of it (``Admission.reserve``)."""
+    def _let_in(self, count: int) -> tuple[int, AdmissionRefused | None]:
+        """How many of ``count`` requests the producer queue's room and the backlog let in,
+        and the refusal of the rest. Those let in count as pending until they are handed to
+        the producer: callers on other threads meet them at the door."""
         with self._pending_lock:
-            pending = self._pending
-        room = max(0, self.cfg.max_pending - pending)
-        refusals: list[AdmissionRefused | None] = [None] * len(items)
-        if room < len(items):
-            queue_full = AdmissionRefused("producer_queue", f"{pending} publishes await the broker's "
-                                          "confirmation", self.cfg.retry_after_s, status=503)
-            refusals[room:] = [queue_full] * (len(items) - room)
-        try:
-            if room > 0 and items:
-                self.admission.check_backlog(pending)
-                refusals[:room] = self.admission.reserve(
-                    [(item.delivery_id, item.request.owner_id) for item in items[:room]])
-        except AdmissionRefused as backlog:
-            refusals = [backlog] * len(items)
+            pending = self._pending + self._admitting
+            room = min(count, max(0, self.cfg.max_pending - pending))
+            allowed, refused = self.admission.check_backlog(pending, room) if room else (0, None)
+            self._admitting += allowed
+        if refused is None and room < count:
+            refused = AdmissionRefused("producer_queue", f"{pending} publishes await the broker's "
+                                      "confirmation", self.cfg.retry_after_s, status=503)
+        return allowed, refused
+
+    def _admit(self, items: list[_Item], let_in: tuple[int, AdmissionRefused | None]
+               ) -> list[AdmissionRefused | None]:
+        """Each item's refusal, None for those that got a place: the first ``let_in`` (room
+        in the producer queue and the backlog), then within the in-flight cap and each
+        owner's share of it (``Admission.reserve``)."""
+        allowed, refused = let_in
+        refusals: list[AdmissionRefused | None] = [refused] * len(items)
+        if allowed:
+            refusals[:allowed] = self.admission.reserve(
+                [(item.delivery_id, item.request.owner_id) for item in items[:allowed]])
         for reason, count in Counter(r.reason for r in refusals if r is not None).items():
             metrics.REFUSED.labels(reason).inc(count)
         return refusals
@@ -428,6 +439,8 @@ class Submitter:
               future: Future[None], started: float) -> None:
         """Delivery report (poll thread): settle the caller, the key and the in-flight place."""
         delivery_id, claim = item.delivery_id, item.claim
+        if err is None:  # counted before it leaves the pending ones: never in neither
+            self.admission.published(1)
         self._unpend()
         if err is not None:
             metrics.PUBLISH_FAILED.inc()
@@ -442,7 +455,6 @@ class Submitter:
                              error=str(err))
             _settle(future, exc=DeliveryPublishError(delivery_id, str(err)))
             return
-        self.admission.published(1)
         metrics.CONFIRM_SECONDS.observe(time.monotonic() - started)
         metrics.ACCEPTED.labels(self.entry).inc()
         if claim is not None:

@@ -94,6 +94,15 @@ def test_a_stopped_service_closes_the_door_and_nothing_accepted_is_lost(
             api.submit(request_body(owner_id=owner))
         assert refused.value.reason == "backlog" and refused.value.retry_after_s >= 1
 
+        # a batch gets only the room left: one of 200 through a door twice as wide
+        wider = ingestion_settings(unique, INGESTION_MAX_BACKLOG=2 * BACKLOG_LIMIT)
+        with DeliveryClient(wider) as api, pytest.raises(AdmissionRefused) as refused:
+            api.submit_many([request_body(owner_id=owner) for _ in range(200)])
+        assert refused.value.reason == "backlog"
+        batch = refused.value.accepted
+        assert 1 <= len(batch) and len(accepted) + len(batch) <= 2 * BACKLOG_LIMIT, len(batch)
+        accepted += batch
+
         # what the door refused was never published; what it accepted was, once each
         published = [key for key, event, _ in records_since(start) if event.owner_id == owner]
         assert sorted(published) == sorted([first, *accepted])

@@ -4,13 +4,16 @@ yet. The measurement itself runs against a real broker in ``test_admission.py``.
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 import redis
 
+from producers import admission as admission_module
 from producers.admission import Admission, Backlog
-from producers.errors import AdmissionRefused
+from producers.submit import Submitter
 from tests.ingestion import ingestion_settings
 
 LIMIT = 100
@@ -34,7 +37,8 @@ def door(meter: Meter, monotonic: list[float], monkeypatch: pytest.MonkeyPatch) 
     admission.meter = cast(Any, meter)
     monkeypatch.setattr(admission.inflight, "trim", lambda _now_ms: 0)
     monkeypatch.setattr(admission.inflight, "count", lambda: 0)
-    monkeypatch.setattr("producers.admission.time.monotonic", lambda: monotonic[0])
+    monkeypatch.setattr(admission_module, "time", SimpleNamespace(monotonic=lambda: monotonic[0],
+                                                                   time=time.time))
     return admission
 
 
@@ -42,9 +46,8 @@ def publish(admission: Admission, count: int) -> int:
     """Publish one at a time, as sequential requests do, each confirmed before the next
     asks: how many the door let in before it refused."""
     for published in range(count):
-        try:
-            admission.check_backlog()
-        except AdmissionRefused:
+        allowed, _ = admission.check_backlog()
+        if not allowed:
             return published
         admission.published(1)
     return count
@@ -94,10 +97,29 @@ def test_a_new_measurement_counts_only_what_was_admitted_while_it_ran(
 
 
 def test_publishes_the_broker_has_not_confirmed_count_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = [10.0]
-    admission = door(Meter(Backlog(lag=30, measured_at=10.0)), clock, monkeypatch)
+    admission = door(Meter(Backlog(lag=30, measured_at=10.0)), [10.0], monkeypatch)
     admission.tick()
-    admission.check_backlog(pending=LIMIT - 31)
-    with pytest.raises(AdmissionRefused) as refused:
-        admission.check_backlog(pending=LIMIT - 30)
-    assert refused.value.reason == "backlog"
+    assert admission.check_backlog(pending=LIMIT - 31) == (1, None)
+    allowed, refused = admission.check_backlog(pending=LIMIT - 30)
+    assert allowed == 0 and refused is not None and refused.reason == "backlog"
+
+
+def test_a_batch_gets_only_the_room_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    admission = door(Meter(Backlog(lag=LIMIT - 3, measured_at=10.0)), [10.0], monkeypatch)
+    admission.tick()
+    allowed, refused = admission.check_backlog(wanted=500)
+    assert allowed == 3 and refused is not None and refused.reason == "backlog"
+    assert "100 requests behind" in str(refused)
+
+
+def test_callers_on_other_threads_meet_what_was_let_in_before_it_is_published(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The submitter counts what the door let in until the producer has it: a second
+    caller, between the first one's admission and its publish, finds the door shut."""
+    admission = door(Meter(Backlog(lag=LIMIT - 2, measured_at=10.0)), [10.0], monkeypatch)
+    admission.tick()
+    submitter = Submitter(admission.cfg, redis_client=redis.Redis(port=1),
+                          publisher=cast(Any, object()), admission=admission)
+    assert submitter._let_in(5)[0] == 2
+    allowed, refused = submitter._let_in(5)
+    assert allowed == 0 and refused is not None and refused.reason == "backlog"
