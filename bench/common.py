@@ -265,6 +265,17 @@ def metric_sum(samples: Mapping[str, float], name: str, **labels: str) -> float:
     return total
 
 
+def metric_by_label(samples: Mapping[str, float], name: str, label: str) -> dict[str, float]:
+    """The sum of ``name``'s samples per value of ``label``."""
+    totals: dict[str, float] = {}
+    for key, value in samples.items():
+        base, _, rest = key.partition("{")
+        found = re.search(rf'(?:^|,){re.escape(label)}="([^"]*)"', rest) if base == name else None
+        if found:
+            totals[found.group(1)] = totals.get(found.group(1), 0.0) + value
+    return totals
+
+
 def batch_figures(before: Mapping[str, float], after: Mapping[str, float], service: str,
                   seconds: float) -> dict[str, float | dict[str, float]]:
     """Transactions (batches), their mean size and rate, aborts, and the mean time of each

@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ from confluent_kafka import Consumer, TopicPartition
 from bench.ceiling import Record, save_samples
 from bench.common import (
     HAPPY_PATH, SOURCE_TOPIC, TERMINAL_TOPIC, Hops, ProcSample, Stage, batch_figures,
-    free_port, hop_count, latency_summary, load_average, metric_sum, parse_metrics, rate, sample_process,
+    free_port, hop_count, latency_summary, load_average, metric_by_label, metric_sum, parse_metrics, rate, sample_process,
     run_header, summarise_repeats, thread_cpu, write_figures,
 )
 from choreo.config import REPO_ROOT, settings
@@ -535,6 +535,7 @@ class Bench:
             "redis_commands_per_delivery": commands,
             "redis_script_items_per_delivery": round(
                 (metric_sum(after, SCRIPT_ITEMS) - metric_sum(before, SCRIPT_ITEMS)) / max(1, figures["terminal"]), 1),
+            "redis_script_items_by_script": script_items(before, after, figures["terminal"]),
             "load_average": load_average(),
         })
         if profiles:
@@ -831,6 +832,17 @@ def _wait(predicate: Callable[[], bool], timeout_s: float, period_s: float = 0.2
             return False
         time.sleep(period_s)
     return True
+
+
+def script_items(before: Mapping[str, float], after: Mapping[str, float], deliveries: int) -> dict[str, float]:
+    """The services' script items per delivery by script (``choreo_redis_script_items_total``'s
+    ``script`` label; an effect's is ``effect:<name>``), most first: where the items go."""
+    if deliveries <= 0:
+        return {}
+    first = metric_by_label(before, SCRIPT_ITEMS, "script")
+    found = {script: round((count - first.get(script, 0.0)) / deliveries, 2)
+             for script, count in metric_by_label(after, SCRIPT_ITEMS, "script").items()}
+    return dict(sorted(((k, v) for k, v in found.items() if v > 0), key=lambda item: -item[1]))
 
 
 def redis_commands(before: dict[str, Any], after: dict[str, Any], deliveries: int) -> dict[str, Any]:

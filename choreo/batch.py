@@ -64,19 +64,21 @@ _shared: dict[tuple[int, str], BatchScript] = {}
 
 
 class BatchScript:
-    """A script body registered to run over many (keys, args) items per call."""
+    """A script body registered to run over many (keys, args) items per call; ``name``
+    labels its items in ``choreo_redis_script_items_total``."""
 
-    def __init__(self, client: redis.Redis, body: str, prelude: str = "",
+    def __init__(self, client: redis.Redis, name: str, body: str, prelude: str = "",
                  after_each: str = "") -> None:
         self.client = client
+        self.name = name
         self._script = client.register_script(batched(body, prelude, after_each))
 
     @classmethod
-    def of(cls, client: redis.Redis, body: str) -> BatchScript:
+    def of(cls, client: redis.Redis, name: str, body: str) -> BatchScript:
         """The one ``BatchScript`` of ``body`` for ``client`` (made on first use)."""
         script = _shared.get((id(client), body))
         if script is None:
-            script = _shared[(id(client), body)] = cls(client, body)
+            script = _shared[(id(client), body)] = cls(client, name, body)
         return script
 
     @property
@@ -110,8 +112,10 @@ def run_together(client: redis.Redis, batches: Sequence[tuple[BatchScript, Seque
                 chunk = positions[i:i + CHUNK]
                 calls.append((b, script, chunk, [items[p] for p in chunk]))
     answers: list[list[Any]] = [[None] * len(items) for _, items in batches]
-    item_count = sum(len(c[3]) for c in calls)
-    metrics.SCRIPT_ITEMS.inc(item_count)
+    item_count = 0
+    for _, script, _, items in calls:
+        metrics.SCRIPT_ITEMS.labels(script.name).inc(len(items))
+        item_count += len(items)
     span = tracing.start_redis_batch(len(calls), item_count) if tracing.enabled() else None
     with tracing.spanning(span):
         replies = _send(client, calls)

@@ -96,16 +96,16 @@ class OnceEffect:
 
     def script(self, client: redis.Redis) -> BatchScript:
         """The body with its memo, for keys in the delivery's slot."""
-        return self._script(client, self.source)
+        return self._script(client, self.name, self.source)
 
     def bare(self, client: redis.Redis) -> BatchScript:
         """The body alone, for keys of another slot."""
-        return self._script(client, self.body)
+        return self._script(client, f"{self.name}.bare", self.body)
 
-    def _script(self, client: redis.Redis, source: str) -> BatchScript:
+    def _script(self, client: redis.Redis, name: str, source: str) -> BatchScript:
         script = self._scripts.get((id(client), source))
         if script is None:
-            script = self._scripts[(id(client), source)] = BatchScript(client, source)
+            script = self._scripts[(id(client), source)] = BatchScript(client, f"effect:{name}", source)
         return script
 
 
@@ -194,14 +194,14 @@ def _in_order(client: redis.Redis, calls: Sequence[EffectCall],
 
 def _elsewhere(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:
     """Effects on another slot: recall, run what none remembers, remember the first answer."""
-    recall = BatchScript.of(client, _RECALL)
+    recall = BatchScript.of(client, "effect_recall", _RECALL)
     memo_items = [([memo_key(c.delivery_id), delivery_key(c.delivery_id)], [c.memo_field, c.refuse])
                   for c in calls]
     answers = [_answer(reply) for reply in run_together(client, [(recall, memo_items)])[0]]
     todo = [i for i, answer in enumerate(answers) if answer is None]
     ran = _in_order(client, [calls[i] for i in todo], _bare)
     given = [(i, answer) for i, answer in zip(todo, ran) if answer is not None]
-    remember = BatchScript.of(client, _REMEMBER)
+    remember = BatchScript.of(client, "effect_remember", _REMEMBER)
     kept = run_together(client, [(remember, [
         (memo_items[i][0], [calls[i].memo_field, calls[i].refuse, answer, calls[i].ttl_s])
         for i, answer in given])])[0]

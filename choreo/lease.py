@@ -94,7 +94,7 @@ class Lease:
         self.key = lease_key(name)
         self._acquire = client.register_script(_ACQUIRE)
         self._release = client.register_script(_RELEASE)
-        self._post = BatchScript(client, _POST)
+        self._post = BatchScript(client, "lease_post", _POST)
         self.fence: str | None = None  # "<owner>|<token>" while we believe we hold it
 
     @property

@@ -39,7 +39,8 @@ BATCH_PHASE_SECONDS = Histogram("choreo_batch_phase_seconds", "Seconds per batch
                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
 # every item of the runtime's batched scripts (``choreo.batch``): what a delivery costs Redis
 # in script runs, whatever the round trips carrying them (bench/README.md)
-SCRIPT_ITEMS = Counter("choreo_redis_script_items_total", "Items run by the runtime's batched Redis scripts")
+SCRIPT_ITEMS = Counter("choreo_redis_script_items_total", "Items run by the runtime's batched Redis scripts",
+                       ["script"])
 TXN_ABORTS = Counter("choreo_transaction_aborts_total", "Aborted transactions (replayed)", ["service"])
 LAG = Gauge("choreo_consumer_lag", "Consumer lag per partition", ["service", "topic", "partition"])
 

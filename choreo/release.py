@@ -143,7 +143,7 @@ class Releaser:
         self.cap = cap
         self.timeout_s = timeout_s
         self.committed = CommittedOffsets(timeout_s)
-        self._release = StepScript(client, _RELEASE)
+        self._release = StepScript(client, "release", _RELEASE)
 
     def passed_by_all(self, stats: ReleaseStats) -> dict[int, int]:
         """Per partition, the offset every group has committed past (the lowest commit); the

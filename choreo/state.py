@@ -159,8 +159,8 @@ class StepScript(BatchScript):
     """A step transition run for a batch of items in one call (``choreo.batch``): each item
     writes back its records before the next one reads."""
 
-    def __init__(self, client: redis.Redis, body: str) -> None:
-        super().__init__(client, body, prelude=STEP_LUA, after_each="step_flush()")
+    def __init__(self, client: redis.Redis, name: str, body: str) -> None:
+        super().__init__(client, name, body, prelude=STEP_LUA, after_each="step_flush()")
 
 
 def delivery_key(delivery_id: str) -> str:
@@ -433,12 +433,12 @@ class StateTable:
     def __init__(self, client: redis.Redis, retention_s: int = 24 * 3600) -> None:
         self.client = client
         self.retention_s = retention_s
-        self._open = StepScript(client, _OPEN)
-        self._abandon = StepScript(client, _ABANDON)
-        self._begin = StepScript(client, _BEGIN)
+        self._open = StepScript(client, "open", _OPEN)
+        self._abandon = StepScript(client, "abandon", _ABANDON)
+        self._begin = StepScript(client, "begin", _BEGIN)
         self._try_again = client.register_script(_TRY_AGAIN)
-        self._finish = StepScript(client, _FINISH)
-        self._finish_opening = StepScript(client, _FINISH_OPENING)
+        self._finish = StepScript(client, "finish", _FINISH)
+        self._finish_opening = StepScript(client, "finish_opening", _FINISH_OPENING)
         self._note_dead_letter = client.register_script(_NOTE_DEAD_LETTER)
         self._put = client.register_script(_PUT)
 

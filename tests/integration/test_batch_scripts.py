@@ -32,7 +32,7 @@ INCR = "return redis.call('INCRBY', KEYS[1], ARGV[1])"
 
 
 def test_each_item_gets_its_own_keys_and_args_in_order(redis_client: redis.Redis, unique: str) -> None:
-    echo = BatchScript(redis_client, ECHO)
+    echo = BatchScript(redis_client, "echo", ECHO)
     answers = echo.run([([f"{{{unique}}}:a"], ["1", "2"]), ([], ["x"]), ([f"{{{unique}}}:b", f"{{{unique}}}:c"], [])])
     assert answers == [f"{{{unique}}}:a|1,2".encode(), b"|x", None]
 
@@ -40,7 +40,7 @@ def test_each_item_gets_its_own_keys_and_args_in_order(redis_client: redis.Redis
 def test_items_past_a_chunk_go_in_several_calls_of_one_round_trip(
         redis_client: redis.Redis, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(batch, "CHUNK", 3)
-    incr, echo = BatchScript(redis_client, INCR), BatchScript(redis_client, ECHO)
+    incr, echo = BatchScript(redis_client, "incr", INCR), BatchScript(redis_client, "echo", ECHO)
     counted, echoed = run_together(redis_client, [
         (incr, [([f"{{{unique}}}:n"], [1])] * 7),
         (echo, [([], [str(i)]) for i in range(4)]),
@@ -91,7 +91,7 @@ def test_a_finish_opens_the_steps_its_outputs_start_only_when_they_are_published
 
 
 def test_an_item_answering_an_error_fails_the_call(redis_client: redis.Redis) -> None:
-    failing = BatchScript(redis_client, "if ARGV[1] == 'bad' then return redis.error_reply('no') end return 1")
+    failing = BatchScript(redis_client, "failing", "if ARGV[1] == 'bad' then return redis.error_reply('no') end return 1")
     with pytest.raises(redis.ResponseError, match="no"):
         failing.run([([], ["good"]), ([], ["bad"])])
 
@@ -164,7 +164,7 @@ def test_a_batch_waits_for_a_replica_of_each_master_it_wrote_to(
     monkeypatch.setenv("CHOREO_REDIS_WAIT_MS", "200")
     settings.cache_clear()
     try:
-        incr = BatchScript(redis_client, INCR)
+        incr = BatchScript(redis_client, "incr", INCR)
         items = [([f"{{{unique}}}:w"], [1]), ([f"{{{unique}x}}:w"], [1])]  # two slots
         if is_cluster(redis_client):
             assert incr.run(items) == [1, 1]

@@ -8,13 +8,13 @@ import pytest
 from bench.ceiling import FanIn, Record, next_offsets
 from bench.common import (
     HAPPY_PATH, SOURCE_TOPIC, TERMINAL_TOPIC, Stage, batch_figures, hop_count, latency_summary,
-    parse_metrics, parse_stat_cpu, parse_status_kb, percentile, spread, summarise_repeats,
+    metric_by_label, parse_metrics, parse_stat_cpu, parse_status_kb, percentile, spread, summarise_repeats,
     thread_cpu, thread_group,
 )
 from bench.http_load import BadResponse, parse_head, request_bytes
 from bench.ingestion import summarise as summarise_ingestion
 from bench.jfr import collapse
-from bench.pipeline import evaluate, retained_per_completed
+from bench.pipeline import evaluate, retained_per_completed, script_items
 from bench.profile import frame_name, summarise
 from bench.transactions import parse_args as parse_transaction_args, phase_figures
 
@@ -150,6 +150,22 @@ def test_batch_figures_from_two_scrapes() -> None:
     assert figures == {"transactions": 20.0, "events_in_batches": 4000.0, "mean_batch": 200.0,
                        "transactions_per_s": 2.0, "aborts": 0.0,
                        "mean_ms_by_phase": {"commit": 25.0}}  # 0.5 s over 20 commits
+
+
+def test_script_items_per_delivery_by_script() -> None:
+    """A script's samples under other labels add up; a script new in the second scrape
+    counts from zero; another metric with the same label is not taken for it."""
+    items = "choreo_redis_script_items_total"
+    before = {f'{items}{{script="begin"}}': 100.0, f'{items}{{script="effect:pool_reserve"}}': 30.0}
+    after = {f'{items}{{script="begin"}}': 250.0, f'{items}{{script="effect:pool_reserve"}}': 80.0,
+             f'{items}{{script="finish_opening"}}': 50.0, f'{items}{{noscript="x",script="begin"}}': 50.0,
+             'choreo_batch_size_count{script="begin"}': 9.0}
+    assert metric_by_label(after, items, "script") == {
+        "begin": 300.0, "effect:pool_reserve": 80.0, "finish_opening": 50.0}
+    assert script_items(before, after, 50) == {"begin": 4.0, "effect:pool_reserve": 1.0,
+                                               "finish_opening": 1.0}
+    assert list(script_items(before, after, 50))[0] == "begin"
+    assert script_items(before, after, 0) == {}
 
 
 def test_next_offsets_commit_after_the_last_of_each_partition() -> None:
