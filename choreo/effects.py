@@ -18,10 +18,11 @@ fenced instance): run, it would book a drone for a delivery that has already end
 On a single node every effect runs with its memo in one script. An effect on keys of
 another hash slot (a pool shared by all deliveries, a release index) cannot do so on a
 Redis Cluster. There it runs in three calls instead: recall the answer (or learn the
-delivery is released), run the body, remember the first answer given. Such a body must itself be idempotent for the same arguments (a
-pool's reservation for a holder answers the member already held), since a crash between the
-last two calls runs it again; a delivery released between the first and the last call gets
-``RELEASED`` and its effect stands (RELIABILITY.md).
+delivery is released), run the body, remember the first answer given. Such a body must
+itself be idempotent for the same arguments (a pool's reservation for a holder answers the
+member already held), since a crash between the last two calls runs it again; a delivery
+released between the first and the last call gets ``RELEASED`` and its effect stands
+(RELIABILITY.md).
 """
 
 from __future__ import annotations

@@ -24,8 +24,9 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -323,8 +324,7 @@ class Submitter:
     def _admit_and_publish(self, items: list[_Item]) -> list[Submission | SubmitError]:
         """Admit the items, publish the admitted ones; a refused or failed item leaves
         nothing behind (its place, its idempotency claim, its owner record)."""
-        let_in = self._let_in(len(items))
-        try:
+        with self._letting_in(len(items)) as let_in:
             try:
                 refusals = self._admit(items, let_in)
             except redis.RedisError:  # the script may have run, only its reply lost: undo it all
@@ -338,15 +338,22 @@ class Submitter:
                 self.admission.release([item.delivery_id for item in admitted])
                 self._leave_nothing(items)
                 raise
-        finally:
-            with self._pending_lock:
-                self._admitting -= let_in[0]
         results = [refusal if refusal is not None else next(published) for refusal in refusals]
         failed = [item for item, refusal, result in zip(items, refusals, results)
                   if refusal is None and not isinstance(result, Submission)]
         self.admission.release([item.delivery_id for item in failed])
         self._leave_nothing([*failed, *(item for item, refusal in zip(items, refusals) if refusal)])
         return results
+
+    @contextmanager
+    def _letting_in(self, count: int) -> Iterator[tuple[int, AdmissionRefused | None]]:
+        """``_let_in``, its count given back on leaving (by then the producer has them)."""
+        let_in = self._let_in(count)
+        try:
+            yield let_in
+        finally:
+            with self._pending_lock:
+                self._admitting -= let_in[0]
 
     def _let_in(self, count: int) -> tuple[int, AdmissionRefused | None]:
         """How many of ``count`` requests the producer queue's room and the backlog let in,
@@ -439,7 +446,7 @@ class Submitter:
               future: Future[None], started: float) -> None:
         """Delivery report (poll thread): settle the caller, the key and the in-flight place."""
         delivery_id, claim = item.delivery_id, item.claim
-        if err is None:  # counted before it leaves the pending ones: never in neither
+        if err is None:  # counted as published before it leaves the pending: always in one
             self.admission.published(1)
         self._unpend()
         if err is not None:
