@@ -37,7 +37,7 @@ from choreo import keys as layout
 from choreo.batch import BatchScript, Item, run_together
 from choreo.dedupe import compact_id
 from choreo.redis_client import is_cluster
-from choreo.state import delivery_key
+from choreo.state import HashWrite, delivery_key
 
 # an answer no effect body gives (bodies return text they build, never a NUL byte)
 RELEASED = "\x00released"
@@ -55,6 +55,17 @@ if not outcome then return false end
 redis.call('HSET', KEYS[1], ARGV[1], outcome)
 if redis.call('TTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 return outcome
+"""
+
+# An effect whose own keys remember what it answered (a join's results and who decided): no
+# copy of its answer in the memo hash. The body sees the memo field as ``remembered_as`` and
+# must answer a replay of the same input as the first run was answered.
+SELF_REMEMBERING_TEMPLATE = """
+if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return '\\0released' end
+local remembered_as = ARGV[1]
+return (function(KEYS, ARGV)
+%s
+end)({select(3, unpack(KEYS))}, {select(4, unpack(ARGV))})
 """
 
 # an effect on another slot's keys, in three calls (see the module doc). KEYS: the memo hash,
@@ -83,12 +94,17 @@ class OnceEffect:
     The body sees its own ``KEYS``/``ARGV`` (without the runtime's bookkeeping) and
     returns a string (``cjson.encode`` for structure), or ``false`` when it did nothing
     (a transient "not now"): that is not remembered, so a retry asks again.
+
+    ``remembers_itself``: the body keeps what it needs to answer a replay in its own keys,
+    which must lie in the delivery's slot (``SELF_REMEMBERING_TEMPLATE``), where a copy of a
+    large answer in the memo hash would only double it.
     """
 
-    def __init__(self, name: str, body: str) -> None:
+    def __init__(self, name: str, body: str, *, remembers_itself: bool = False) -> None:
         self.name = name
         self.body = body
-        self.source = ONCE_TEMPLATE % body
+        self.remembers_itself = remembers_itself
+        self.source = (SELF_REMEMBERING_TEMPLATE if remembers_itself else ONCE_TEMPLATE) % body
         self._scripts: dict[tuple[int, str], BatchScript] = {}
 
     def run(self, client: redis.Redis, delivery_id: str, memo_field: str, keys: Sequence[str],
@@ -135,7 +151,11 @@ class EffectCall:
     def local(self) -> bool:
         """Whether its keys lie in its delivery's slot, so it runs with its memo in one script
         on a cluster too."""
-        return all(layout.in_slot_of(key, self.delivery_id) for key in self.keys)
+        local = all(layout.in_slot_of(key, self.delivery_id) for key in self.keys)
+        if not local and self.effect.remembers_itself:
+            raise ValueError(f"effect {self.effect.name} remembers its answers in its own keys: "
+                             "they must lie in the delivery's slot")
+        return local
 
     def run(self, client: redis.Redis) -> str | None:
         return run_all(client, [self])[0]
@@ -152,6 +172,9 @@ class Op(Generic[T]):
     keys: tuple[str, ...]
     args: tuple[str | int | float, ...]
     decode: Callable[[str | None], T]
+    # the same operation as a plain write, when its answer says nothing (``decode(None)``): a
+    # step's handler gets that answer at once, and its finish applies the write (``choreo.runner``)
+    write: HashWrite | None = None
 
 
 def run_all(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:

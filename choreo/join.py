@@ -3,7 +3,8 @@ delivery, and calls its handler exactly once, with every part or with the first 
 
 The parts' results are recorded in the delivery's hash (``fanin.<part>``) by one atomic
 script that also decides, exactly once, in whatever order the results arrive and on
-whichever instance reads them; a replay is told the same decision (``choreo.effects``). A
+whichever instance reads them; a replay of the deciding input is told the same decision,
+read from the results again (``fanin.by`` names that input). A
 result for a delivery already decided is recorded and ignored (``late``). A failure waits
 for every part too, so the steps to undo are known: the parts that completed, newest first.
 
@@ -31,7 +32,11 @@ E = TypeVar("E", bound=Event)
 FAILED = "failed"  # a failed delivery's outcome; the join names the other one
 
 # KEYS: the delivery's hash. ARGV: part, 'ok' | 'fail', the result (JSON), retention seconds of
-# a decided delivery, the outcome of success, then every part's name in declaration order
+# a decided delivery, the outcome of success, then every part's name in declaration order.
+# The decision is remembered by the results themselves and ``fanin.by``, the input that
+# decided (``remembered_as``, its memo field): a replay of that input is answered the same
+# decision from them, any other input once decided is ``late``, and no copy of the results
+# is kept beside them (``choreo.effects``).
 _RECORD = OnceEffect("join_record", """
 local part, ok, value = ARGV[1], ARGV[2], ARGV[3]
 local field = 'fanin.' .. part
@@ -41,7 +46,10 @@ if redis.call('HEXISTS', KEYS[1], field) == 0 then
     redis.call('HSET', KEYS[1], 'fanin.order', part .. ',' .. (redis.call('HGET', KEYS[1], 'fanin.order') or ''))
   end
 end
-if redis.call('HEXISTS', KEYS[1], 'outcome') == 1 then return cjson.encode({d = 'late'}) end
+local decided = redis.call('HEXISTS', KEYS[1], 'outcome') == 1
+if decided and redis.call('HGET', KEYS[1], 'fanin.by') ~= remembered_as then
+  return cjson.encode({d = 'late'})
+end
 local results, failed = {}, nil
 for i = 6, #ARGV do
   local got = redis.call('HGET', KEYS[1], 'fanin.' .. ARGV[i])
@@ -52,15 +60,17 @@ for i = 6, #ARGV do
     failed = {ARGV[i], string.sub(got, 6)}
   end
 end
-redis.call('EXPIRE', KEYS[1], ARGV[4])
 local order = redis.call('HGET', KEYS[1], 'fanin.order') or ''
+if not decided then
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  -- a refusal (_REFUSE) may turn the outcome to failed later: a replay decides as first
+  redis.call('HSET', KEYS[1], 'outcome', failed and 'failed' or ARGV[5], 'fanin.by', remembered_as)
+end
 if failed then
-  redis.call('HSET', KEYS[1], 'outcome', 'failed')
   return cjson.encode({d = 'fail', part = failed[1], result = failed[2], order = order})
 end
-redis.call('HSET', KEYS[1], 'outcome', ARGV[5])
 return cjson.encode({d = 'complete', results = results, order = order})
-""")
+""", remembers_itself=True)
 
 _REFUSE = OnceEffect("join_refuse", """
 redis.call('HSET', KEYS[1], 'outcome', 'failed')
@@ -121,8 +131,9 @@ class Join:
         if len(parts) < 2:
             raise ValueError(f"join {step!r}: a join waits for two parts or more")
         for name in parts:  # a part names a field (fanin.<part>) and an entry of comma lists
-            if not name or name == "order" or any(c in name for c in ",:|."):
-                raise ValueError(f"join {step!r}: part {name!r}: not empty, not 'order', no ',', ':', '|' or '.'")
+            if not name or name in ("order", "by") or any(c in name for c in ",:|."):
+                raise ValueError(f"join {step!r}: part {name!r}: not empty, not 'order' or 'by', "
+                                 "no ',', ':', '|' or '.'")
         success = [name for name in outcomes.values() if name != FAILED]
         if len(success) != 1 or FAILED not in outcomes.values():
             raise ValueError(f"join {step!r}: name one event of success and one of {FAILED!r}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import zlib
 
-LAYOUT = 2  # the key layout's version
+LAYOUT = 3  # the key layout's version
 SHARDS = 64
 
 

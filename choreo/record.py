@@ -15,6 +15,7 @@ from typing import Any
 from choreo import keys
 from choreo.effects import OnceEffect, Op
 from choreo.events import Event
+from choreo.state import HashWrite
 
 # ARGV: TTL seconds (0: none), then field/value pairs
 _PUT = OnceEffect("record_put", """
@@ -66,8 +67,11 @@ class Record:
         return keys.of_delivery(self.name, delivery_id)
 
     def put(self, delivery_id: str, **fields: str | int | float) -> Op[None]:
-        """Set these fields (an idempotent upsert) and restart the record's TTL."""
-        return Op(_PUT, (self.key(delivery_id),), (self.ttl_s, *_pairs(fields)), lambda _: None)
+        """Set these fields (an idempotent upsert) and restart the record's TTL. In a step it is
+        applied with the step's completion, so what the handler does after it does not see it."""
+        pairs = tuple(_pairs(fields))
+        return Op(_PUT, (self.key(delivery_id),), (self.ttl_s, *pairs), lambda _: None,
+                  write=HashWrite(self.key(delivery_id), self.ttl_s, pairs))
 
     def update(self, delivery_id: str, answer: str, **fields: str | int | float) -> Op[str | None]:
         """Set these fields if the record exists; the answer is its ``answer`` field, or

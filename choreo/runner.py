@@ -121,6 +121,15 @@ class Attempt:
         self.released, self.decode = False, None
         self._step(lambda: self.work.handler.fn(self.work.event, self.ctx), first=True)
 
+    def _leave_writes(self, gen: EffectfulHandler, out: Any) -> Any:
+        """A step's writes whose answer says nothing are left to its finish, which applies
+        them in its own script item only if it completes the step (``StateTable.complete_many``):
+        the handler goes on at once. What it yields next comes back."""
+        while isinstance(out, Op) and out.write is not None:
+            self.ctx.defer(out)
+            out = gen.send(out.decode(None))
+        return out
+
     def resume(self, answer: str | None) -> None:
         assert self._gen is not None
         gen = self._gen
@@ -138,6 +147,8 @@ class Attempt:
             if first and isinstance(out, GeneratorType):
                 self._gen = out
                 out = out.send(None)
+            if self._gen is not None and self.work.handler.step is not None:
+                out = self._leave_writes(self._gen, out)
             if self._gen is None:
                 self.result = out
             elif isinstance(out, EffectCall):
@@ -582,12 +593,18 @@ class Runner:
         # its delivery (one script item, only if the outputs are published), else apart
         opens = {id(w): self._pending_steps(w.ctx.emitted if w.ctx else [], now) for w in done}
         closes = {id(w) for w in closing}
+        # a step kept open has no finish to carry its writes: they run as effects of their own
+        left = [w.ctx.effect(op.effect, op.keys, op.args) for w in done
+                if id(w) not in closes and w.ctx is not None for op in w.ctx.writes]
+        if left:
+            run_all(self.redis, left)
         own = [[(step, by, attempt) for d, step, by, attempt in opens[id(w)] if d == w.envelope.correlation_id]
                for w in closing]
         elsewhere = {id(w): [o for o in opens[id(w)] if o[0] != w.envelope.correlation_id] for w in closing}
         verdicts = dict(zip(map(id, closing), self.state.complete_many(
             [(w.envelope.correlation_id, w.handler.step or "", w.envelope.attempt) for w in closing],
-            now, own, [o for w in done if id(w) not in closes for o in opens[id(w)]])))
+            now, own, [o for w in done if id(w) not in closes for o in opens[id(w)]],
+            [[op.write for op in w.ctx.writes if op.write is not None] if w.ctx else [] for w in closing])))
         publish: list[tuple[Emitted, Envelope, Any]] = []
         late_opens: list[tuple[str, str, int, int]] = []
         for w in done:

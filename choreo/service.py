@@ -111,6 +111,11 @@ class Context:
     keep_step_open: bool = False
     refuse_released: bool = False  # a workflow service: see choreo.effects
     asked: dict[str, int] = field(default_factory=dict)  # effects asked for so far, by kind
+    writes: list[Op[Any]] = field(default_factory=list)  # left to the step's finish (choreo.runner)
+
+    def defer(self, op: Op[Any]) -> None:
+        """Leave ``op``, a write whose answer says nothing, to the step's finish (``choreo.runner``)."""
+        self.writes.append(op)
 
     def keep_open(self) -> None:
         """The step is not done with this input (a fan-in still waiting for its other half):

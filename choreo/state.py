@@ -328,15 +328,26 @@ return 'ok'
 """
 
 
-# A finish that also opens the steps its attempt's outputs start, when it lets them be
-# published ('ok', 'replay'): one script item where there were two, and no round trip of its
-# own for the opening. ARGV after the finish's: (step, complete-by, index member, attempt)
-# of each step to open, all of the same delivery.
+# A finish that also applies its attempt's writes and opens the steps its outputs start, when
+# it lets them be published: one script item where there were three, and no round trip of
+# its own for either. The writes (ARGV[7]: how many; each its TTL seconds, 0 for none, its
+# pairs' count, then name, value pairs, on KEYS[3], KEYS[4], ...) go only with 'ok': a
+# 'replay' finds them applied by the finish that completed the step. Then (step,
+# complete-by, index member, attempt) of each step to open, all of the same delivery.
 _FINISH_OPENING = """
 local verdict = (function()
 %s
 end)()
-if verdict == 'ok' or verdict == 'replay' then open_steps(KEYS[1], KEYS[2], ARGV, 7, tonumber(ARGV[3])) end
+local at = 8
+for w = 1, tonumber(ARGV[7]) do
+  local ttl, pairs_count = tonumber(ARGV[at]), tonumber(ARGV[at + 1])
+  if verdict == 'ok' and pairs_count > 0 then
+    redis.call('HSET', KEYS[2 + w], unpack(ARGV, at + 2, at + 1 + 2 * pairs_count))
+    if ttl > 0 then redis.call('EXPIRE', KEYS[2 + w], ttl) end
+  end
+  at = at + 2 + 2 * pairs_count
+end
+if verdict == 'ok' or verdict == 'replay' then open_steps(KEYS[1], KEYS[2], ARGV, at, tonumber(ARGV[3])) end
 return verdict
 """ % _FINISH
 
@@ -362,6 +373,20 @@ _NOTE_DEAD_LETTER = """
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HINCRBY', KEYS[1], 'dead_letters', 1) end
 return 0
 """
+
+
+@dataclass(frozen=True)
+class HashWrite:
+    """Fields set on a hash in the delivery's slot, its TTL restarted (0: none): a write whose
+    answer no handler reads (a record's ``put``). In a step it is applied by the step's finish,
+    in the same script item, and only if the attempt's outputs are published."""
+
+    key: str
+    ttl_s: int
+    pairs: tuple[str | int | float, ...]  # name, value, name, value...
+
+    def args(self) -> list[str | int | float]:
+        return [self.ttl_s, len(self.pairs) // 2, *self.pairs]
 
 
 @dataclass(frozen=True)
@@ -505,19 +530,24 @@ class StateTable:
 
     def complete_many(self, items: list[tuple[str, str, int]], now_ms: int,
                       opening: Sequence[Sequence[tuple[str, int, int]]] = (),
-                      also_open: Sequence[tuple[str, str, int, int]] = ()) -> list[str]:
+                      also_open: Sequence[tuple[str, str, int, int]] = (),
+                      writes: Sequence[Sequence[HashWrite]] = ()) -> list[str]:
         """``finish(COMPLETED)`` for a whole batch, (delivery, step, attempt) each, in one
         round trip. ``opening``: per item, the steps of its own delivery that its outputs
         start, (step, complete-by ms, attempt), opened only if the finish lets them be
-        published. ``also_open``: steps to open whatever the finishes answer (``open_many``'s
-        items), in the same round trip."""
+        published; ``writes``: per item, its attempt's writes, applied only when the finish
+        completes the step (``ok``). ``also_open``: steps to open whatever the finishes answer
+        (``open_many``'s items), in the same round trip."""
         openings = list(opening) or [()] * len(items)
+        applied = list(writes) or [()] * len(items)
         finishes = [
-            ([delivery_key(delivery_id), deadline_index(delivery_id)],
+            ([delivery_key(delivery_id), deadline_index(delivery_id), *(w.key for w in its_writes)],
              [step, attempt, now_ms, StepStatus.COMPLETED.value, index_member(delivery_id, step), "",
+              len(its_writes), *(arg for w in its_writes for arg in w.args()),
               *(value for name, complete_by, opened_attempt in opens
                 for value in (name, complete_by, index_member(delivery_id, name), opened_attempt))])
-            for (delivery_id, step, attempt), opens in zip(items, openings, strict=True)]
+            for (delivery_id, step, attempt), opens, its_writes
+            in zip(items, openings, applied, strict=True)]
         runs: list[tuple[BatchScript, Sequence[Item]]] = [(self._finish_opening, finishes)]
         if also_open:
             runs.append((self._open, self._open_items(also_open, now_ms)))

@@ -159,6 +159,13 @@ class _Context(Context):
             raise DeliveryReleased(self.delivery_id)
         return cast("str | None", answer)
 
+    def defer(self, op: Op[Any]) -> None:
+        """A write left to the step's finish is asked of the script all the same, in order (an
+        in-memory record applies it); the handler has its answer already."""
+        super().defer(op)
+        assert self.script is not None
+        self.script.answer(self.effect(op.effect, op.keys, op.args), op.decode)
+
 
 @dataclass
 class Outcome:

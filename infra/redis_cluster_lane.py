@@ -21,7 +21,8 @@ from infra.redis_cluster import RedisCluster
 # never the cluster ``choreo stack start --redis-cluster`` keeps on 7000-7005
 BASE_PORT = int(os.environ.get("CLUSTER_LANE_PORT", "7100"))
 TESTS = [f"tests/integration/{name}.py" for name in (
-    "test_batch_scripts", "test_pipeline", "test_supervisor", "test_release", "test_admission",
+    "test_batch_scripts", "test_join_record", "test_pipeline", "test_supervisor", "test_release",
+    "test_admission",
     "test_ops_replay", "test_ops_pipeline", "test_layout", "test_rolling_upgrade")]
 
 

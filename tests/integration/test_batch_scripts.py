@@ -10,14 +10,14 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import redis
 
-from choreo import batch, effects
+from choreo import batch, effects, keys
 from choreo.batch import BatchScript, run_together
 from choreo.config import settings
 from choreo.effects import EffectCall, OnceEffect, run_all
 from choreo.envelope import Envelope
 from choreo.redis_client import TRANSIENT, ReplicationLag, connect, is_cluster
 from choreo.service import Context
-from choreo.state import StateTable, StepStatus, deadline_index, index_member
+from choreo.state import HashWrite, StateTable, StepStatus, deadline_index, index_member
 from choreo.supervision import Transitions
 
 pytestmark = pytest.mark.integration
@@ -88,6 +88,28 @@ def test_a_finish_opens_the_steps_its_outputs_start_only_when_they_are_published
     # a replay of the finish opens nothing twice and changes no opened step
     assert state.complete_many([(ok, "package", 1)], now + 5, opening=[[("delivery", later + 1, 1)]]) == ["replay"]
     assert state.steps(ok)["delivery"].complete_by == later
+
+
+def test_a_finish_applies_its_attempts_writes_only_when_it_completes_the_step(
+        redis_client: redis.Redis, unique: str) -> None:
+    """A step's writes ride in its finish: applied with ``ok``, in the finish's own item, with
+    the steps it opens; not again by a replay (what changed since stays); not at all for a late
+    answer, whose outputs are dropped."""
+    state = StateTable(redis_client)
+    now, later = 1_000, 10**13
+    ok, late = (f"{name}-{unique}" for name in ("ok", "late"))
+    state.open_many([(ok, "package", later, 1), (late, "package", later, 2)], now)
+    record_of = {d: keys.of_delivery("pkg", d) for d in (ok, late)}
+    writes = [[HashWrite(record_of[d], 600, ("status", "ready", "weight_kg", 2.5))] for d in (ok, late)]
+    assert state.complete_many([(ok, "package", 1), (late, "package", 1)], now,
+                               opening=[[("delivery", later, 1)], []], writes=writes) == ["ok", "stale"]
+    assert redis_client.hgetall(record_of[ok]) == {b"status": b"ready", b"weight_kg": b"2.5"}
+    assert 0 < redis_client.ttl(record_of[ok]) <= 600
+    assert state.steps(ok)["delivery"].status == StepStatus.PENDING  # opened after the writes' args
+    assert not redis_client.exists(record_of[late])
+    redis_client.hset(record_of[ok], "status", "cancelled")
+    assert state.complete_many([(ok, "package", 1)], now + 5, writes=writes[:1]) == ["replay"]
+    assert redis_client.hget(record_of[ok], "status") == b"cancelled"
 
 
 def test_an_item_answering_an_error_fails_the_call(redis_client: redis.Redis) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from choreo.runner import _waves
 
 
@@ -37,10 +39,40 @@ def test_an_attempt_whose_delivery_was_released_is_dropped_not_resumed() -> None
         reached.append(answer)
         return "an output"
 
-    attempt = Attempt(SimpleNamespace(handler=SimpleNamespace(fn=handler), event=None))
+    attempt = Attempt(SimpleNamespace(handler=SimpleNamespace(fn=handler, step="drone"), event=None))
     attempt.ctx = SimpleNamespace()
     attempt.start()
     assert attempt.request is effect and attempt.error is None
     attempt.resume(RELEASED)
     assert attempt.released and attempt.request is None and attempt.result is None
     assert attempt.error is None and reached == []
+
+
+@pytest.mark.parametrize("step", ["package", None])
+def test_a_steps_write_is_left_to_its_finish_and_the_handler_goes_on(step: str | None) -> None:
+    """A record's ``put`` answers nothing: in a step the handler gets that at once and the
+    write waits for the finish (one script item with it); outside a step it runs as an effect."""
+    from choreo.envelope import Envelope
+    from choreo.record import Record
+    from choreo.runner import Attempt
+    from choreo.service import Context
+
+    record = Record("pkg", ttl_s=60)
+    reached: list[str] = []
+
+    def handler(event: Any, ctx: Any) -> Any:
+        yield record.put("d-1", status="ready")
+        reached.append("after the put")
+        return "an output"
+
+    attempt = Attempt(SimpleNamespace(handler=SimpleNamespace(fn=handler, step=step), event=None))
+    attempt.ctx = Context("package", Envelope.first("e-1", "d-1", "Probe", "test"), "t", 0, 0,
+                          None, None)  # type: ignore[arg-type]
+    attempt.start()
+    if step is None:
+        assert attempt.request is not None and attempt.request.effect.name == "record_put"
+        assert attempt.ctx.writes == [] and reached == []
+        return
+    assert attempt.request is None and attempt.result == "an output" and reached == ["after the put"]
+    [write] = attempt.ctx.writes
+    assert write.write is not None and write.write.pairs == ("status", "ready")
