@@ -836,7 +836,8 @@ def _wait(predicate: Callable[[], bool], timeout_s: float, period_s: float = 0.2
 
 def script_items(before: Mapping[str, float], after: Mapping[str, float], deliveries: int) -> dict[str, float]:
     """The services' script items per delivery by script (``choreo_redis_script_items_total``'s
-    ``script`` label; an effect's is ``effect:<name>``), most first: where the items go."""
+    ``script`` label; an effect's is ``effect:<name>``, a begin an effect rides in
+    ``begin+<name>``), most first: where the items go."""
     if deliveries <= 0:
         return {}
     first = metric_by_label(before, SCRIPT_ITEMS, "script")

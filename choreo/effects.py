@@ -4,7 +4,10 @@ A consumer's Redis write is not part of its Kafka transaction. If the transactio
 after Redis recorded an effect, the replay must be told the same outcome (e.g. "ship",
 "drone-7"), or the output of the aborted transaction is lost forever. So every effect
 runs inside one Lua script that first looks up the outcome remembered for this event id,
-and otherwise applies the effect and remembers its outcome, atomically.
+and otherwise applies the effect and remembers its outcome, atomically. Two kinds keep no
+such copy: an effect whose own keys already say what it answered (a join's results, with
+the input that decided: ``remembers_itself``), and a step's write whose answer says nothing
+(``Op.write``), which the step's finish applies instead (``choreo.runner``).
 
 The outcomes are remembered as fields (``<service>:<effect>:<event id>``) of one hash per
 delivery (``fx:{id}``), not as a key per effect per event: each such key cost about 190 bytes,
@@ -37,7 +40,7 @@ from choreo import keys as layout
 from choreo.batch import BatchScript, Item, run_together
 from choreo.dedupe import compact_id
 from choreo.redis_client import is_cluster
-from choreo.state import HashWrite, delivery_key
+from choreo.state import HashWrite, Rider, delivery_key
 
 # an answer no effect body gives (bodies return text they build, never a NUL byte)
 RELEASED = "\x00released"
@@ -159,6 +162,11 @@ class EffectCall:
 
     def run(self, client: redis.Redis) -> str | None:
         return run_all(client, [self])[0]
+
+    def rider(self) -> Rider:
+        """This call riding in its input's begin (``StateTable.begin_riding``)."""
+        keys, args = self.item()
+        return Rider(self.effect.name, self.effect.source, tuple(keys), tuple(args))
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,11 @@ FAILED = "failed"  # a failed delivery's outcome; the join names the other one
 # a decided delivery, the outcome of success, then every part's name in declaration order.
 # The decision is remembered by the results themselves and ``fanin.by``, the input that
 # decided (``remembered_as``, its memo field): a replay of that input is answered the same
-# decision from them, any other input once decided is ``late``, and no copy of the results
-# is kept beside them (``choreo.effects``).
+# decision from them, and no copy of the results is kept beside them (``choreo.effects``).
+# Any other input once the join decided is told to ``wait``: the step is the decider's to
+# complete (a half that waited and is read again must not complete it under a decider whose
+# batch died, or the decision would never be published). An input finding an outcome the
+# join did not decide (the supervisor's, a rebuild's) is ``late``.
 _RECORD = OnceEffect("join_record", """
 local part, ok, value = ARGV[1], ARGV[2], ARGV[3]
 local field = 'fanin.' .. part
@@ -47,9 +50,8 @@ if redis.call('HEXISTS', KEYS[1], field) == 0 then
   end
 end
 local decided = redis.call('HEXISTS', KEYS[1], 'outcome') == 1
-if decided and redis.call('HGET', KEYS[1], 'fanin.by') ~= remembered_as then
-  return cjson.encode({d = 'late'})
-end
+local by = redis.call('HGET', KEYS[1], 'fanin.by')
+if decided and by ~= remembered_as then return cjson.encode({d = by and 'wait' or 'late'}) end
 local results, failed = {}, nil
 for i = 6, #ARGV do
   local got = redis.call('HGET', KEYS[1], 'fanin.' .. ARGV[i])
@@ -172,6 +174,11 @@ class Join:
                   (part, "ok" if ok else "fail", result_text(event), self.retention_s, self.outcome,
                    *self.parts),
                   lambda raw: self._decision(delivery_id, raw))
+
+    def recorder(self, part: str, ok: bool) -> Callable[[Event, str], Op[Decision]]:
+        """What a part's handler yields first, from its event alone: the runner runs it in the
+        input's begin (one script item for both)."""
+        return lambda event, delivery_id: self.record(delivery_id, part, ok, event)
 
     def handler(self, part: str, ok: bool) -> Callable[[Any, Context], Generator[Any, Any, HandlerResult]]:
         """The runtime's handler of one part's event: record, then call the outcome's handler

@@ -44,6 +44,7 @@ from choreo import layout, tracing
 from choreo.outcomes import REPLIES, ReplyTopics, outcome_of, told
 from choreo.runtime_events import DeliveryOutcome
 from choreo.service import Context, EffectfulHandler, Emitted, Handler, HandlerResult, Periodic, Service
+from choreo.keys import in_slot_of
 from choreo.state import Begin, Source, StateTable, StepStatus
 from choreo.workflow import Workflow
 
@@ -87,6 +88,8 @@ class Work:
     verdict: Begin | None = None
     ctx: Context | None = None
     span: Any = None  # its handler's span, when tracing is on (choreo.tracing)
+    # its handler's first operation, run in its begin (``Handler.first_op``), and the answer
+    first: tuple[EffectCall, str | None] | None = None
 
 
 @dataclass
@@ -121,13 +124,30 @@ class Attempt:
         self.released, self.decode = False, None
         self._step(lambda: self.work.handler.fn(self.work.event, self.ctx), first=True)
 
-    def _leave_writes(self, gen: EffectfulHandler, out: Any) -> Any:
-        """A step's writes whose answer says nothing are left to its finish, which applies
-        them in its own script item only if it completes the step (``StateTable.complete_many``):
-        the handler goes on at once. What it yields next comes back."""
-        while isinstance(out, Op) and out.write is not None:
-            self.ctx.defer(out)
-            out = gen.send(out.decode(None))
+    def _answer_at_once(self, gen: EffectfulHandler, out: Any) -> Any:
+        """Operations answered without a round trip of their own; what the handler yields next
+        comes back. A step's write whose answer says nothing is left to the finish, which
+        applies it in its own script item only if it completes the step
+        (``StateTable.complete_many``); one on a key outside the delivery's slot (a record of
+        another delivery) could not share that item on a cluster, and runs as an effect. The
+        operation that ran in the begin (``Work.first``: the same effect, keys and args, asked
+        first) gets the answer the begin brought."""
+        first = self.work.first
+        while isinstance(out, Op):
+            if (out.write is not None and self.work.handler.step is not None
+                    and in_slot_of(out.write.key, self.ctx.delivery_id)):
+                self.ctx.defer(out)
+                out = gen.send(out.decode(None))
+            elif first is not None and not self.ctx.asked and (
+                    out.effect, out.keys, out.args) == (first[0].effect, first[0].keys, first[0].args):
+                self.ctx.effect(out.effect, out.keys, out.args)  # asked, as if sent
+                answer = first[1]
+                if answer == RELEASED:
+                    gen.close()
+                    raise DeliveryReleased(self.ctx.delivery_id)
+                out = gen.send(out.decode(answer))
+            else:
+                break
         return out
 
     def resume(self, answer: str | None) -> None:
@@ -147,8 +167,8 @@ class Attempt:
             if first and isinstance(out, GeneratorType):
                 self._gen = out
                 out = out.send(None)
-            if self._gen is not None and self.work.handler.step is not None:
-                out = self._leave_writes(self._gen, out)
+            if self._gen is not None:
+                out = self._answer_at_once(self._gen, out)
             if self._gen is None:
                 self.result = out
             elif isinstance(out, EffectCall):
@@ -439,7 +459,9 @@ class Runner:
         inputs to run come back (copies and events of released deliveries are skipped, the
         refused ones dead-lettered)."""
         run: list[Work] = []
-        for t, (verdict, attempt) in zip(taken, self._begin_verdicts(taken)):
+        riders = [self._first_op(t) for t in taken]
+        verdicts, answers = self._begin_verdicts(taken, riders)
+        for t, (verdict, attempt), rider, answer in zip(taken, verdicts, riders, answers):
             topic = t.message.topic() or ""
             if verdict in (Begin.DUPLICATE, Begin.RELEASED):
                 metrics.IGNORED.labels(self.service.name, topic, verdict.value).inc()
@@ -447,19 +469,35 @@ class Runner:
                 self._dead_letter(t.message, t.reason, t.detail)
             else:
                 t.verdict = verdict
+                if rider is not None and verdict in (Begin.GO, Begin.REPLAY):
+                    t.first = (rider, answer)
                 if attempt != t.envelope.attempt:  # it joined the step's current attempt: answer as that
                     t.envelope = replace(t.envelope, attempt=attempt)
                     t.log = t.log.bind(attempt=attempt, joined=True)
                 run.append(t)
         return run
 
-    def _begin_verdicts(self, taken: list[Work | Refused]) -> list[tuple[Begin, int]]:
+    def _begin_verdicts(self, taken: list[Work | Refused], riders: list[EffectCall | None]
+                        ) -> tuple[list[tuple[Begin, int]], list[str | None]]:
         now = now_ms()
-        return self.state.begin_many(
+        return self.state.begin_riding(
             [self._begin_item(t, now) for t in taken], self.service.retry_budget, self.joinable,
             [dedupe.sighting(self.service.name, t.envelope.correlation_id, t.envelope.event_id,
                              self._dedupe_position(t.message)) for t in taken],
-            self.cfg.dedupe_ttl_s, refuse_released=self.in_workflow)
+            self.cfg.dedupe_ttl_s, refuse_released=self.in_workflow,
+            riders=[None if call is None else call.rider() for call in riders])
+
+    def _first_op(self, t: Work | Refused) -> EffectCall | None:
+        """The effect call of the handler's first operation, as its context will ask it, when
+        it is known before the handler runs and may ride in the begin (its keys in the
+        delivery's slot)."""
+        if isinstance(t, Refused) or t.handler.first_op is None or t.handler.step is None:
+            return None
+        op = t.handler.first_op(t.event, t.envelope.correlation_id)
+        ctx = Context(self.service.name, t.envelope, t.topic, 0, 0, self.redis, t.log,
+                      refuse_released=self.in_workflow)
+        call = ctx.effect(op.effect, op.keys, op.args)
+        return call if call.local else None
 
     @staticmethod
     def _begin_item(t: Work | Refused, now: int) -> tuple[str, str, int, int, int, str]:

@@ -75,6 +75,9 @@ class Handler:
     deadline_s: float
     undoes: str = ""
     confirmed_by: type[Event] | None = None
+    # the operation the handler yields first, known from its event and delivery alone (a
+    # join's record): the runner runs it in the input's begin and hands the handler its answer
+    first_op: Callable[[Any, str], Op[Any]] | None = None
 
 
 @dataclass
@@ -245,7 +248,7 @@ class Service:
         join = Join(check_step_name(step), parts, outcomes=outcomes, retention_s=retention_s, prefix=prefix)
         for topic, model, part, ok in join.topics():
             self.subscribe(topic, model, join.handler(part, ok), step=step, deadline_s=deadline_s,
-                           produces=list(outcomes))
+                           produces=list(outcomes), first_op=join.recorder(part, ok))
         self.joins.append(join)
         return join
 
@@ -287,12 +290,13 @@ class Service:
     def subscribe(self, topic: str, model: type[Event], fn: Callable[[Any, Context], HandlerOutput], *,
                   step: str | None = None, deadline_s: float = 30.0,
                   produces: Sequence[type[Event]] = (), undoes: str = "",
-                  confirmed_by: type[Event] | None = None) -> None:
+                  confirmed_by: type[Event] | None = None,
+                  first_op: Callable[[Any, str], Op[Any]] | None = None) -> None:
         """``on`` with the event type given, for handlers the runtime or a tool builds."""
         if (undoes or confirmed_by) and not (step and undoes and confirmed_by):
             raise ValueError(f"{topic}: a compensation names its step, what it undoes and its confirmation")
         handler = Handler(topic, model, fn, step if step is None else check_step_name(step),
-                          deadline_s * deadline_scale(), undoes, confirmed_by)
+                          deadline_s * deadline_scale(), undoes, confirmed_by, first_op)
         self._handlers[topic] = handler
         if step is not None:
             self._handlers[retry_topic(self.name, topic)] = handler

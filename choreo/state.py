@@ -296,6 +296,24 @@ end
 return 'go'
 """
 
+# A begin with an effect riding in it (``begin_many``'s riders): the effect's script runs in
+# the same item when the input will run (go, replay), and the item answers {verdict, the
+# effect's answer}. ARGV[13]: how many of KEYS are the begin's (the rest are the effect's);
+# ARGV[14..]: the effect's ARGV.
+_BEGIN_RIDING = """
+local function begin(KEYS, ARGV)
+%s
+end
+local function ride(KEYS, ARGV)
+--[[the effect]]
+end
+local own = tonumber(ARGV[13])
+local verdict = begin({unpack(KEYS, 1, own)}, ARGV)
+if string.sub(verdict, 1, 2) ~= 'go' and string.sub(verdict, 1, 6) ~= 'replay' then return verdict end
+return {verdict, ride({unpack(KEYS, own + 1)}, {unpack(ARGV, 14)})}
+""" % _BEGIN
+
+
 _TRY_AGAIN = with_steps("""
 if tonumber(ARGV[2]) < (step_get(KEYS[1], ARGV[1], 'attempt') or 1) then return -1 end
 return step_incr(KEYS[1], ARGV[1], 'tries', 1)
@@ -341,8 +359,8 @@ end)()
 local at = 8
 for w = 1, tonumber(ARGV[7]) do
   local ttl, pairs_count = tonumber(ARGV[at]), tonumber(ARGV[at + 1])
-  if verdict == 'ok' and pairs_count > 0 then
-    redis.call('HSET', KEYS[2 + w], unpack(ARGV, at + 2, at + 1 + 2 * pairs_count))
+  if verdict == 'ok' then
+    if pairs_count > 0 then redis.call('HSET', KEYS[2 + w], unpack(ARGV, at + 2, at + 1 + 2 * pairs_count)) end
     if ttl > 0 then redis.call('EXPIRE', KEYS[2 + w], ttl) end
   end
   at = at + 2 + 2 * pairs_count
@@ -376,10 +394,22 @@ return 0
 
 
 @dataclass(frozen=True)
+class Rider:
+    """An effect riding in an input's begin (``StateTable.begin_riding``): its name, its script
+    (whose ``KEYS`` and ``ARGV`` are these), all of its keys in the delivery's slot."""
+
+    name: str
+    source: str
+    keys: tuple[str, ...]
+    args: tuple[str | int | float, ...]
+
+
+@dataclass(frozen=True)
 class HashWrite:
     """Fields set on a hash in the delivery's slot, its TTL restarted (0: none): a write whose
     answer no handler reads (a record's ``put``). In a step it is applied by the step's finish,
-    in the same script item, and only if the attempt's outputs are published."""
+    in the same script item, and only when that finish completes the step (``ok``): not by a
+    replay's finish, which finds it applied, nor for a late answer."""
 
     key: str
     ttl_s: int
@@ -461,6 +491,7 @@ class StateTable:
         self._open = StepScript(client, "open", _OPEN)
         self._abandon = StepScript(client, "abandon", _ABANDON)
         self._begin = StepScript(client, "begin", _BEGIN)
+        self._riders: dict[tuple[str, str], StepScript] = {}
         self._try_again = client.register_script(_TRY_AGAIN)
         self._finish = StepScript(client, "finish", _FINISH)
         self._finish_opening = StepScript(client, "finish_opening", _FINISH_OPENING)
@@ -515,18 +546,52 @@ class StateTable:
         (``None``: not deduplicated), checked before the step: a copy is ``DUPLICATE``.
         ``refuse_released``: every event of a released delivery is ``RELEASED`` (a workflow's
         own services); else a step of one is ``CLOSED``."""
+        return self.begin_riding(items, budget, joinable, sightings, dedupe_ttl_s, refuse_released)[0]
+
+    def begin_riding(self, items: list[tuple[str, str, int, int, int, str]], budget: int,
+                     joinable: set[str] | frozenset[str] = frozenset(),
+                     sightings: Sequence[Sighting | None] = (), dedupe_ttl_s: int = 0,
+                     refuse_released: bool = False, riders: Sequence[Rider | None] = (),
+                     ) -> tuple[list[tuple[Begin, int]], list[str | None]]:
+        """``begin_many``, with an effect riding in the begin of some items (``riders``): run
+        in the same script item when the input will run (``GO``, ``REPLAY``), where it would
+        take an item and a round trip of its own. The verdicts come back, and each rider's
+        answer (``None`` where none rode or it did not run)."""
         seen: Sequence[Sighting | None] = sightings or [None] * len(items)
+        riding: Sequence[Rider | None] = riders or [None] * len(items)
         if dedupe_ttl_s < 1 and any(seen):  # EXPIRE 0 would delete every service's entries
             raise ValueError(f"a dedupe window of {dedupe_ttl_s} s: the entries must live")
         refuse = "1" if refuse_released else "0"
-        answers = self._begin.run([
-            ([delivery_key(delivery_id), deadline_index(delivery_id), *([at.key] if at else [])],
-             [step, attempt, now, default_deadline_ms, budget, index_member(delivery_id, step),
-              source, "1" if step in joinable else "0",
-              *((at.field_prefix, at.position, dedupe_ttl_s) if at else ("", "", 0)), refuse])
-            for (delivery_id, step, attempt, now, default_deadline_ms, source), at
-            in zip(items, seen, strict=True)])
-        return [_started(text(r), item[2]) for r, item in zip(answers, items)]
+        runs: list[tuple[BatchScript, list[Item]]] = []
+        for (delivery_id, step, attempt, now, default_deadline_ms, source), at, rider in zip(
+                items, seen, riding, strict=True):
+            keys = [delivery_key(delivery_id), deadline_index(delivery_id), *([at.key] if at else [])]
+            args: list[str | int | float] = [
+                step, attempt, now, default_deadline_ms, budget, index_member(delivery_id, step), source,
+                "1" if step in joinable else "0",
+                *((at.field_prefix, at.position, dedupe_ttl_s) if at else ("", "", 0)), refuse]
+            script = self._begin
+            if rider is not None:
+                script = self._riding_script(rider)
+                keys, args = [*keys, *rider.keys], [*args, len(keys), *rider.args]
+            if runs and runs[-1][0] is script:  # consecutive items of one script: one call
+                runs[-1][1].append((keys, args))
+            else:
+                runs.append((script, [(keys, args)]))
+        replies = [reply for run in run_together(self.client, runs) for reply in run]
+        started, answers = [], []
+        for reply, item in zip(replies, items):
+            verdict, answer = (reply[0], reply[1]) if isinstance(reply, list) else (reply, None)
+            started.append(_started(text(verdict), item[2]))
+            answers.append(None if answer is None else text(answer))
+        return started, answers
+
+    def _riding_script(self, rider: Rider) -> StepScript:
+        script = self._riders.get((rider.name, rider.source))
+        if script is None:
+            script = self._riders[(rider.name, rider.source)] = StepScript(
+                self.client, f"begin+{rider.name}", _BEGIN_RIDING.replace("--[[the effect]]", rider.source))
+        return script
 
     def complete_many(self, items: list[tuple[str, str, int]], now_ms: int,
                       opening: Sequence[Sequence[tuple[str, int, int]]] = (),

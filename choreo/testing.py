@@ -159,12 +159,6 @@ class _Context(Context):
             raise DeliveryReleased(self.delivery_id)
         return cast("str | None", answer)
 
-    def defer(self, op: Op[Any]) -> None:
-        """A write left to the step's finish is asked of the script all the same, in order (an
-        in-memory record applies it); the handler has its answer already."""
-        super().defer(op)
-        assert self.script is not None
-        self.script.answer(self.effect(op.effect, op.keys, op.args), op.decode)
 
 
 @dataclass
@@ -249,6 +243,11 @@ def run(service: Service, event: Event, *, topic: str | None = None,
     if ok:
         for out in _as_events(run_.result):
             ctx.emit(out)
+        # the writes a step left to its finish are applied there, after its other effects,
+        # only when the handler ended well: asked of the script then (an in-memory record
+        # applies them)
+        for op in ctx.writes:
+            script.answer(ctx.effect(op.effect, op.keys, op.args), op.decode)
     return Outcome(emitted=list(ctx.emitted) if ok else [], effects=script.asked,
                    kept_open=ctx.keep_step_open, error=run_.error, released=run_.released,
                    result=run_.result, logs=logs, context=ctx)

@@ -46,6 +46,7 @@ from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from confluent_kafka import ConsumerGroupTopicPartitions
 
 from choreo.config import settings
+from choreo.effects import EffectCall
 from choreo.envelope import Envelope, Unusable
 from choreo.kafka import CommittedOffsets, base_config, admin
 from choreo.ops.records import Span, reader, resolve
@@ -118,14 +119,15 @@ class ReplayRunner(Runner):
             self.fresh_count += 1
         return taken
 
-    def _begin_verdicts(self, taken: list[Work | Refused]) -> list[tuple[Begin, int]]:
-        verdicts = super()._begin_verdicts(taken)
+    def _begin_verdicts(self, taken: list[Work | Refused], riders: list[EffectCall | None]
+                        ) -> tuple[list[tuple[Begin, int]], list[str | None]]:
+        verdicts, answers = super()._begin_verdicts(taken, riders)
         duplicates = sum(v is Begin.DUPLICATE for v, _ in verdicts)
         released = sum(v is Begin.RELEASED for v, _ in verdicts)
         self.duplicate_count += duplicates
         self.released_count += released
         self.fresh_count += len(verdicts) - duplicates - released
-        return verdicts
+        return verdicts, answers
 
     def _abort(self, batch: list[Message]) -> None:
         self.aborts += 1

@@ -39,7 +39,7 @@ def test_an_attempt_whose_delivery_was_released_is_dropped_not_resumed() -> None
         reached.append(answer)
         return "an output"
 
-    attempt = Attempt(SimpleNamespace(handler=SimpleNamespace(fn=handler, step="drone"), event=None))
+    attempt = Attempt(SimpleNamespace(handler=SimpleNamespace(fn=handler, step="drone"), event=None, first=None))
     attempt.ctx = SimpleNamespace()
     attempt.start()
     assert attempt.request is effect and attempt.error is None
@@ -65,7 +65,7 @@ def test_a_steps_write_is_left_to_its_finish_and_the_handler_goes_on(step: str |
         reached.append("after the put")
         return "an output"
 
-    attempt = Attempt(SimpleNamespace(handler=SimpleNamespace(fn=handler, step=step), event=None))
+    attempt = Attempt(SimpleNamespace(handler=SimpleNamespace(fn=handler, step=step), event=None, first=None))
     attempt.ctx = Context("package", Envelope.first("e-1", "d-1", "Probe", "test"), "t", 0, 0,
                           None, None)  # type: ignore[arg-type]
     attempt.start()
@@ -76,3 +76,63 @@ def test_a_steps_write_is_left_to_its_finish_and_the_handler_goes_on(step: str |
     assert attempt.request is None and attempt.result == "an output" and reached == ["after the put"]
     [write] = attempt.ctx.writes
     assert write.write is not None and write.write.pairs == ("status", "ready")
+
+
+def test_the_operation_that_rode_in_the_begin_is_answered_from_it_on_every_try() -> None:
+    """A join's record runs in its input's begin: the handler's first operation gets the
+    begin's answer with no request of its own, on each in-process try; an operation asked
+    after it, or another than the one that rode, goes to Redis."""
+    from choreo.envelope import Envelope
+    from choreo.record import Record
+    from choreo.runner import Attempt
+    from choreo.service import Context
+
+    record = Record("pkg", ttl_s=60)
+    first = record.update("d-1", answer="status", status="x")
+    seen: list[Any] = []
+
+    def handler(event: Any, ctx: Any) -> Any:
+        seen.append((yield record.update("d-1", answer="status", status="x")))
+        seen.append((yield record.update("d-1", answer="status", status="x")))
+
+    envelope = Envelope.first("e-1", "d-1", "Probe", "test")
+    rode = Context("svc", envelope, "t", 0, 0, None, None).effect(  # type: ignore[arg-type]
+        first.effect, first.keys, first.args)
+    work = SimpleNamespace(handler=SimpleNamespace(fn=handler, step="package"), event=None,
+                           first=(rode, "ready"))
+    for _ in range(2):  # a retry asks again, and is answered again
+        attempt = Attempt(work)  # type: ignore[arg-type]
+        attempt.ctx = Context("svc", envelope, "t", 0, 0, None, None)  # type: ignore[arg-type]
+        attempt.start()
+        assert seen[-1] == "ready"
+        assert attempt.request is not None and attempt.request.memo_field.endswith("#1")
+    work.first = (Context("svc", envelope, "t", 0, 0, None, None).effect(  # type: ignore[arg-type]
+        first.effect, first.keys, ("status", "status", "y")), "ready")
+    attempt = Attempt(work)  # type: ignore[arg-type]
+    attempt.ctx = Context("svc", envelope, "t", 0, 0, None, None)  # type: ignore[arg-type]
+    attempt.start()
+    assert attempt.request is not None and attempt.request.memo_field.endswith(":" + "e-1")
+
+
+def test_a_write_outside_the_deliverys_slot_runs_as_an_effect() -> None:
+    """The finish's item holds keys of the delivery's slot only (a cluster refuses others with
+    CROSSSLOT): a put of another shard's record goes to Redis as an effect of its own."""
+    from choreo import keys
+    from choreo.envelope import Envelope
+    from choreo.record import Record
+    from choreo.runner import Attempt
+    from choreo.service import Context
+
+    other = next(f"d-{n}" for n in range(1000) if keys.shard_of(f"d-{n}") != keys.shard_of("d-1"))
+    record = Record("pkg", ttl_s=60)
+
+    def handler(event: Any, ctx: Any) -> Any:
+        yield record.put(other, status="ready")
+
+    attempt = Attempt(SimpleNamespace(handler=SimpleNamespace(fn=handler, step="package"), event=None,
+                                      first=None))  # type: ignore[arg-type]
+    attempt.ctx = Context("package", Envelope.first("e-1", "d-1", "Probe", "test"), "t", 0, 0,
+                          None, None)  # type: ignore[arg-type]
+    attempt.start()
+    assert attempt.request is not None and attempt.request.keys == (record.key(other),)
+    assert attempt.ctx.writes == []
