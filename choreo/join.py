@@ -175,11 +175,6 @@ class Join:
                    *self.parts),
                   lambda raw: self._decision(delivery_id, raw))
 
-    def recorder(self, part: str, ok: bool) -> Callable[[Event, str], Op[Decision]]:
-        """What a part's handler yields first, from its event alone: the runner runs it in the
-        input's begin (one script item for both)."""
-        return lambda event, delivery_id: self.record(delivery_id, part, ok, event)
-
     def handler(self, part: str, ok: bool) -> Callable[[Any, Context], Generator[Any, Any, HandlerResult]]:
         """The runtime's handler of one part's event: record, then call the outcome's handler
         once the join has decided."""

@@ -37,7 +37,7 @@ from choreo.errors import DeadLetterReason, DeliveryReleased, Rejected, Retryabl
 from choreo.events import Event
 from choreo.logs import get_logger
 from choreo.memory import collect_batch_cycles, settle_garbage_collector
-from choreo.redis_client import TRANSIENT, connect
+from choreo.redis_client import TRANSIENT, connect, is_cluster
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
 from choreo.effects import RELEASED, EffectCall, Op, run_all
 from choreo import layout, tracing
@@ -88,7 +88,7 @@ class Work:
     verdict: Begin | None = None
     ctx: Context | None = None
     span: Any = None  # its handler's span, when tracing is on (choreo.tracing)
-    # its handler's first operation, run in its begin (``Handler.first_op``), and the answer
+    # its handler's first operation, run in its begin (``Handler.first_op_in_begin``), and the answer
     first: tuple[EffectCall, str | None] | None = None
 
 
@@ -132,23 +132,33 @@ class Attempt:
         another delivery) could not share that item on a cluster, and runs as an effect. The
         operation that ran in the begin (``Work.first``: the same effect, keys and args, asked
         first) gets the answer the begin brought."""
-        first = self.work.first
-        while isinstance(out, Op):
-            if (out.write is not None and self.work.handler.step is not None
+        while True:
+            if (isinstance(out, Op) and out.write is not None and self.work.handler.step is not None
                     and in_slot_of(out.write.key, self.ctx.delivery_id)):
                 self.ctx.defer(out)
                 out = gen.send(out.decode(None))
-            elif first is not None and not self.ctx.asked and (
-                    out.effect, out.keys, out.args) == (first[0].effect, first[0].keys, first[0].args):
-                self.ctx.effect(out.effect, out.keys, out.args)  # asked, as if sent
-                answer = first[1]
+            elif self._rode_in_begin(out):
+                assert self.work.first is not None
+                answer = self.work.first[1]
                 if answer == RELEASED:
                     gen.close()
                     raise DeliveryReleased(self.ctx.delivery_id)
-                out = gen.send(out.decode(answer))
+                if isinstance(out, Op):
+                    self.ctx.effect(out.effect, out.keys, out.args)  # asked, as if sent
+                    out = gen.send(out.decode(answer))
+                else:
+                    out = gen.send(answer)
             else:
-                break
-        return out
+                return out
+
+    def _rode_in_begin(self, out: Any) -> bool:
+        """Whether ``out`` is the operation that ran in the begin, asked first in this try."""
+        if self.work.first is None:
+            return False
+        rode, asked = self.work.first[0], sum(self.ctx.asked.values())
+        if isinstance(out, Op):
+            return asked == 0 and (out.effect, out.keys, out.args) == (rode.effect, rode.keys, rode.args)
+        return isinstance(out, EffectCall) and asked == 1 and out == rode  # ctx.effect counted it
 
     def resume(self, answer: str | None) -> None:
         assert self._gen is not None
@@ -488,16 +498,29 @@ class Runner:
             riders=[None if call is None else call.rider() for call in riders])
 
     def _first_op(self, t: Work | Refused) -> EffectCall | None:
-        """The effect call of the handler's first operation, as its context will ask it, when
-        it is known before the handler runs and may ride in the begin (its keys in the
-        delivery's slot)."""
-        if isinstance(t, Refused) or t.handler.first_op is None or t.handler.step is None:
+        """The effect call of the handler's first operation, as its context will ask it, for a
+        handler declared to do nothing before it (``first_op_in_begin``): found by starting
+        the handler on a context of its own and closing it at its first ``yield``. It rides in
+        the begin where its keys allow (on a cluster, only keys of the delivery's slot); a
+        write left to the finish does not."""
+        if isinstance(t, Refused) or not t.handler.first_op_in_begin:
             return None
-        op = t.handler.first_op(t.event, t.envelope.correlation_id)
-        ctx = Context(self.service.name, t.envelope, t.topic, 0, 0, self.redis, t.log,
-                      refuse_released=self.in_workflow)
-        call = ctx.effect(op.effect, op.keys, op.args)
-        return call if call.local else None
+        ctx = Context(self.service.name, t.envelope, t.topic, t.message.partition() or 0,
+                      t.message.offset() or 0, self.redis, t.log, refuse_released=self.in_workflow)
+        started = t.handler.fn(t.event, ctx)
+        if not isinstance(started, GeneratorType):
+            return None
+        try:
+            out = started.send(None)
+        except (StopIteration, Retryable, Rejected):  # the handler's own run meets them again
+            return None
+        finally:
+            started.close()
+        if isinstance(out, Op) and out.write is None:
+            out = ctx.effect(out.effect, out.keys, out.args)
+        if not isinstance(out, EffectCall) or not (not is_cluster(self.redis) or out.local):
+            return None
+        return out
 
     @staticmethod
     def _begin_item(t: Work | Refused, now: int) -> tuple[str, str, int, int, int, str]:

@@ -75,9 +75,10 @@ class Handler:
     deadline_s: float
     undoes: str = ""
     confirmed_by: type[Event] | None = None
-    # the operation the handler yields first, known from its event and delivery alone (a
-    # join's record): the runner runs it in the input's begin and hands the handler its answer
-    first_op: Callable[[Any, str], Op[Any]] | None = None
+    # the handler does nothing before it yields its first operation but work it out from its
+    # event and context (no call out, no emit): the runner asks that operation in the input's
+    # begin and hands the handler its answer (``choreo.runner``)
+    first_op_in_begin: bool = False
 
 
 @dataclass
@@ -248,7 +249,7 @@ class Service:
         join = Join(check_step_name(step), parts, outcomes=outcomes, retention_s=retention_s, prefix=prefix)
         for topic, model, part, ok in join.topics():
             self.subscribe(topic, model, join.handler(part, ok), step=step, deadline_s=deadline_s,
-                           produces=list(outcomes), first_op=join.recorder(part, ok))
+                           produces=list(outcomes), first_op_in_begin=True)
         self.joins.append(join)
         return join
 
@@ -258,16 +259,21 @@ class Service:
         return [record.key for record in self.records if record.released_with_delivery]
 
     def on(self, topic: str, *, step: str | None = None, deadline_s: float = 30.0,
-           produces: Sequence[type[Event]] = (),
+           produces: Sequence[type[Event]] = (), first_op_in_begin: bool = False,
            ) -> Callable[[Callable[..., HandlerOutput]], Callable[..., HandlerOutput]]:
         """Subscribe the decorated function to ``topic``; the event type is its first parameter's annotation.
 
         ``step`` makes the handler a supervised workflow step with a complete-by deadline;
         it then also consumes the step's retry topic, where the supervisor requeues it.
+        ``first_op_in_begin``: the handler does nothing before its first ``yield`` but work
+        out that operation from its event and context (no call out, no emit), so the runtime
+        may ask it in the same Redis script item as the input's dedupe and step, where it
+        would take an item and a round trip of its own.
         """
 
         def register(fn: Callable[..., HandlerOutput]) -> Callable[..., HandlerOutput]:
-            self.subscribe(topic, _event_type(fn), fn, step=step, deadline_s=deadline_s, produces=produces)
+            self.subscribe(topic, _event_type(fn), fn, step=step, deadline_s=deadline_s, produces=produces,
+                           first_op_in_begin=first_op_in_begin)
             return fn
 
         return register
@@ -290,13 +296,12 @@ class Service:
     def subscribe(self, topic: str, model: type[Event], fn: Callable[[Any, Context], HandlerOutput], *,
                   step: str | None = None, deadline_s: float = 30.0,
                   produces: Sequence[type[Event]] = (), undoes: str = "",
-                  confirmed_by: type[Event] | None = None,
-                  first_op: Callable[[Any, str], Op[Any]] | None = None) -> None:
+                  confirmed_by: type[Event] | None = None, first_op_in_begin: bool = False) -> None:
         """``on`` with the event type given, for handlers the runtime or a tool builds."""
         if (undoes or confirmed_by) and not (step and undoes and confirmed_by):
             raise ValueError(f"{topic}: a compensation names its step, what it undoes and its confirmation")
         handler = Handler(topic, model, fn, step if step is None else check_step_name(step),
-                          deadline_s * deadline_scale(), undoes, confirmed_by, first_op)
+                          deadline_s * deadline_scale(), undoes, confirmed_by, first_op_in_begin)
         self._handlers[topic] = handler
         if step is not None:
             self._handlers[retry_topic(self.name, topic)] = handler

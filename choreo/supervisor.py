@@ -452,7 +452,7 @@ def _subscribe() -> None:
     service.outputs.add(supervised.failure)
     service.subscribe(supervised.failed_topic, supervised.failure, on_delivery_failed,
                       produces=[CompensationRecord])
-    service.subscribe(supervised.shipped_topic, supervised.success, on_shipped)
+    service.subscribe(supervised.shipped_topic, supervised.success, on_shipped, first_op_in_begin=True)
     _watch_compensations(supervised.flow)
 
 

@@ -68,7 +68,7 @@ def release(request: UndoRequested, ctx: Context) -> Effects[DroneReleased]:
                          released_at=datetime.now(UTC))
 
 
-@service.on("delivery.shipped")
+@service.on("delivery.shipped", first_op_in_begin=True)
 def flight_over(shipment: DeliveryShipped, ctx: Context) -> Effects[None]:
     """The simulated flight ends when the shipment is recorded: the drone is free again."""
     yield fleet.release(shipment.delivery_id, "return")

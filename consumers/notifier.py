@@ -15,7 +15,8 @@ notified = service.record("notified", ttl_s=24 * 3600)
 notified.rebuilt_from(DeliveryShipped, lambda shipment: {"drone": shipment.drone_id}, when_consumed=True)
 
 
-@service.on("delivery.shipped")
+# it does nothing before recording the notification: that runs with the input's dedupe
+@service.on("delivery.shipped", first_op_in_begin=True)
 def notify(shipment: DeliveryShipped, ctx: Context) -> Effects[None]:
     yield notified.set_once(shipment.delivery_id, "drone", shipment.drone_id)
     ctx.log.debug("customer.notified", drone_id=shipment.drone_id)  # per event: debug, not info

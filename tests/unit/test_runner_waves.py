@@ -136,3 +136,28 @@ def test_a_write_outside_the_deliverys_slot_runs_as_an_effect() -> None:
     attempt.start()
     assert attempt.request is not None and attempt.request.keys == (record.key(other),)
     assert attempt.ctx.writes == []
+
+
+def test_a_raw_effect_that_rode_in_the_begin_is_answered_from_it() -> None:
+    """The same for an effect asked with ``ctx.effect`` (the supervisor's record of a terminal):
+    answered once per try, a second one goes to Redis."""
+    from choreo.effects import OnceEffect
+    from choreo.envelope import Envelope
+    from choreo.runner import Attempt
+    from choreo.service import Context
+
+    mark = OnceEffect("mark", "return 'marked'")
+    envelope = Envelope.first("e-1", "d-1", "Probe", "test")
+    seen: list[Any] = []
+
+    def handler(event: Any, ctx: Any) -> Any:
+        seen.append((yield ctx.effect(mark, ["k"], [1])))
+        seen.append((yield ctx.effect(mark, ["k"], [1])))
+
+    rode = Context("svc", envelope, "t", 0, 0, None, None).effect(mark, ["k"], [1])  # type: ignore[arg-type]
+    attempt = Attempt(SimpleNamespace(handler=SimpleNamespace(fn=handler, step=None), event=None,
+                                      first=(rode, "marked")))  # type: ignore[arg-type]
+    attempt.ctx = Context("svc", envelope, "t", 0, 0, None, None)  # type: ignore[arg-type]
+    attempt.start()
+    assert seen == ["marked"]
+    assert attempt.request is not None and attempt.request.memo_field.endswith("#1")
