@@ -4,9 +4,10 @@ delivery, and calls its handler exactly once, with every part or with the first 
 The parts' results are recorded in the delivery's hash (``fanin.<part>``) by one atomic
 script that also decides, exactly once, in whatever order the results arrive and on
 whichever instance reads them; a replay of the deciding input is told the same decision,
-read from the results again (``fanin.by`` names that input). A
-result for a delivery already decided is recorded and ignored (``late``). A failure waits
-for every part too, so the steps to undo are known: the parts that completed, newest first.
+read from the results again (``fanin.by`` names that input), and any other input is told
+to wait. A result after an outcome the join did not decide (the supervisor's) is recorded
+and ignored (``late``). A failure waits for every part too, so the steps to undo are known:
+the parts that completed, newest first.
 
 A part is named after the upstream step that produces it, so the supervisor knows what the
 join waits for (``choreo.supervision``) without being told twice.

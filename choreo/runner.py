@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from types import FrameType, GeneratorType
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.schema_registry.error import SchemaRegistryError
@@ -479,7 +479,8 @@ class Runner:
                 self._dead_letter(t.message, t.reason, t.detail)
             else:
                 t.verdict = verdict
-                if rider is not None and verdict in (Begin.GO, Begin.REPLAY):
+                # an answer the effect does not remember ("not now": none) is asked again
+                if rider is not None and answer is not None and verdict in (Begin.GO, Begin.REPLAY):
                     t.first = (rider, answer)
                 if attempt != t.envelope.attempt:  # it joined the step's current attempt: answer as that
                     t.envelope = replace(t.envelope, attempt=attempt)
@@ -507,15 +508,12 @@ class Runner:
             return None
         ctx = Context(self.service.name, t.envelope, t.topic, t.message.partition() or 0,
                       t.message.offset() or 0, self.redis, t.log, refuse_released=self.in_workflow)
-        started = t.handler.fn(t.event, ctx)
-        if not isinstance(started, GeneratorType):
-            return None
-        try:
+        try:  # the handler is a generator function (Service.subscribe)
+            started = cast(EffectfulHandler, t.handler.fn(t.event, ctx))
             out = started.send(None)
-        except (StopIteration, Retryable, Rejected):  # the handler's own run meets them again
+        except (StopIteration, Retryable, Rejected, DeliveryReleased):  # its own run meets them again
             return None
-        finally:
-            started.close()
+        started.close()
         if isinstance(out, Op) and out.write is None:
             out = ctx.effect(out.effect, out.keys, out.args)
         if not isinstance(out, EffectCall) or not (not is_cluster(self.redis) or out.local):
@@ -543,7 +541,9 @@ class Runner:
         pending effect to Redis in one round trip and resumes each handler with its answer.
         The events of one delivery still run one after the other, in input order (waves: the
         first event of every delivery, then the second...), as a reservation and a release of
-        the same delivery must not interleave. A ``Retryable`` is retried in process (a fresh
+        the same delivery must not interleave (an operation that rode in the begin ran before
+        them all: ``first_op_in_begin`` is for operations no earlier event of the batch's
+        deliveries writes under). A ``Retryable`` is retried in process (a fresh
         try of the whole handler) after one back-off for all of the wave's retries, within the
         step's deadline and budget; then the step is reported (or, outside a step, the event
         dead-lettered)."""

@@ -13,6 +13,7 @@ shutdown come from the runtime (``choreo.runner``); ``choreo run module:service`
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import typing
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -300,6 +301,8 @@ class Service:
         """``on`` with the event type given, for handlers the runtime or a tool builds."""
         if (undoes or confirmed_by) and not (step and undoes and confirmed_by):
             raise ValueError(f"{topic}: a compensation names its step, what it undoes and its confirmation")
+        if first_op_in_begin and not inspect.isgeneratorfunction(fn):
+            raise ValueError(f"{topic}: first_op_in_begin needs a handler that yields its operations")
         handler = Handler(topic, model, fn, step if step is None else check_step_name(step),
                           deadline_s * deadline_scale(), undoes, confirmed_by, first_op_in_begin)
         self._handlers[topic] = handler

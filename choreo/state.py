@@ -581,7 +581,8 @@ class StateTable:
         replies = [reply for run in run_together(self.client, runs) for reply in run]
         started, answers = [], []
         for reply, item in zip(replies, items):
-            verdict, answer = (reply[0], reply[1]) if isinstance(reply, list) else (reply, None)
+            verdict, answer = (reply[0], reply[1] if len(reply) > 1 else None) if isinstance(reply, list) \
+                else (reply, None)
             started.append(_started(text(verdict), item[2]))
             answers.append(None if answer is None else text(answer))
         return started, answers

@@ -223,6 +223,8 @@ def run(service: Service, event: Event, *, topic: str | None = None,
                         event_type=type(event).__name__, producer="choreo.testing")
     logs: list[Logged] = []
     log = _Log(logs, {"service": service.name, "topic": target})
+    if handler.first_op_in_begin:
+        _check_nothing_before_first_op(service, handler.fn, event, envelope, target, log, answers or {})
     script = _Script(service.name, getattr(handler.fn, "__name__", target), answers or {})
     ctx = _Context(service.name, envelope, target, partition, offset, cast(redis.Redis, _NoRedis()),
                    log, try_no=try_no, script=script)
@@ -253,6 +255,25 @@ def run(service: Service, event: Event, *, topic: str | None = None,
                    result=run_.result, logs=logs, context=ctx)
 
 
+def _check_nothing_before_first_op(service: Service, fn: Callable[..., Any], event: Event,
+                                   envelope: Envelope, topic: str, log: _Log,
+                                   answers: Mapping[str, Any]) -> None:
+    """A handler declared ``first_op_in_begin`` is started before its input's begin, for copies
+    too: before its first operation it may ask nothing and emit nothing."""
+    script = _Script(service.name, getattr(fn, "__name__", topic), answers)
+    probe = _Context(service.name, envelope, topic, 0, 0, cast(redis.Redis, _NoRedis()), log, script=script)
+    started = fn(event, probe)
+    try:
+        started.send(None)
+    except (StopIteration, Retryable, Rejected, DeliveryReleased):
+        return
+    started.close()
+    if script.asked or probe.emitted:
+        raise HarnessError(f"{service.name}: {script.handler} is declared first_op_in_begin, but before "
+                           f"its first operation it asked {[a.name for a in script.asked]} and emitted "
+                           f"{[e.topic for e in probe.emitted]}: the runtime does that for every copy too")
+
+
 def _topic_of(service: Service, event: Event) -> str:
     """The event's own topic, or else the one topic where ``service`` reads its type: some
     events go to a family of topics (an undo request goes to the undo topic of its step)."""
@@ -267,8 +288,8 @@ def _topic_of(service: Service, event: Event) -> str:
 
 # -- a fan-in's decisions, for the join's part handlers (``join_record``'s answer) ---------------
 
-WAIT = Decision("wait")  # the other parts are not all in: the step stays open
-LATE = Decision("late")  # the join decided before this result came
+WAIT = Decision("wait")  # not the deciding input: the other parts are not all in, or another decided
+LATE = Decision("late")  # the delivery's outcome came from elsewhere (the supervisor) before this result
 
 
 def complete(join: Join, results: Mapping[str, Event], completed: Sequence[str] | None = None) -> Decision:

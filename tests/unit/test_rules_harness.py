@@ -187,3 +187,25 @@ def test_records_behave_like_the_redis_hashes() -> None:
     assert outcome.only(DeliveryShipped).package_id == "None|drone-7|drone-7"
     assert records.hashes == {of_delivery("note", "d-1"): {"drone": "drone-7", "weight": "2.5", "status": "done"}}
 
+
+
+def test_a_handler_declared_first_op_in_begin_that_emits_before_it_fails_the_test() -> None:
+    """The runtime starts such a handler before the dedupe, for copies too: an emit or a
+    ``ctx.once`` before its first operation is a bug the harness reports."""
+    eager = Service("eager")
+
+    @eager.on("delivery.shipped", first_op_in_begin=True)
+    def note(event: DeliveryShipped, ctx: Context) -> Effects[None]:
+        ctx.emit(event, topic="emitted.early")
+        yield notes.set_once(event.delivery_id, "drone", event.drone_id)
+
+    with pytest.raises(HarnessError, match="declared first_op_in_begin.*emitted.early"):
+        run(eager, shipped(), answers={"record_set_once": "drone-7"})
+
+
+def test_first_op_in_begin_needs_a_handler_that_yields() -> None:
+    def plain(event: DeliveryShipped, ctx: Context) -> None:
+        return None
+
+    with pytest.raises(ValueError, match="first_op_in_begin"):
+        Service("plain").on("delivery.shipped", first_op_in_begin=True)(plain)
