@@ -333,12 +333,19 @@ def _exit_of(pid: int | None) -> str:
     """How our child ``pid`` ended, read once (it is reaped here)."""
     if pid is None:
         return "exited"
-    try:
-        reaped, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:  # not our child (adopted from an earlier ``up``), or reaped already
-        return "exited"
-    if reaped == 0:
-        return "exited"
+    # seen dead as it exits: the kernel may not have made it a zombie to reap yet, so ask
+    # again for a moment rather than lose its exit code
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            reaped, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not our child (adopted from an earlier ``up``), or reaped already
+            return "exited"
+        if reaped != 0:
+            break
+        if time.monotonic() > deadline:
+            return "exited"
+        time.sleep(0.01)
     code = os.waitstatus_to_exitcode(status)
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
