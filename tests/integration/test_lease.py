@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from choreo.lease import Lease, holder, shard_copy_key
+from choreo import keys
+from choreo.lease import COPY_TTL_MS, Lease, holder, shard_copy_key
 
 pytestmark = pytest.mark.integration
 
@@ -76,3 +77,27 @@ def test_a_holder_that_finds_a_newer_fence_posted_steps_down(client: redis.Redis
     assert not a.acquire() and a.fence is None
     assert client.get(shard_copy_key(name, 3)) == f"newer|{10**6}".encode()
     assert holder(client, name) is None  # it gave the key up for whoever comes next
+
+
+def test_a_steady_holder_posts_its_fence_once_and_again_only_when_it_may_have_lost_it(
+        client: redis.Redis) -> None:
+    """Renewing does not write the shards' copies again (64 script items a scan, for nothing);
+    a new token does, and so does a holder told it was fenced (a copy lost with a node)."""
+    name = f"lease-{uuid.uuid4().hex[:8]}"
+    a = Lease(client, name, "a", 1000)
+    assert a.acquire() and a.fence is not None
+    fence = a.fence.encode()
+    copies = [shard_copy_key(name, shard) for shard in range(keys.SHARDS)]
+    assert all(client.get(copy) == fence for copy in copies)
+    assert 1000 < client.pttl(copies[0]) <= COPY_TTL_MS
+    client.delete(copies[5])
+    assert a.acquire()
+    assert client.get(copies[5]) is None  # a renewal posts nothing
+    a.lost()
+    assert a.acquire() and a.fence == fence.decode()
+    assert client.get(copies[5]) == fence
+    a.release()
+    b = Lease(client, name, "b", 1000)
+    assert b.acquire() and b.fence is not None
+    assert all(client.get(copy) == b.fence.encode() for copy in copies)  # a new token posts
+    client.delete(*copies)
