@@ -19,7 +19,7 @@ Each round trip is one ``redis batch`` span when tracing is on (``choreo.tracing
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
@@ -128,6 +128,18 @@ def run_together(client: redis.Redis, batches: Sequence[tuple[BatchScript, Seque
         for position, answer in zip(positions, reply):
             answers[b][position] = answer
     return answers
+
+
+def run_in_order(client: redis.Redis, items: Iterable[tuple[BatchScript, Item]]) -> list[Any]:
+    """Items of several scripts in one round trip, run in the order given (consecutive items
+    of one script share a call); each item's answer, in that order."""
+    runs: list[tuple[BatchScript, list[Item]]] = []
+    for script, item in items:
+        if runs and runs[-1][0] is script:
+            runs[-1][1].append(item)
+        else:
+            runs.append((script, [item]))
+    return [answer for run in run_together(client, runs) for answer in run]
 
 
 def by_slot(client: redis.Redis, items: Sequence[Item]) -> list[list[int]]:

@@ -37,7 +37,7 @@ from typing import Any, Generic, TypeVar
 import redis
 
 from choreo import keys as layout
-from choreo.batch import BatchScript, Item, run_together
+from choreo.batch import BatchScript, Item, run_in_order, run_together
 from choreo.dedupe import compact_id
 from choreo.redis_client import is_cluster
 from choreo.state import HashWrite, Rider, delivery_key
@@ -213,15 +213,7 @@ def _in_order(client: redis.Redis, calls: Sequence[EffectCall],
     """Consecutive calls of one effect go in one script call (``choreo.batch``). Order
     matters between deliveries: a release followed by a reserve of the same fleet must not
     be turned around."""
-    runs: list[tuple[BatchScript, list[Item]]] = []
-    for call in calls:
-        script, item = how(client, call)
-        if runs and runs[-1][0] is script:
-            runs[-1][1].append(item)
-        else:
-            runs.append((script, [item]))
-    replies = run_together(client, runs)
-    return [_answer(reply) for run_replies in replies for reply in run_replies]
+    return [_answer(reply) for reply in run_in_order(client, [how(client, call) for call in calls])]
 
 
 def _elsewhere(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:

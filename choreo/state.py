@@ -27,7 +27,7 @@ from typing import Any
 import redis
 
 from choreo import keys
-from choreo.batch import BatchScript, Item, run_together
+from choreo.batch import BatchScript, Item, run_in_order, run_together
 from choreo.redis_client import NodePipelines, raise_first, write_waited
 
 
@@ -562,7 +562,7 @@ class StateTable:
         if dedupe_ttl_s < 1 and any(seen):  # EXPIRE 0 would delete every service's entries
             raise ValueError(f"a dedupe window of {dedupe_ttl_s} s: the entries must live")
         refuse = "1" if refuse_released else "0"
-        runs: list[tuple[BatchScript, list[Item]]] = []
+        ordered: list[tuple[BatchScript, Item]] = []
         for (delivery_id, step, attempt, now, default_deadline_ms, source), at, rider in zip(
                 items, seen, riding, strict=True):
             keys = [delivery_key(delivery_id), deadline_index(delivery_id), *([at.key] if at else [])]
@@ -574,11 +574,8 @@ class StateTable:
             if rider is not None:
                 script = self._riding_script(rider)
                 keys, args = [*keys, *rider.keys], [*args, len(keys), *rider.args]
-            if runs and runs[-1][0] is script:  # consecutive items of one script: one call
-                runs[-1][1].append((keys, args))
-            else:
-                runs.append((script, [(keys, args)]))
-        replies = [reply for run in run_together(self.client, runs) for reply in run]
+            ordered.append((script, (keys, args)))
+        replies = run_in_order(self.client, ordered)
         started, answers = [], []
         for reply, item in zip(replies, items):
             verdict, answer = (reply[0], reply[1] if len(reply) > 1 else None) if isinstance(reply, list) \
