@@ -124,7 +124,7 @@ TERMINAL_TOPIC = "delivery.shipped"
 # services' own declarations, so it cannot drift from the workflow silently.
 HAPPY_PATH: tuple[Stage, ...] = (
     Stage("package", {"delivery.requested": "package.ready"}),
-    Stage("drone-scheduler", {"delivery.requested": "drone.scheduled", "delivery.shipped": None}),
+    Stage("drone-scheduler", {"delivery.requested": "drone.scheduled"}),
     Stage("delivery", {"package.ready": "delivery.shipped", "drone.scheduled": "delivery.shipped"},
           fan_in=True),
     Stage("notifier", {"delivery.shipped": None}),

@@ -505,7 +505,7 @@ class Bench:
                              ingestion_profile)
         ids = [i for i, _, _ in driven["accepted"]]
         waited = observer.wait_for(ids, self.args.timeout)
-        time.sleep(0.5)  # the notifier and the drone's return consume delivery.shipped too
+        time.sleep(0.5)  # the notifier and the supervisor consume delivery.shipped too
         seconds = time.monotonic() - t0
         procs = watch.end()
         procs["ingestion-driver"] = {"cpu_s": round(driven["cpu_s"], 2),

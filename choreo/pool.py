@@ -48,19 +48,25 @@ redis.call('XADD', KEYS[4], 'MAXLEN', '~', '%(history)d', '*', 'action', 'reserv
 return member
 """ % {"no_fit": NO_FIT, "history": HISTORY_MAX})
 
-# ARGV: holder, the action's name in the history
-_RELEASE = OnceEffect("pool_release", """
-local holder, action = ARGV[1], ARGV[2]
-local member = redis.call('HGET', KEYS[3], holder)
-if not member then return '' end
-redis.call('HDEL', KEYS[3], holder)
-if redis.call('HGET', KEYS[2], member) == holder then
-  redis.call('HDEL', KEYS[2], member)
-  redis.call('ZADD', KEYS[1], redis.call('HGET', KEYS[5], member), member)
+# a holder's member back to the free set; the member, or '' when the holder held none
+GIVE_BACK = """
+local function give_back(free, held, booking, history, capacity, holder, action)
+  local member = redis.call('HGET', booking, holder)
+  if not member then return '' end
+  redis.call('HDEL', booking, holder)
+  if redis.call('HGET', held, member) == holder then
+    redis.call('HDEL', held, member)
+    redis.call('ZADD', free, redis.call('HGET', capacity, member), member)
+  end
+  redis.call('XADD', history, 'MAXLEN', '~', '%(history)d', '*', 'action', action, 'drone', member, 'delivery', holder)
+  return member
 end
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', '%(history)d', '*', 'action', action, 'drone', member, 'delivery', holder)
-return member
-""" % {"history": HISTORY_MAX})
+""" % {"history": HISTORY_MAX}
+
+# ARGV: holder, the action's name in the history
+_RELEASE = OnceEffect("pool_release", GIVE_BACK + """
+return give_back(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2])
+""")
 
 # the rebuild's restore of one hold: never takes a member someone else holds. ARGV: holder, member
 _RESTORE = """
@@ -98,10 +104,16 @@ class Freed:
 
 @dataclass
 class Pool:
-    """Members named by ``seed`` (member -> capacity), grown at each start, never shrunk."""
+    """Members named by ``seed`` (member -> capacity), grown at each start, never shrunk.
+
+    ``held_until_released``: the holders are deliveries, and a delivery's member comes back
+    when its shipment is released (``choreo.release``), in the release's own script: no
+    service reads the shipment to give it back.
+    """
 
     name: str
     seed: Callable[[], Mapping[str, float]]
+    held_until_released: bool = False
     held_by: tuple[type[Event], Callable[[Any], str]] | None = None  # event, its member
     freed: list[Freed] = field(default_factory=list)
 
@@ -124,6 +136,11 @@ class Pool:
     @property
     def capacity_key(self) -> str:
         return f"{layout.tagged(self.name)}:capacity"
+
+    @property
+    def give_back_keys(self) -> tuple[str, ...]:
+        """The keys ``GIVE_BACK`` takes, in its order."""
+        return self.keys[:5]
 
     @property
     def keys(self) -> tuple[str, ...]:

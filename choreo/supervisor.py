@@ -441,7 +441,7 @@ def start_releasing(client: Store) -> None:
     if groups == [NAME]:  # e.g. a topic prefix the workflow's services do not use
         log.warning("release.waits_for_no_reader", topic=shipped)
     releaser = Releaser(client, admin(), shipped, groups, [s.name for s in flow.services],
-                        flow.released_keys, settings().dedupe_ttl_s)
+                        flow.released_keys, settings().dedupe_ttl_s, flow.pools_held_until_released)
     releaser.run_in_background(SETTINGS.scan_period_s, lambda: _runtime is not None and _runtime.leading, log)
 
 

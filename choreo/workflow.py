@@ -13,6 +13,7 @@ from functools import cached_property
 
 from choreo.events import Event
 from choreo.join import Join
+from choreo.pool import Pool
 from choreo.service import Service, StepSpec, load_service
 
 
@@ -53,6 +54,11 @@ class Workflow:
     def released_keys(self, delivery_id: str) -> list[str]:
         """The per-delivery keys services declared to go with a finished delivery's state."""
         return [key(delivery_id) for s in self.services for key in s.per_delivery_keys]
+
+    @property
+    def pools_held_until_released(self) -> list[Pool]:
+        """The pools whose members a delivery holds until its release gives them back."""
+        return [pool for s in self.services for pool in s.pools if pool.held_until_released]
 
     def step(self, name: str) -> StepSpec:
         return next(s for s in self.steps if s.name == name)

@@ -1,5 +1,6 @@
-"""Drone-scheduler service: reserves a suitable drone per delivery, releases it on failure,
-and takes it back when the flight is over.
+"""Drone-scheduler service: reserves a suitable drone per delivery and releases it on failure.
+A shipped delivery's drone is back in the fleet when the delivery is released: the flight
+is over once every reader of the shipment has read it.
 
 Asking twice for the same delivery returns the same drone; one drone is never booked for
 two deliveries at once (both hold by construction of the runtime's pool).
@@ -31,11 +32,11 @@ def drones() -> dict[str, float]:
     return {f"drone-{n:05d}": CAPACITIES_KG[n % len(CAPACITIES_KG)] for n in range(size)}
 
 
-fleet = service.pool(Pool("fleet", seed=drones))
-# a booking is proven by drone.scheduled; it ends when the drone is released, or when this
-# service has read the shipment (the flight is over: the drone came back)
+fleet = service.pool(Pool("fleet", seed=drones, held_until_released=True))
+# a booking is proven by drone.scheduled; it ends when the drone is released, or with the
+# shipment (the flight is over: the drone comes back with the delivery's release)
 fleet.rebuilt_from(DroneScheduled, member=lambda scheduled: scheduled.drone_id,
-                   freed_by={DroneReleased: False, DeliveryShipped: True})
+                   freed_by={DroneReleased: False, DeliveryShipped: False})
 
 
 @service.on("delivery.requested", step="drone", deadline_s=30,
@@ -67,8 +68,3 @@ def release(request: UndoRequested, ctx: Context) -> Effects[DroneReleased]:
     return DroneReleased(delivery_id=request.delivery_id, drone_id=drone,
                          released_at=datetime.now(UTC))
 
-
-@service.on("delivery.shipped", first_op_in_begin=True)
-def flight_over(shipment: DeliveryShipped, ctx: Context) -> Effects[None]:
-    """The simulated flight ends when the shipment is recorded: the drone is free again."""
-    yield fleet.release(shipment.delivery_id, "return")

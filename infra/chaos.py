@@ -853,22 +853,26 @@ class FleetHistory:
     after_loss: list[tuple[bytes, dict[bytes, bytes]]]
     lost_at_ms: int = 2**62  # when Redis was lost (services stopped, transactions settled)
 
-    def double_bookings(self, booked: dict[str, str],
-                        booked_at: dict[str, int] | None = None) -> tuple[list[str], int]:
+    def double_bookings(self, booked: dict[str, str], booked_at: dict[str, int] | None = None,
+                        shipped_at: dict[str, int] | None = None) -> tuple[list[str], int]:
         """Every reservation of a held drone; and how many holds at the loss were forgotten
         because their booking had not reached Kafka by then (redone after the rebuild, not a
         violation). A hold whose booking was committed before the loss stays held across it: a
         rebuild that lost it shows up as the drone reserved again while its holder flies it.
         A booking committed only after the loss is the redone reservation, which may well pick
-        the same drone again: the hold at the loss was still forgotten."""
+        the same drone again: the hold at the loss was still forgotten. A hold whose delivery
+        was shipped before the loss had ended (the flight was over; only its release had yet
+        to give the drone back), and the rebuild frees it."""
         from choreo.pool import violations_in
 
         found, held = violations_in(self.before_loss)
-        times = booked_at or {}
-        kept = {drone: delivery for drone, delivery in held.items()
+        times, shipped = booked_at or {}, shipped_at or {}
+        flying = {drone: delivery for drone, delivery in held.items()
+                  if shipped.get(delivery, 2**62) >= self.lost_at_ms}
+        kept = {drone: delivery for drone, delivery in flying.items()
                 if booked.get(delivery) == drone and times.get(delivery, 0) < self.lost_at_ms}
         after, _ = violations_in(self.after_loss, holding=kept)
-        return found + after, len(held) - len(kept)
+        return found + after, len(flying) - len(kept)
 
     def evidence(self, violations: list[str], found: Findings) -> dict[str, Any]:
         """Each doubled drone's history on both sides of the loss, with what Kafka holds of the
@@ -892,6 +896,7 @@ class Findings:
     requested: set[str] = field(default_factory=set)
     terminal: Counter[str] = field(default_factory=Counter)
     shipped: set[str] = field(default_factory=set)
+    shipped_at: dict[str, int] = field(default_factory=dict)  # delivery -> its shipment's time (ms)
     failed: dict[str, set[str]] = field(default_factory=dict)
     undone: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     ids: dict[str, Counter[Any]] = field(default_factory=lambda: defaultdict(Counter))
@@ -948,6 +953,7 @@ def read_everything() -> Findings:
                 found.terminal[delivery] += 1
             if r.topic == "delivery.shipped":
                 found.shipped.add(delivery)
+                found.shipped_at.setdefault(delivery, r.timestamp_ms)
             if r.topic == "delivery.failed":
                 body = decode(r.topic, r.value)
                 wanted = body.get("compensate", []) if isinstance(body, dict) else []
@@ -976,7 +982,7 @@ def judge(submitter: Submitter, found: Findings, fleet_history: FleetHistory,
     duplicates = {t: sum(n - 1 for n in c.values() if n > 1) for t, c in found.ids.items()}
     duplicates = {t: n for t, n in duplicates.items() if n}
     edge_duplicates = duplicates.pop(EDGE_TOPIC, 0)
-    doubled_drones, forgotten = fleet_history.double_bookings(found.booked, found.booked_at)
+    doubled_drones, forgotten = fleet_history.double_bookings(found.booked, found.booked_at, found.shipped_at)
     dead = sum(found.dead_letters.values())
     violations = {
         "missing_terminal": len(missing),

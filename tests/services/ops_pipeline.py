@@ -86,7 +86,6 @@ def build(prefix: str, batch: int = 500) -> dict[str, Service]:
                                                               _fail_first("drone")))
     drone.undo("drone", step="release_drone", confirmed_by=DroneReleased,
                prefix=prefix)(routed(drone_rules.release, UndoRequested, prefix))
-    drone.on(t("delivery.shipped"))(routed(drone_rules.flight_over, DeliveryShipped, prefix))
     delivery = Service(t("delivery"), batch_size=batch)
     join = delivery.join("delivery", parts=delivery_rules.PARTS, outcomes=delivery_rules.OUTCOMES, deadline_s=60,
                          prefix=prefix)

@@ -59,9 +59,9 @@ def test_happy_path_hops() -> None:
     assert hops.per_topic == {"delivery.requested": 1, "delivery.shipped": 1,
                               "drone.scheduled": 1, "package.ready": 1}
     assert hops.produced == 4
-    # requested x2 (package, drone), ready + scheduled (delivery), shipped x3 (notifier, drone,
+    # requested x2 (package, drone), ready + scheduled (delivery), shipped x2 (notifier,
     # supervisor)
-    assert hops.consumed == 7
+    assert hops.consumed == 6
 
 
 def test_fan_out_and_fan_in_counting() -> None:

@@ -14,7 +14,7 @@ from choreo.service import retry_topic
 from choreo.testing import Raw, run
 from consumers import drone_scheduler as drones
 from consumers.agents import Agent
-from schemas.models import DeliveryFailed, DeliveryShipped, DroneFailed, DroneReleased, DroneScheduled
+from schemas.models import DeliveryFailed, DroneFailed, DroneReleased, DroneScheduled
 from tests.factories import delivery_request
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
@@ -113,11 +113,3 @@ def test_a_refused_release_is_retried_and_the_drone_kept(monkeypatch: pytest.Mon
     assert isinstance(outcome.error, Retryable)
     assert str(outcome.error) == "release refused: dispatch-release refused release"
     assert outcome.effects == [] and outcome.emitted == []
-
-
-def test_the_drone_comes_back_when_the_flight_is_over() -> None:
-    shipped = DeliveryShipped(delivery_id="d-11", package_id="p-1", drone_id="drone-7", shipped_at=NOW)
-    outcome = run(drones.service, shipped, answers={"pool_release": "drone-7"})
-    [back] = outcome.effects
-    assert back.matches(drones.fleet.release("d-11", "return"))
-    assert outcome.emitted == [] and outcome.error is None
