@@ -119,7 +119,9 @@ class Lease:
         """
         value = self._acquire(keys=[self.key, fence_key(self.name)], args=[self.owner, self.ttl_ms])
         self.fence = value.decode() if isinstance(value, bytes) else None
-        if self.fence is not None and self._copies_due(self.fence):
+        if self.fence is None:
+            self._posted = None  # a store wiped since could hand out the same fence again
+        elif self._copies_due(self.fence):
             self._post_copies(self.fence)
         return self.fence is not None
 

@@ -106,14 +106,14 @@ class Freed:
 class Pool:
     """Members named by ``seed`` (member -> capacity), grown at each start, never shrunk.
 
-    ``held_until_released``: the holders are deliveries, and a delivery's member comes back
-    when its shipment is released (``choreo.release``), in the release's own script: no
-    service reads the shipment to give it back.
+    ``returned_on_success``: the holders are deliveries, and a delivery's member comes back
+    when the supervisor records its success event (``choreo.supervisor.on_shipped``), in the
+    same script on one node: no service of the workflow reads that event to give it back.
     """
 
     name: str
     seed: Callable[[], Mapping[str, float]]
-    held_until_released: bool = False
+    returned_on_success: bool = False
     held_by: tuple[type[Event], Callable[[Any], str]] | None = None  # event, its member
     freed: list[Freed] = field(default_factory=list)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,77 +39,64 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 from prometheus_client import Counter as MetricCounter, Gauge
 
-from choreo.batch import BatchScript, Item, run_together
 from choreo.dedupe import seen_key
 from choreo.effects import OnceEffect, memo_key
 from choreo.kafka import CommittedOffsets
-from choreo.pool import GIVE_BACK, Pool
-from choreo.redis_client import is_cluster
+from choreo.pool import GIVE_BACK
+from choreo.batch import run_together
 from choreo.state import StepScript, deadline_index, delivery_key, text
 
 RELEASES = MetricCounter("choreo_releases_total", "Finished deliveries looked at for release, by verdict",
                          ["verdict"])
 AWAITING = Gauge("choreo_release_awaiting", "Terminal events whose readers have not all committed past them")
 
-# the supervisor's record of a terminal event's position (ZADD is idempotent: a replay is harmless)
-AWAIT_RELEASE = OnceEffect("await_release", """
+# the supervisor's record of a terminal event's position (ZADD is idempotent: a replay is
+# harmless). KEYS: the release set, then ``GIVE_BACK``'s keys of each pool whose members come
+# back with the delivery's success (``Pool.returned_on_success``), five each. ARGV: the
+# terminal's offset, the delivery id
+AWAIT_RELEASE = OnceEffect("await_release", GIVE_BACK + """
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+for k = 2, #KEYS, 5 do
+  give_back(KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], ARGV[2], 'return')
+end
 return 'awaiting'
 """)
 
 # KEYS[1] the deadline index of the delivery's shard, KEYS[2] the step table, KEYS[3] the
-# dedupe hash, KEYS[4] the effect answers, then the records the services declared, then the
-# keys of each pool whose members deliveries hold until released (``GIVE_BACK``'s, five
-# each). ARGV: delivery id, now ms, tombstone ttl s, the number of records, the number of
-# pools, then the names of the workflow's services (the ones that refuse a released
+# dedupe hash, KEYS[4] the effect answers, KEYS[5..] records the services declared. ARGV: delivery id, now ms,
+# tombstone ttl s, then the names of the workflow's services (the ones that refuse a released
 # delivery): only their fields of the shared hashes go; another subscriber's stay, under
-# their own TTLs. The pools' members come back whatever the state's verdict: the shipment
-# is a fact, and state kept for a redrive has no use for the drone.
-_RELEASE = GIVE_BACK + """
-local records, pools = tonumber(ARGV[4]), tonumber(ARGV[5])
-local function release_state()
-  local fields = redis.call('HGETALL', KEYS[2])
-  if #fields == 0 then return 'gone' end
-  local outcome, members = nil, {}
-  for i = 1, #fields, 2 do
-    local name, value = fields[i], fields[i + 1]
-    if name == 'done' then return 'done' end
-    if name == 'dead_letters' then return 'kept:dead_letter' end
-    if name == 'outcome' then outcome = value end
-    if is_step_record(name, value) then
-      if step_get(KEYS[2], name, 'status') ~= 'completed' then return 'kept:open_step' end
-      members[#members + 1] = ARGV[1] .. '|' .. name
-    end
+# their own TTLs.
+_RELEASE = """
+local fields = redis.call('HGETALL', KEYS[2])
+if #fields == 0 then return 'gone' end
+local outcome, members = nil, {}
+for i = 1, #fields, 2 do
+  local name, value = fields[i], fields[i + 1]
+  if name == 'done' then return 'done' end
+  if name == 'dead_letters' then return 'kept:dead_letter' end
+  if name == 'outcome' then outcome = value end
+  if is_step_record(name, value) then
+    if step_get(KEYS[2], name, 'status') ~= 'completed' then return 'kept:open_step' end
+    members[#members + 1] = ARGV[1] .. '|' .. name
   end
-  if not outcome or outcome == '' then return 'kept:no_outcome' end
-  if #members > 0 then redis.call('ZREM', KEYS[1], unpack(members)) end
-  local ours = {}
-  for i = 6, #ARGV do ours[ARGV[i]] = true end
-  for k = 3, 4 do
-    local theirs = {}
-    for _, name in ipairs(redis.call('HKEYS', KEYS[k])) do
-      if ours[string.match(name, '^[^:]*')] then theirs[#theirs + 1] = name end
-    end
-    if #theirs > 0 then redis.call('HDEL', KEYS[k], unpack(theirs)) end
+end
+if not outcome or outcome == '' then return 'kept:no_outcome' end
+if #members > 0 then redis.call('ZREM', KEYS[1], unpack(members)) end
+local ours = {}
+for i = 4, #ARGV do ours[ARGV[i]] = true end
+for k = 3, 4 do
+  local theirs = {}
+  for _, name in ipairs(redis.call('HKEYS', KEYS[k])) do
+    if ours[string.match(name, '^[^:]*')] then theirs[#theirs + 1] = name end
   end
-  if records > 0 then redis.call('DEL', unpack(KEYS, 5, 4 + records)) end
-  redis.call('DEL', KEYS[2])
-  redis.call('HSET', KEYS[2], 'done', ARGV[2], 'outcome', outcome)
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
-  return 'released'
+  if #theirs > 0 then redis.call('HDEL', KEYS[k], unpack(theirs)) end
 end
-local verdict = release_state()
-for p = 0, pools - 1 do
-  local k = 4 + records + 5 * p
-  give_back(KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], ARGV[1], 'return')
-end
-return verdict
-"""
-
-# a pool's member given back on its own (a Redis Cluster, where the pool has a slot of its
-# own; a terminal dropped past the cap). KEYS: ``GIVE_BACK``'s. ARGV: the holder
-_GIVE_BACK = GIVE_BACK + """
-return give_back(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'return')
+if #KEYS > 4 then redis.call('DEL', unpack(KEYS, 5)) end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'done', ARGV[2], 'outcome', outcome)
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 'released'
 """
 
 
@@ -146,15 +133,12 @@ class Releaser:
     name), ``services`` all of the workflow's services (their dedupe entries and effect
     answers go); ``extra_keys`` gives the records they declared for a delivery. ``cap`` bounds each
     partition's set of terminals awaiting release: past it (a listed service that never
-    commits: not deployed, renamed) the oldest fall back to their TTLs, with a warning, and
-    give their pools' members back. ``pools``: those whose members deliveries hold until
-    released (``Pool.held_until_released``).
+    commits: not deployed, renamed) the oldest fall back to their TTLs, with a warning.
     """
 
     def __init__(self, client: redis.Redis, admin: AdminClient, topic: str, groups: list[str],
                  services: list[str], extra_keys: Callable[[str], list[str]], tombstone_ttl_s: int,
-                 pools: Sequence[Pool] = (), page: int = 2000, cap: int = 200_000,
-                 timeout_s: float = 5.0) -> None:
+                 page: int = 2000, cap: int = 200_000, timeout_s: float = 5.0) -> None:
         self.client = client
         self.admin = admin
         self.topic = topic
@@ -166,11 +150,7 @@ class Releaser:
         self.cap = cap
         self.timeout_s = timeout_s
         self.committed = CommittedOffsets(timeout_s)
-        self.pools = list(pools)
         self._release = StepScript(client, "release", _RELEASE)
-        self._give_back = BatchScript(client, "pool_return", _GIVE_BACK)
-        # on a cluster a pool's keys are in a slot of their own: given back in a call of their own
-        self._pools_apart = is_cluster(client)
 
     def passed_by_all(self, stats: ReleaseStats) -> dict[int, int]:
         """Per partition, the offset every group has committed past (the lowest commit); the
@@ -201,8 +181,6 @@ class Releaser:
                     self.client.zrem(key, *due)
             awaiting = int(self.client.zcard(key))
             if awaiting > self.cap:
-                dropped = [text(m) for m in self.client.zrange(key, 0, awaiting - self.cap - 1)]
-                self.give_back(dropped)
                 self.client.zremrangebyrank(key, 0, awaiting - self.cap - 1)
                 stats.verdicts["dropped:cap"] += awaiting - self.cap
                 awaiting = self.cap
@@ -213,25 +191,12 @@ class Releaser:
         return stats
 
     def release(self, delivery_ids: list[str], now_ms: int) -> list[str]:
-        """Release these deliveries now and give their pools' members back (one round trip
-        on a single node, two on a cluster); each one's verdict, in order."""
-        pools = [] if self._pools_apart else self.pools
-        items: list[Item] = []
-        for delivery_id in delivery_ids:
-            own = state_keys(delivery_id, self.extra_keys)
-            items.append(([deadline_index(delivery_id), *own, *[key for pool in pools for key in pool.give_back_keys]],
-                          [delivery_id, now_ms, self.tombstone_ttl_s, len(own) - 3, len(pools), *self.services]))
-        answers = run_together(self.client, [(self._release, items)])[0]
-        if self._pools_apart:
-            self.give_back(delivery_ids)
+        """Release these deliveries now (one round trip); each one's verdict, in order."""
+        answers = run_together(self.client, [(self._release, [
+            ([deadline_index(delivery_id), *state_keys(delivery_id, self.extra_keys)],
+             [delivery_id, now_ms, self.tombstone_ttl_s, *self.services])
+            for delivery_id in delivery_ids])])[0]
         return [text(v) for v in answers]
-
-    def give_back(self, delivery_ids: list[str]) -> None:
-        """The pools' members these deliveries hold, back to the pools (a delivery holding
-        none is left as it is)."""
-        if self.pools and delivery_ids:
-            run_together(self.client, [(self._give_back, [
-                (list(pool.give_back_keys), [delivery_id]) for delivery_id in delivery_ids for pool in self.pools])])
 
     def run_in_background(self, period_s: float, leading: Callable[[], bool], log: Any) -> threading.Thread:
         """Release every ``period_s`` while ``leading()``, on a thread of its own: the admin

@@ -35,6 +35,7 @@ from choreo.events import Event
 from choreo.kafka import admin, base_config
 from choreo.lease import Lease
 from choreo.outcomes import COMPENSATED, undoes
+from choreo.redis_client import is_cluster
 from choreo.logs import get_logger
 from choreo.release import AWAIT_RELEASE, Releaser, awaiting_key
 from choreo.runner import RECOVERY_TOPIC
@@ -266,9 +267,18 @@ def _watch_compensations(flow: Workflow) -> None:
 
 def on_shipped(shipment: Event, ctx: Context) -> Effects[None]:
     """A shipped delivery is finished: its state goes once every reader of this event has
-    committed past it (``choreo.release``)."""
-    yield ctx.effect(AWAIT_RELEASE, keys=[awaiting_key(ctx.topic, ctx.partition)],
+    committed past it (``choreo.release``), and the members it holds of pools returned on
+    success come back now (the drone's flight is over). On one node both are one script, in
+    the begin of this event; on a Redis Cluster each pool, in a slot of its own, takes an
+    effect of its own."""
+    pools = watched().flow.pools_returned_on_success
+    together = not is_cluster(ctx.redis)
+    yield ctx.effect(AWAIT_RELEASE, keys=[awaiting_key(ctx.topic, ctx.partition),
+                                          *(key for pool in pools if together for key in pool.give_back_keys)],
                      args=[ctx.offset, ctx.delivery_id])
+    if not together:
+        for pool in pools:
+            yield pool.release(ctx.delivery_id, "return")
 
 
 # -- what only the leader does ----------------------------------------------------------------
@@ -441,7 +451,7 @@ def start_releasing(client: Store) -> None:
     if groups == [NAME]:  # e.g. a topic prefix the workflow's services do not use
         log.warning("release.waits_for_no_reader", topic=shipped)
     releaser = Releaser(client, admin(), shipped, groups, [s.name for s in flow.services],
-                        flow.released_keys, settings().dedupe_ttl_s, flow.pools_held_until_released)
+                        flow.released_keys, settings().dedupe_ttl_s)
     releaser.run_in_background(SETTINGS.scan_period_s, lambda: _runtime is not None and _runtime.leading, log)
 
 

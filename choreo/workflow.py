@@ -56,9 +56,9 @@ class Workflow:
         return [key(delivery_id) for s in self.services for key in s.per_delivery_keys]
 
     @property
-    def pools_held_until_released(self) -> list[Pool]:
-        """The pools whose members a delivery holds until its release gives them back."""
-        return [pool for s in self.services for pool in s.pools if pool.held_until_released]
+    def pools_returned_on_success(self) -> list[Pool]:
+        """The pools whose members a delivery holds until the supervisor reads its success."""
+        return [pool for s in self.services for pool in s.pools if pool.returned_on_success]
 
     def step(self, name: str) -> StepSpec:
         return next(s for s in self.steps if s.name == name)

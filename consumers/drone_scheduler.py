@@ -1,6 +1,7 @@
 """Drone-scheduler service: reserves a suitable drone per delivery and releases it on failure.
-A shipped delivery's drone is back in the fleet when the delivery is released: the flight
-is over once every reader of the shipment has read it.
+A shipped delivery's drone is back in the fleet as soon as the shipment is recorded: the
+flight is over (the fleet is declared ``returned_on_success``, and the supervisor's record
+of the shipment gives it back).
 
 Asking twice for the same delivery returns the same drone; one drone is never booked for
 two deliveries at once (both hold by construction of the runtime's pool).
@@ -32,9 +33,9 @@ def drones() -> dict[str, float]:
     return {f"drone-{n:05d}": CAPACITIES_KG[n % len(CAPACITIES_KG)] for n in range(size)}
 
 
-fleet = service.pool(Pool("fleet", seed=drones, held_until_released=True))
+fleet = service.pool(Pool("fleet", seed=drones, returned_on_success=True))
 # a booking is proven by drone.scheduled; it ends when the drone is released, or with the
-# shipment (the flight is over: the drone comes back with the delivery's release)
+# shipment (the flight is over)
 fleet.rebuilt_from(DroneScheduled, member=lambda scheduled: scheduled.drone_id,
                    freed_by={DroneReleased: False, DeliveryShipped: False})
 

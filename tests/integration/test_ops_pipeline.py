@@ -183,7 +183,7 @@ def test_flushall_mid_run_then_rebuild_every_delivery_ends_once(isolated: Isolat
     assert report.steps > 0 and report.seen_entries > 0
     assert all(0 < client.ttl(delivery_key(d)) <= DECIDED_RETENTION_S for d in before)  # none forever
     isolated.start()  # resume
-    isolated.supervise(f"sup-ops-{uuid.uuid4().hex[:8]}")  # its release gives the shipped deliveries' drones back
+    isolated.supervise(f"sup-ops-{uuid.uuid4().hex[:8]}")  # it gives the shipped deliveries' drones back
     counts = wait_for(lambda: len(c := isolated.terminal(ids)) == len(ids) and c, timeout_s=60,
                       interval_s=0.5, what="every delivery to end")
     assert set(counts.values()) == {1}
@@ -199,8 +199,7 @@ def test_flushall_mid_run_then_rebuild_every_delivery_ends_once(isolated: Isolat
     assert shipped and report.awaiting_release == len(shipped)
     releaser = Releaser(client, admin(), isolated.prefix + "delivery.shipped",
                         isolated.flow.consumer_groups(isolated.prefix + "delivery.shipped"),
-                        [s.name for s in isolated.flow.services], isolated.flow.released_keys, 600,
-                        isolated.flow.pools_held_until_released)
+                        [s.name for s in isolated.flow.services], isolated.flow.released_keys, 600)
     wait_for(lambda: releaser.release_due(int(time.time() * 1000)) and released(client, shipped) == shipped,
              timeout_s=30, interval_s=0.5, what="the deliveries shipped before the wipe released")
 

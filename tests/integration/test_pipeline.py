@@ -70,7 +70,8 @@ def test_permanent_failures_end_once_and_are_compensated(pipeline: Pipeline,
     wait_for(lambda: {r.key.decode() for r in of(read_topic("drone.released"), set(failed)) if r.key}
              >= scheduled & set(failed), what="every drone of a failed delivery released")
     assert fleet.double_bookings(redis_client) == []
-    # failed deliveries' drones were released; shipped ones come back with their release
+    # failed deliveries' drones were released; shipped ones came back when the supervisor read
+    # the shipment
     wait_for(lambda: not {k.decode() for k in redis_client.hkeys(fleet.booking_key)} & ids, timeout_s=60,
              what="every drone back in the fleet")
 

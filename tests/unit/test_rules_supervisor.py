@@ -19,6 +19,7 @@ from choreo.supervision import COMPENSATION, FORWARD
 from choreo.runtime_events import CompensationRecord, StepReport, UndoRequested, undo_topic
 from choreo.testing import HarnessError, Outcome, run
 from choreo import supervisor
+from consumers.drone_scheduler import fleet
 from consumers.workflow import WORKFLOW
 from schemas.models import DeliveryFailed, DeliveryShipped, DroneReleased, PackageCancelled
 
@@ -178,13 +179,14 @@ def test_an_undo_already_logged_logs_nothing() -> None:
     assert outcome.emitted == []
 
 
-def test_a_shipment_awaits_the_release_of_its_delivery_at_its_position() -> None:
+def test_a_shipment_awaits_the_release_of_its_delivery_at_its_position_and_its_drone_comes_back() -> None:
+    """One effect on one node: the record for the release and the fleet's give-back."""
     shipped = DeliveryShipped(delivery_id="d-1", package_id="p-1", drone_id="drone-7", shipped_at=NOW)
     outcome = run(supervisor.service, shipped, topic=supervisor.watched().shipped_topic, partition=3, offset=42,
                   answers={"await_release": "awaiting"})
     [awaiting] = outcome.effects
     assert (awaiting.name, awaiting.keys, awaiting.args) == (
-        "await_release", (awaiting_key(supervisor.watched().shipped_topic, 3),), (42, "d-1"))
+        "await_release", (awaiting_key(supervisor.watched().shipped_topic, 3), *fleet.give_back_keys), (42, "d-1"))
     assert outcome.emitted == []
 
 
