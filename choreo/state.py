@@ -396,7 +396,8 @@ return 0
 @dataclass(frozen=True)
 class Rider:
     """An effect riding in an input's begin (``StateTable.begin_riding``): its name, its script
-    (whose ``KEYS`` and ``ARGV`` are these), all of its keys in the delivery's slot."""
+    (whose ``KEYS`` and ``ARGV`` are these); on a Redis Cluster all of its keys are in the
+    delivery's slot."""
 
     name: str
     source: str

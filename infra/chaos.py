@@ -861,8 +861,8 @@ class FleetHistory:
         rebuild that lost it shows up as the drone reserved again while its holder flies it.
         A booking committed only after the loss is the redone reservation, which may well pick
         the same drone again: the hold at the loss was still forgotten. A hold whose delivery
-        was shipped before the loss had ended (the flight was over; only its release had yet
-        to give the drone back), and the rebuild frees it."""
+        was shipped before the loss had ended (the flight was over; the supervisor's record of
+        the shipment may not have given the drone back yet), and the rebuild frees it."""
         from choreo.pool import violations_in
 
         found, held = violations_in(self.before_loss)

@@ -421,7 +421,8 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
       and pools it declares itself;
     * the outcome webhooks: the runtime's keys only (they declare no state);
     * the supervisor: also its lease (``choreo.lease``), the release queue
-      (``choreo.release``) and the records that go with a finished delivery, which it deletes;
+      (``choreo.release``), the records that go with a finished delivery, which it deletes,
+      and the pools a shipped delivery's member goes back to (``returned_on_success``);
     * ingestion: the step table, the deadline index and the layout version (it opens a
       delivery's first step), its in-flight places, owner records and idempotency keys
       (``producers``);
@@ -451,6 +452,8 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
     if supervisor is not None:
         supervisor |= {_prefix(lease_key(one)), _prefix(awaiting_key(one, 0))}
         supervisor |= {_prefix(key) for key in workflow.released_keys(one)}
+        # its record of a success gives back what the delivery holds of such pools
+        supervisor |= {_prefix(key) for pool in workflow.pools_returned_on_success for key in pool.give_back_keys}
     ingestion_keys = {_prefix(IngestionSettings().inflight_key), _prefix(owner_redis_key(one)),
                       _prefix(idempotency_redis_key(one, one))}
     for producer in set(workflow.extra_producers.values()):

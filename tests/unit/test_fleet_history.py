@@ -48,7 +48,8 @@ def test_a_hold_whose_booking_was_committed_only_after_the_loss_was_forgotten() 
 
 
 def test_a_hold_whose_delivery_shipped_before_the_loss_had_ended() -> None:
-    """A shipped delivery's drone comes back with its release; the rebuild frees it at once
+    """A shipped delivery's drone comes back when the supervisor records the shipment, which a
+    Redis loss may have come before; the rebuild frees it at once
     (the flight is over), so its next reservation is no double booking."""
     history = FleetHistory([entry("reserve", "d1", "a")], [entry("reserve", "d1", "b")], lost_at_ms=1_000)
     assert history.double_bookings({"a": "d1"}, {"a": 500}, {"a": 800}) == ([], 0)
