@@ -190,6 +190,19 @@ def test_a_shipment_awaits_the_release_of_its_delivery_at_its_position_and_its_d
     assert outcome.emitted == []
 
 
+def test_on_a_redis_cluster_the_drone_comes_back_in_an_effect_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fleet's keys are in a slot of their own there: no script may take them with the
+    release set."""
+    monkeypatch.setattr(supervisor, "is_cluster", lambda client: True)
+    shipped = DeliveryShipped(delivery_id="d-1", package_id="p-1", drone_id="drone-7", shipped_at=NOW)
+    outcome = run(supervisor.service, shipped, topic=supervisor.watched().shipped_topic, partition=3, offset=42,
+                  answers={"await_release": "awaiting", "pool_release": "drone-7"})
+    awaiting, back = outcome.effects
+    assert (awaiting.name, awaiting.keys) == ("await_release", (awaiting_key(supervisor.watched().shipped_topic, 3),))
+    assert back.matches(fleet.release("d-1", "return"))
+    assert outcome.emitted == [] and outcome.error is None
+
+
 def test_a_report_needs_the_state_table_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(supervisor, "_runtime", None)
     report = StepReport(delivery_id="d-1", step="drone", kind="FAILED", attempt=1, service="drone-scheduler",
