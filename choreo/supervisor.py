@@ -272,13 +272,12 @@ def on_shipped(shipment: Event, ctx: Context) -> Effects[None]:
     the begin of this event; on a Redis Cluster each pool, in a slot of its own, takes an
     effect of its own."""
     pools = watched().flow.pools_returned_on_success
-    together = not is_cluster(ctx.redis)
+    together, apart = ([], pools) if is_cluster(ctx.redis) else (pools, [])
     yield ctx.effect(AWAIT_RELEASE, keys=[awaiting_key(ctx.topic, ctx.partition),
-                                          *(key for pool in pools if together for key in pool.give_back_keys)],
+                                          *(key for pool in together for key in pool.give_back_keys)],
                      args=[ctx.offset, ctx.delivery_id])
-    if not together:
-        for pool in pools:
-            yield pool.release(ctx.delivery_id, "return")
+    for pool in apart:
+        yield pool.release(ctx.delivery_id, "return")
 
 
 # -- what only the leader does ----------------------------------------------------------------

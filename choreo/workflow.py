@@ -55,7 +55,7 @@ class Workflow:
         """The per-delivery keys services declared to go with a finished delivery's state."""
         return [key(delivery_id) for s in self.services for key in s.per_delivery_keys]
 
-    @property
+    @cached_property
     def pools_returned_on_success(self) -> list[Pool]:
         """The pools whose members a delivery holds until the supervisor reads its success."""
         return [pool for s in self.services for pool in s.pools if pool.returned_on_success]
