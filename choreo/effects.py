@@ -16,7 +16,12 @@ six per delivery (bench/README.md); a field costs its name and value. The hash l
 (``choreo.release``). An effect of a workflow service that finds its delivery released and
 no answer remembered is not run: it answers ``RELEASED``, and the runner drops the attempt.
 That is an attempt which began before the release and resumed after it (a stalled or
-fenced instance): run, it would book a drone for a delivery that has already ended.
+fenced instance): run, it would book a drone for a delivery that has already ended. In the
+same way an effect asked in a step by an attempt that no longer owns the step (the
+supervisor gave it to a newer attempt, or failed the delivery and undid the step) is not
+run: it answers ``STALE``, and the runner drops the attempt. Run, a stalled attempt resuming
+after the undo gave the drone back would book one again, held for a failed delivery for
+good. An answer remembered before is replayed to either.
 
 On a single node every effect runs with its memo in one script. An effect on keys of
 another hash slot (a pool shared by all deliveries, a release index) cannot do so on a
@@ -24,8 +29,8 @@ Redis Cluster. There it runs in three calls instead: recall the answer (or learn
 delivery is released), run the body, remember the first answer given. Such a body must
 itself be idempotent for the same arguments (a pool's reservation for a holder answers the
 member already held), since a crash between the last two calls runs it again; a delivery
-released between the first and the last call gets ``RELEASED`` and its effect stands
-(RELIABILITY.md).
+released (or a step given away) between the first and the last call gets ``RELEASED``
+(``STALE``) and its effect stands (RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -40,20 +45,30 @@ from choreo import keys as layout
 from choreo.batch import BatchScript, Item, run_in_order, run_together
 from choreo.dedupe import compact_id
 from choreo.redis_client import is_cluster
-from choreo.state import HashWrite, Rider, delivery_key
+from choreo.state import STEP_OWNED_LUA, HashWrite, Rider, delivery_key
 
-# an answer no effect body gives (bodies return text they build, never a NUL byte)
-RELEASED = "\x00released"
+# answers no effect body gives (bodies return text they build, never a NUL byte): the effect was
+# not run, and the attempt that asked it is dropped (``DROPPED``: why, by answer)
+RELEASED = "\x00released"  # its delivery was released
+STALE = "\x00stale"  # its step went to a newer attempt or was closed
+DROPPED = {RELEASED: "released", STALE: "stale"}
+
+
+def dropped_by(answer: object) -> str:
+    """Why an effect's answer drops the attempt that asked it (``DROPPED``), or ''."""
+    return DROPPED.get(answer, "") if isinstance(answer, str) else ""
 
 # KEYS: the memo hash, the delivery's step table, the body's keys. ARGV: the memo field, the
-# memo TTL, '1' to refuse a released delivery, the body's args.
-ONCE_TEMPLATE = """
+# memo TTL, '1' to refuse a released delivery, the asking attempt's step ('' for none) and
+# attempt, the body's args.
+ONCE_TEMPLATE = STEP_OWNED_LUA + """
 local remembered = redis.call('HGET', KEYS[1], ARGV[1])
 if remembered then return remembered end
 if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return '\\0released' end
+if ARGV[4] ~= '' and not step_owned(KEYS[2], ARGV[4], tonumber(ARGV[5])) then return '\\0stale' end
 local outcome = (function(KEYS, ARGV)
 %s
-end)({select(3, unpack(KEYS))}, {select(4, unpack(ARGV))})
+end)({select(3, unpack(KEYS))}, {select(6, unpack(ARGV))})
 if not outcome then return false end
 redis.call('HSET', KEYS[1], ARGV[1], outcome)
 if redis.call('TTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
@@ -63,26 +78,31 @@ return outcome
 # An effect whose own keys remember what it answered (a join's results and who decided): no
 # copy of its answer in the memo hash. The body sees the memo field as ``remembered_as`` and
 # must answer a replay of the same input as the first run was answered.
-SELF_REMEMBERING_TEMPLATE = """
+SELF_REMEMBERING_TEMPLATE = STEP_OWNED_LUA + """
 if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return '\\0released' end
 local remembered_as = ARGV[1]
+if ARGV[4] ~= '' and not step_owned(KEYS[2], ARGV[4], tonumber(ARGV[5])) then return '\\0stale' end
 return (function(KEYS, ARGV)
 %s
-end)({select(3, unpack(KEYS))}, {select(4, unpack(ARGV))})
+end)({select(3, unpack(KEYS))}, {select(6, unpack(ARGV))})
 """
 
 # an effect on another slot's keys, in three calls (see the module doc). KEYS: the memo hash,
-# the step table. ARGV: the memo field, '1' to refuse a released delivery
-_RECALL = """
+# the step table. ARGV: the memo field, '1' to refuse a released delivery, the asking
+# attempt's step ('' for none) and attempt
+_RECALL = STEP_OWNED_LUA + """
 local remembered = redis.call('HGET', KEYS[1], ARGV[1])
 if remembered then return remembered end
 if ARGV[2] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return '\\0released' end
+if ARGV[3] ~= '' and not step_owned(KEYS[2], ARGV[3], tonumber(ARGV[4])) then return '\\0stale' end
 return false
 """
 
-# ARGV: the memo field, '1' to refuse a released delivery, the body's answer, the memo TTL
-_REMEMBER = """
+# ARGV: the memo field, '1' to refuse a released delivery, the body's answer, the memo TTL,
+# the asking attempt's step ('' for none) and attempt
+_REMEMBER = STEP_OWNED_LUA + """
 if ARGV[2] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return '\\0released' end
+if ARGV[5] ~= '' and not step_owned(KEYS[2], ARGV[5], tonumber(ARGV[6])) then return '\\0stale' end
 redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[3])
 if redis.call('TTL', KEYS[1]) < tonumber(ARGV[4]) then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
 return redis.call('HGET', KEYS[1], ARGV[1])
@@ -141,10 +161,18 @@ class EffectCall:
     args: tuple[str | int | float, ...]
     ttl_s: int
     refuse_released: bool = False  # a workflow service's effect (see the module doc)
+    # the step and attempt of the handler that asks it: not run once a newer attempt holds
+    # the step or it is closed (a stalled attempt resuming after the supervisor gave its step
+    # away, or failed its delivery and undid the step). '': asked outside any step
+    step: str = ""
+    attempt: int = 0
 
-    def item(self) -> Item:
+    def item(self, fenced: bool = True) -> Item:
+        """Its keys and args for the memo template; ``fenced=False`` leaves out the step's
+        check (an effect riding in the begin that just let its attempt run)."""
+        step, attempt = (self.step, self.attempt) if fenced else ("", 0)
         return ([memo_key(self.delivery_id), delivery_key(self.delivery_id), *self.keys],
-                [self.memo_field, self.ttl_s, self.refuse, *self.args])
+                [self.memo_field, self.ttl_s, self.refuse, step, attempt, *self.args])
 
     @property
     def refuse(self) -> str:
@@ -165,7 +193,7 @@ class EffectCall:
 
     def rider(self) -> Rider:
         """This call riding in its input's begin (``StateTable.begin_riding``)."""
-        keys, args = self.item()
+        keys, args = self.item(fenced=False)
         return Rider(self.effect.name, self.effect.source, tuple(keys), tuple(args))
 
 
@@ -219,15 +247,16 @@ def _in_order(client: redis.Redis, calls: Sequence[EffectCall],
 def _elsewhere(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:
     """Effects on another slot: recall, run what none remembers, remember the first answer."""
     recall = BatchScript.of(client, "effect_recall", _RECALL)
-    memo_items = [([memo_key(c.delivery_id), delivery_key(c.delivery_id)], [c.memo_field, c.refuse])
-                  for c in calls]
+    memo_items: list[Item] = [([memo_key(c.delivery_id), delivery_key(c.delivery_id)],
+                               [c.memo_field, c.refuse, c.step, c.attempt]) for c in calls]
     answers = [_answer(reply) for reply in run_together(client, [(recall, memo_items)])[0]]
     todo = [i for i, answer in enumerate(answers) if answer is None]
     ran = _in_order(client, [calls[i] for i in todo], _bare)
     given = [(i, answer) for i, answer in zip(todo, ran) if answer is not None]
     remember = BatchScript.of(client, "effect_remember", _REMEMBER)
     kept = run_together(client, [(remember, [
-        (memo_items[i][0], [calls[i].memo_field, calls[i].refuse, answer, calls[i].ttl_s])
+        (memo_items[i][0], [calls[i].memo_field, calls[i].refuse, answer, calls[i].ttl_s, calls[i].step,
+                            calls[i].attempt])
         for i, answer in given])])[0]
     for (i, _), answer in zip(given, kept):
         answers[i] = _answer(answer)

@@ -27,9 +27,14 @@ class Retryable(HandlerError):
     """A transient failure: retry with back-off within the step's deadline and budget."""
 
 
-class DeliveryReleased(Exception):
-    """The delivery ended and its state was released while this attempt was still running
-    (``choreo.release``): the runtime drops the attempt, its effect not run."""
+class AttemptDropped(Exception):
+    """An effect of this attempt was not run, and the runtime drops the attempt: its delivery
+    ended and its state was released while it ran (``why`` = ``released``, ``choreo.release``),
+    or its step went to a newer attempt or was closed meanwhile (``stale``, ``choreo.effects``)."""
+
+    def __init__(self, delivery_id: str, why: str) -> None:
+        super().__init__(f"{delivery_id}: {why}")
+        self.why = why
 
 
 class Rejected(HandlerError):

@@ -33,13 +33,13 @@ from choreo.kafka import transactional_consumer_config, transactional_producer_c
 from choreo.config import settings
 from choreo import dedupe
 from choreo.envelope import Envelope, HeaderList, Unusable, pairs, derived_id, now_ms
-from choreo.errors import DeadLetterReason, DeliveryReleased, Rejected, Retryable
+from choreo.errors import AttemptDropped, DeadLetterReason, Rejected, Retryable
 from choreo.events import Event
 from choreo.logs import get_logger
 from choreo.memory import collect_batch_cycles, settle_garbage_collector
 from choreo.redis_client import TRANSIENT, connect, is_cluster
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
-from choreo.effects import RELEASED, EffectCall, Op, run_all
+from choreo.effects import EffectCall, Op, dropped_by, run_all
 from choreo import layout, tracing
 from choreo.outcomes import REPLIES, ReplyTopics, outcome_of, told
 from choreo.runtime_events import DeliveryOutcome
@@ -116,12 +116,12 @@ class Attempt:
     error: Retryable | Rejected | None = None
     delay_s: float = 0.0
     seconds: float = 0.0  # the handler's own time, not its wait for Redis
-    released: bool = False  # its delivery was released under it: dropped (choreo.effects)
+    dropped: str = ""  # why it was dropped, its effect not run: "released" or "stale" (choreo.effects)
     _gen: EffectfulHandler | None = None
 
     def start(self) -> None:
         self.request, self.result, self.error, self._gen, self.seconds = None, None, None, None, 0.0
-        self.released, self.decode = False, None
+        self.dropped, self.decode = "", None
         self._step(lambda: self.work.handler.fn(self.work.event, self.ctx), first=True)
 
     def _answer_at_once(self, gen: EffectfulHandler, out: Any) -> Any:
@@ -140,9 +140,9 @@ class Attempt:
             elif self._rode_in_begin(out):
                 assert self.work.first is not None
                 answer = self.work.first[1]
-                if answer == RELEASED:
+                if dropped_by(answer):
                     gen.close()
-                    raise DeliveryReleased(self.ctx.delivery_id)
+                    raise AttemptDropped(self.ctx.delivery_id, dropped_by(answer))
                 if isinstance(out, Op):
                     self.ctx.effect(out.effect, out.keys, out.args)  # asked, as if sent
                     out = gen.send(out.decode(answer))
@@ -158,14 +158,16 @@ class Attempt:
         rode, asked = self.work.first[0], sum(self.ctx.asked.values())
         if isinstance(out, Op):
             return asked == 0 and (out.effect, out.keys, out.args) == (rode.effect, rode.keys, rode.args)
-        return isinstance(out, EffectCall) and asked == 1 and out == rode  # ctx.effect counted it
+        # ctx.effect counted it; the attempt it is fenced by may have become the step's current
+        # one in the begin (a fan-in half that joined)
+        return isinstance(out, EffectCall) and asked == 1 and out.rider() == rode.rider()
 
     def resume(self, answer: str | None) -> None:
         assert self._gen is not None
         gen = self._gen
-        if answer == RELEASED:
+        if dropped_by(answer):
             gen.close()
-            self.request, self.released = None, True
+            self.request, self.dropped = None, dropped_by(answer)
             return
         decode, self.decode = self.decode, None
         self._step(lambda: gen.send(decode(answer) if decode else answer))
@@ -195,8 +197,8 @@ class Attempt:
             self.request, self.result = None, stop.value
         except (Retryable, Rejected) as exc:
             self.request, self.error = None, exc
-        except DeliveryReleased:  # from ctx.once
-            self.request, self.released = None, True
+        except AttemptDropped as dropped:  # from ctx.once, or the answer that rode in the begin
+            self.request, self.dropped = None, dropped.why
         finally:
             self.seconds += time.perf_counter() - started
 
@@ -507,11 +509,12 @@ class Runner:
         if isinstance(t, Refused) or not t.handler.first_op_in_begin:
             return None
         ctx = Context(self.service.name, t.envelope, t.topic, t.message.partition() or 0,
-                      t.message.offset() or 0, self.redis, t.log, refuse_released=self.in_workflow)
+                      t.message.offset() or 0, self.redis, t.log, step=t.handler.step or "",
+                      refuse_released=self.in_workflow)
         try:  # the handler is a generator function (Service.subscribe)
             started = cast(EffectfulHandler, t.handler.fn(t.event, ctx))
             out = started.send(None)
-        except (StopIteration, Retryable, Rejected, DeliveryReleased):  # its own run meets them again
+        except (StopIteration, Retryable, Rejected, AttemptDropped):  # its own run meets them again
             return None
         started.close()
         if isinstance(out, Op) and out.write is None:
@@ -555,9 +558,10 @@ class Runner:
                 self._drive(runs)
                 retry: list[Attempt] = []
                 for run in runs:
-                    if run.released:
-                        metrics.IGNORED.labels(self.service.name, run.work.topic, "released").inc()
-                        run.work.log.info("step.released_meanwhile", step=run.work.handler.step)
+                    if run.dropped:
+                        metrics.IGNORED.labels(self.service.name, run.work.topic, run.dropped).inc()
+                        run.work.log.info("step.dropped_meanwhile", step=run.work.handler.step,
+                                          why=run.dropped)
                     elif run.error is None:
                         for out in _as_events(run.result):
                             run.ctx.emit(out)
@@ -595,7 +599,7 @@ class Runner:
             w = run.work
             run.ctx = Context(self.service.name, w.envelope, w.topic, w.message.partition() or 0,
                               w.message.offset() or 0, self.redis, w.log, try_no=run.tries + 1,
-                              refuse_released=self.in_workflow)
+                              step=w.handler.step or "", refuse_released=self.in_workflow)
             run.start()
         waiting = [run for run in runs if run.request is not None]
         while waiting:

@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 
 import redis
 
-from choreo.effects import RELEASED, EffectCall, OnceEffect, Op, memo_field
+from choreo.effects import EffectCall, OnceEffect, Op, dropped_by, memo_field
 from choreo.envelope import Envelope, derived_id
-from choreo.errors import DeliveryReleased
+from choreo.errors import AttemptDropped
 from choreo.events import Event
 from choreo.join import Join, Part
 from choreo.pool import Pool
@@ -109,6 +109,7 @@ class Context:
     redis: redis.Redis
     log: Any
     try_no: int = 1  # in-process try of this attempt (1-based)
+    step: str = ""  # the step this attempt runs, if any: its effects are fenced by it (choreo.effects)
     # replays come within minutes (aborted transactions, supervisor requeues within the step
     # deadlines x retry budget); rebuild-state relies on business-key idempotency, not on these
     once_ttl_s: int = int(os.environ.get("CHOREO_ONCE_TTL_S", "3600"))
@@ -172,8 +173,8 @@ class Context:
     def once(self, effect: OnceEffect, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> str | None:
         """Run ``effect`` at most once for this input event, now; a replay gets the same answer."""
         answer = self.effect(effect, keys, args).run(self.redis)
-        if answer == RELEASED:
-            raise DeliveryReleased(self.delivery_id)
+        if dropped_by(answer):
+            raise AttemptDropped(self.delivery_id, dropped_by(answer))
         return answer
 
     def effect(self, effect: OnceEffect, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> EffectCall:
@@ -187,7 +188,8 @@ class Context:
         nth = self.asked.get(effect.name, 0)
         self.asked[effect.name] = nth + 1
         return EffectCall(effect, self.delivery_id, memo_field(self.service, effect, self.event_id, nth),
-                          tuple(keys), tuple(args), self.once_ttl_s, self.refuse_released)
+                          tuple(keys), tuple(args), self.once_ttl_s, self.refuse_released,
+                          self.step, self.attempt)
 
 
 class Service:

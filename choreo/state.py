@@ -144,6 +144,22 @@ end
 """ % ", ".join(f"'{name}'" for name in STEP_FIELDS)
 
 
+# ``step_owned(key, step, attempt)``: whether ``attempt`` still owns ``step`` in the delivery's
+# hash ``key``, for an effect it asks (``choreo.effects``): no newer attempt holds the step and
+# it is not closed (failed, compensating...). A step the hash does not know (Redis lost
+# mid-attempt) has nothing to fence: it is owned. Reads the stored record: not for a script
+# that changed the step before (its records are written back at its end).
+STEP_OWNED_LUA = """
+local function step_owned(key, step, attempt)
+  local raw = redis.call('HGET', key, step)
+  if not raw then return true end
+  local record = cjson.decode(raw)
+  if (tonumber(record[%(attempt)d]) or 1) > attempt then return false end
+  local status = record[%(status)d]
+  return status == 'pending' or status == 'processing' or status == 'completed'
+end
+""" % {"attempt": STEP_FIELDS.index("attempt") + 1, "status": STEP_FIELDS.index("status") + 1}
+
 def with_steps(script: str) -> str:
     """A script that reads or writes step records (``STEP_LUA``'s functions in scope)."""
     return STEP_LUA + """

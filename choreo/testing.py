@@ -21,9 +21,9 @@ from typing import Any, TypeVar, cast
 import redis
 from confluent_kafka import Message
 
-from choreo.effects import RELEASED, EffectCall, OnceEffect, Op
+from choreo.effects import EffectCall, OnceEffect, Op, dropped_by
 from choreo.envelope import Envelope, derived_id
-from choreo.errors import DeliveryReleased, Rejected, Retryable
+from choreo.errors import AttemptDropped, Rejected, Retryable
 from choreo.events import Event
 from choreo.join import Decision, Join, Joined, JoinFailed
 from choreo.runner import Attempt, Work, _as_events
@@ -139,7 +139,7 @@ class _Script:
         if callable(scripted):
             scripted = scripted(asked)
         if isinstance(scripted, Raw):
-            answer = decode(scripted.text) if decode is not None and scripted.text != RELEASED else scripted.text
+            answer = decode(scripted.text) if decode is not None and not dropped_by(scripted.text) else scripted.text
         else:
             answer = scripted
         asked.answer = answer
@@ -155,8 +155,8 @@ class _Context(Context):
     def once(self, effect: OnceEffect, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> str | None:
         assert self.script is not None
         answer = self.script.answer(self.effect(effect, keys, args), None)
-        if answer == RELEASED:
-            raise DeliveryReleased(self.delivery_id)
+        if dropped_by(answer):
+            raise AttemptDropped(self.delivery_id, dropped_by(answer))
         return cast("str | None", answer)
 
 
@@ -164,17 +164,22 @@ class _Context(Context):
 @dataclass
 class Outcome:
     """What one run of a handler did. ``emitted`` is what the runner would publish: the
-    events emitted and returned, or nothing when the handler failed or its delivery was
-    released (the runner drops that attempt's outputs)."""
+    events emitted and returned, or nothing when the handler failed or an effect's answer
+    dropped the attempt (``dropped``: its delivery ``released``, its step ``stale``; the
+    runner drops that attempt's outputs)."""
 
     emitted: list[Emitted]
     effects: list[Asked]
     kept_open: bool
     error: Retryable | Rejected | None
-    released: bool
+    dropped: str
     result: HandlerResult
     logs: list[Logged]
     context: Context
+
+    @property
+    def released(self) -> bool:
+        return self.dropped == "released"
 
     @property
     def events(self) -> list[Event]:
@@ -241,7 +246,7 @@ def run(service: Service, event: Event, *, topic: str | None = None,
             run_.request, run_.error = None, exc
             break
         run_.resume(answer)
-    ok = run_.error is None and not run_.released
+    ok = run_.error is None and not run_.dropped
     if ok:
         for out in _as_events(run_.result):
             ctx.emit(out)
@@ -251,7 +256,7 @@ def run(service: Service, event: Event, *, topic: str | None = None,
         for op in ctx.writes:
             script.answer(ctx.effect(op.effect, op.keys, op.args), op.decode)
     return Outcome(emitted=list(ctx.emitted) if ok else [], effects=script.asked,
-                   kept_open=ctx.keep_step_open, error=run_.error, released=run_.released,
+                   kept_open=ctx.keep_step_open, error=run_.error, dropped=run_.dropped,
                    result=run_.result, logs=logs, context=ctx)
 
 
@@ -265,7 +270,7 @@ def _check_nothing_before_first_op(service: Service, fn: Callable[..., Any], eve
     started = fn(event, probe)
     try:
         started.send(None)
-    except (StopIteration, Retryable, Rejected, DeliveryReleased):
+    except (StopIteration, Retryable, Rejected, AttemptDropped):
         return
     started.close()
     if script.asked or probe.emitted:

@@ -15,9 +15,10 @@ from choreo.batch import BatchScript, run_together
 from choreo.config import settings
 from choreo.effects import EffectCall, OnceEffect, run_all
 from choreo.envelope import Envelope
+from choreo.pool import Pool
 from choreo.redis_client import TRANSIENT, ReplicationLag, connect, is_cluster
 from choreo.service import Context
-from choreo.state import HashWrite, StateTable, StepStatus, deadline_index, index_member
+from choreo.state import HashWrite, StateTable, StepStatus, deadline_index, delivery_key, index_member
 from choreo.supervision import Transitions
 
 pytestmark = pytest.mark.integration
@@ -135,6 +136,43 @@ def test_effects_of_a_round_run_in_input_order_across_effects(
              for i, effect in enumerate([count, count, read, count, read])]
     assert run_all(redis_client, calls) == ["1", "2", "2", "3", "3"]
     assert run_all(redis_client, calls) == ["1", "2", "2", "3", "3"]  # remembered, not run again
+
+
+@pytest.mark.parametrize("three_calls", [False, True], ids=["as-the-store-allows", "in-three-calls"])
+def test_an_effect_of_an_attempt_that_lost_its_step_is_not_run(
+        redis_client: redis.Redis, unique: str, three_calls: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stalled attempt resuming after the supervisor gave its step to a newer attempt, or
+    failed the delivery and undid the step, must take no drone: its effect answers ``STALE``
+    and is not run. The step's current attempt runs it; an answer remembered before is
+    replayed to anyone; an effect asked outside a step is not fenced. The pool lies in
+    another slot than the delivery: in one script on one node, in three calls on a cluster
+    (``three_calls`` takes them on one node too)."""
+    if three_calls:
+        monkeypatch.setattr(effects, "is_cluster", lambda client: True)
+    fleet = Pool(f"fence-{unique}", seed=lambda: {"drone-a": 5.0, "drone-b": 5.0})
+    fleet.grow(redis_client)
+    table = StateTable(redis_client)
+    d = f"{unique}-d"
+
+    def reserve(event: str, attempt: int, step: str = "drone") -> str | None:
+        op = fleet.reserve(d, 1.0)
+        return EffectCall(op.effect, d, f"drone-scheduler:pool_reserve:{event}", op.keys, op.args, 60,
+                          True, step, attempt).run(redis_client)
+
+    table.put(d, {"drone.status": "processing", "drone.attempt": 2})  # the supervisor requeued it
+    assert reserve("e1", 1) == effects.STALE
+    assert redis_client.zcard(fleet.free_key) == 2 and not redis_client.hlen(fleet.booking_key)
+    assert reserve("e2", 2) == "drone-a"  # the step's own attempt
+    assert reserve("e1", 1) == effects.STALE  # still nothing remembered for the stale one
+    table.put(d, {"drone.status": "compensated"})  # the delivery failed, the drone given back
+    redis_client.eval("return redis.call('ZADD', KEYS[1], 5, 'drone-a') + redis.call('DEL', KEYS[2], KEYS[3])",
+                      3, fleet.free_key, fleet.booking_key, fleet.held_key)
+    assert reserve("e3", 2) == effects.STALE  # the step is closed: not even its own attempt
+    assert reserve("e2", 2) == "drone-a"  # the answer it was given is replayed, nothing booked
+    assert not redis_client.hlen(fleet.booking_key)
+    assert reserve("e4", 1, step="") == "drone-a"  # outside a step: not fenced
+    assert redis_client.hget(fleet.booking_key, d) == b"drone-a"
+    redis_client.delete(*fleet.keys, delivery_key(d), effects.memo_key(d))
 
 
 def test_each_effect_of_a_kind_for_one_event_gets_its_own_answer(redis_client: redis.Redis, unique: str) -> None:

@@ -301,11 +301,14 @@ def test_late_answer_of_an_old_attempt_changes_nothing(world: World) -> None:
     world.start("package")
     world.start("delivery")
     world.supervisor()
-    world.start("drone", SUP_SLOW_FIRST_DRONE_MS="3000")  # attempt 1 answers after its deadline
+    drone = world.start("drone", SUP_SLOW_FIRST_DRONE_MS="3000")  # attempt 1 resumes after its deadline
     ids = world.publish(1)
     _shipped_once(world, ids)
-    wait_for(lambda: all(world.state(d).get("drone.late") for d in ids), timeout_s=20,
-             what="the late answers recorded")
+    # attempt 1's reservation came after the supervisor gave the step to attempt 2: refused,
+    # not run, and attempt 1 dropped (choreo.effects)
+    wait_for(lambda: {e["delivery_id"] for e in _logged(world.log(drone), "step.dropped_meanwhile")
+                      if e.get("why") == "stale" and e.get("attempt") == 1} >= set(ids),
+             timeout_s=20, what="the old attempt dropped at its reservation")
     for d in ids:
         state = world.state(d)
         assert state["drone.status"] == "completed" and int(state["drone.attempt"]) >= 2

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from choreo.effects import RELEASED, OnceEffect
+from choreo.effects import RELEASED, STALE, OnceEffect
 from choreo.envelope import derived_id
 from choreo.errors import Rejected, Retryable
 from choreo.keys import of_delivery
@@ -120,10 +120,13 @@ def test_yielding_anything_but_an_operation_is_rejected_as_the_runner_does() -> 
     assert "confused yielded DeliveryShipped" in str(outcome.error)
 
 
-def test_a_delivery_released_meanwhile_drops_the_attempt() -> None:
-    for answer in (RELEASED, Raw(RELEASED)):
+@pytest.mark.parametrize("refusal, why", [(RELEASED, "released"), (STALE, "stale")])
+def test_an_effect_refused_meanwhile_drops_the_attempt(refusal: str, why: str) -> None:
+    """Its delivery released, or its step given to a newer attempt: nothing is emitted."""
+    for answer in (refusal, Raw(refusal)):
         outcome = run(probe, shipped(), answers={"pool_reserve": answer})
-        assert outcome.released and outcome.emitted == [] and outcome.error is None
+        assert outcome.dropped == why and outcome.emitted == [] and outcome.error is None
+        assert outcome.released == (why == "released")
         assert len(outcome.effects) == 1
 
 
