@@ -509,7 +509,7 @@ class Runner:
         if isinstance(t, Refused) or not t.handler.first_op_in_begin:
             return None
         ctx = Context(self.service.name, t.envelope, t.topic, t.message.partition() or 0,
-                      t.message.offset() or 0, self.redis, t.log, step=t.handler.step or "",
+                      t.message.offset() or 0, self.redis, t.log, step=t.handler.fenced_by,
                       refuse_released=self.in_workflow)
         try:  # the handler is a generator function (Service.subscribe)
             started = cast(EffectfulHandler, t.handler.fn(t.event, ctx))
@@ -599,7 +599,7 @@ class Runner:
             w = run.work
             run.ctx = Context(self.service.name, w.envelope, w.topic, w.message.partition() or 0,
                               w.message.offset() or 0, self.redis, w.log, try_no=run.tries + 1,
-                              step=w.handler.step or "", refuse_released=self.in_workflow)
+                              step=w.handler.fenced_by, refuse_released=self.in_workflow)
             run.start()
         waiting = [run for run in runs if run.request is not None]
         while waiting:
@@ -658,17 +658,19 @@ class Runner:
         # its delivery (one script item, only if the outputs are published), else apart
         opens = {id(w): self._pending_steps(w.ctx.emitted if w.ctx else [], now) for w in done}
         closes = {id(w) for w in closing}
-        # a step kept open has no finish to carry its writes: they run as effects of their own
-        left = [w.ctx.effect(op.effect, op.keys, op.args) for w in done
+        # a step kept open has no finish to carry its writes: they run as effects of their own,
+        # and one refused (its step given away or closed, its delivery released) drops the
+        # attempt's outputs, as a late answer's are
+        left = [(w, w.ctx.effect(op.effect, op.keys, op.args)) for w in done
                 if id(w) not in closes and w.ctx is not None for op in w.ctx.writes]
-        if left:
-            run_all(self.redis, left)
+        answers = run_all(self.redis, [call for _, call in left]) if left else []
+        refused = {id(w): why for (w, _), answer in zip(left, answers) if (why := dropped_by(answer))}
         own = [[(step, by, attempt) for d, step, by, attempt in opens[id(w)] if d == w.envelope.correlation_id]
                for w in closing]
         elsewhere = {id(w): [o for o in opens[id(w)] if o[0] != w.envelope.correlation_id] for w in closing}
         verdicts = dict(zip(map(id, closing), self.state.complete_many(
             [(w.envelope.correlation_id, w.handler.step or "", w.envelope.attempt) for w in closing],
-            now, own, [o for w in done if id(w) not in closes for o in opens[id(w)]],
+            now, own, [o for w in done if id(w) not in closes and id(w) not in refused for o in opens[id(w)]],
             [[op.write for op in w.ctx.writes if op.write is not None] if w.ctx else [] for w in closing])))
         publish: list[tuple[Emitted, Envelope, Any]] = []
         late_opens: list[tuple[str, str, int, int]] = []
@@ -677,6 +679,10 @@ class Runner:
             if finished in ("stale", "ignored"):
                 metrics.IGNORED.labels(self.service.name, w.topic, "late").inc()
                 w.log.info("step.late_answer_dropped", step=w.handler.step, why=finished)
+                continue
+            if id(w) in refused:
+                metrics.IGNORED.labels(self.service.name, w.topic, refused[id(w)]).inc()
+                w.log.info("step.dropped_meanwhile", step=w.handler.step, why=refused[id(w)])
                 continue
             late_opens += elsewhere.get(id(w), [])
             publish += [(emitted, w.envelope, w.span) for emitted in (w.ctx.emitted if w.ctx else ())]

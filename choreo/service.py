@@ -81,6 +81,14 @@ class Handler:
     # begin and hands the handler its answer (``choreo.runner``)
     first_op_in_begin: bool = False
 
+    @property
+    def fenced_by(self) -> str:
+        """The step whose current attempt its effects must hold (``choreo.effects``): its own, if
+        it is a forward step. An undo's effect is wanted whenever it comes (it gives back what
+        its forward step took, and taking nothing twice is harmless), even from an attempt the
+        supervisor gave up on: fenced, a slow last attempt would keep the drone."""
+        return "" if self.undoes else self.step or ""
+
 
 @dataclass
 class Emitted:
@@ -109,7 +117,7 @@ class Context:
     redis: redis.Redis
     log: Any
     try_no: int = 1  # in-process try of this attempt (1-based)
-    step: str = ""  # the step this attempt runs, if any: its effects are fenced by it (choreo.effects)
+    step: str = ""  # the step whose attempt its effects must hold (``Handler.fenced_by``), if any
     # replays come within minutes (aborted transactions, supervisor requeues within the step
     # deadlines x retry budget); rebuild-state relies on business-key idempotency, not on these
     once_ttl_s: int = int(os.environ.get("CHOREO_ONCE_TTL_S", "3600"))

@@ -294,14 +294,21 @@ if tries >= tonumber(ARGV[5]) then
       tries = tries, detail = detail, told = told, undone = get('undo.order') or ''})
   end
   -- fail the delivery: steps that may have side effects, the abandoned ones first, then
-  -- the completed ones newest first (reverse order of completion)
+  -- the completed ones newest first (reverse order of completion). Abandoned: begun, by the
+  -- attempt running now or by one given away (a claimed step keeps the input that began it:
+  -- that attempt may have taken a drone before it stalled). A step never begun must not
+  -- begin for a failed delivery (its trigger may still be queued): closed here
   local done, abandoned = {}, {}
   for name in string.gmatch(ARGV[12], '[^,]+') do
     local st = of(name, 'status')
     if st == 'completed' then
       table.insert(done, {name, of(name, 'completed_at') or 0})
-    elseif st == 'processing' then
+    elseif st == 'processing' or (st == 'pending' and (of(name, 'source') or '') ~= '') then
       table.insert(abandoned, name)
+    elseif st == 'pending' and name ~= step then
+      step_set(KEYS[1], name, {status = 'failed', attempt = (of(name, 'attempt') or 1) + 1, updated = now,
+               error = 'not begun: its delivery failed'})
+      redis.call('ZREM', KEYS[2], string.sub(member, 1, #member - #step) .. name)
     end
   end
   table.sort(done, function(x, y) return x[2] > y[2] end)

@@ -232,7 +232,7 @@ def run(service: Service, event: Event, *, topic: str | None = None,
         _check_nothing_before_first_op(service, handler.fn, event, envelope, target, log, answers or {})
     script = _Script(service.name, getattr(handler.fn, "__name__", target), answers or {})
     ctx = _Context(service.name, envelope, target, partition, offset, cast(redis.Redis, _NoRedis()),
-                   log, try_no=try_no, script=script)
+                   log, try_no=try_no, step=handler.fenced_by, script=script)
     # the runner's Attempt reads neither the message nor the step verdict: only the handler,
     # the event and the context
     run_ = Attempt(Work(cast(Message, None), target, handler, envelope, event, log))
