@@ -26,7 +26,7 @@ whose ``drone.scheduled`` is committed carries over; one that never reached Kafk
 forgotten with Redis, as nobody outside ever learned of it); no accepted request missing
 from ``delivery.requested``; no good event dead-lettered; everything ended within the
 bound; no service instance died by itself (every kill of the plan is followed by a restart,
-nothing restarts a crash). The result is one JSON line; the exit code is 1 on any violation.
+nothing restarts a crash); no drone still booked for a delivery that ended. The result is one JSON line; the exit code is 1 on any violation.
 Deliveries that never ended are described in it (``stuck_evidence``: records, state table,
 deadlines), since a CI log keeps nothing else.
 
@@ -71,8 +71,10 @@ from confluent_kafka import (
 from choreo.config import REPO_ROOT, Settings, settings
 from choreo.envelope import pairs
 from choreo.kafka import wait_transactions_settled
+from choreo.pool import Pool
 from choreo.redis_client import connect
 from choreo.serde import forget_registry_clients
+from choreo.state import text
 from choreo.workflow import Workflow
 from infra.kafka import KafkaCluster
 from infra.process import ManagedProcess, StackError, port_in_use, stop_all
@@ -88,6 +90,7 @@ INTERNAL_TOPICS = ("__consumer_offsets", "__transaction_state", "_schemas")
 FULL_DELIVERIES = 100_000
 SHORT_DELIVERIES = 2_000
 STUCK_EVIDENCE = 5  # deliveries that never ended, described in the result
+DRONES_BACK_S = 30.0  # how long the drones of ended deliveries may take to come back
 # the cluster's leader.imbalance.check.interval.seconds (Kafka's default); --leader-rebalance 20
 # makes every run move leaders and coordinators (RELIABILITY.md, session 10)
 LEADER_REBALANCE_S = 300
@@ -1158,10 +1161,11 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
         pending = tracker.pending(pending)
     settle_s = time.monotonic() - faults_over
     time.sleep(3.0)  # a last look for duplicates that would follow an outcome
+    client = connect(stack.cfg.redis_url, socket_timeout=10)
+    kept = drones_kept(client, fleet, set(submitter.accepted) - set(pending), DRONES_BACK_S)
     log(f"settled in {settle_s:.1f}s ({len(pending)} pending); stopping services, reading every topic")
     died = died_on_their_own(stack.services)
     stop_all(stack.services, timeout_s=20)
-    client = connect(stack.cfg.redis_url, socket_timeout=10)
     since = fleet.history(client)
     if stack.redis_cluster is not None and chaos.fleet_before_loss:
         # the stream outlived the master kill: what came after it is what follows its last entry
@@ -1175,6 +1179,10 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
     result["violations"]["services_died"] = len(died)
     if died:
         result["violation_examples"]["services_died"] = died
+    # a drone booked for a delivery that ended is out of the fleet for good
+    result["violations"]["drones_kept_by_ended_deliveries"] = len(kept)
+    if kept:
+        result["violation_examples"]["drones_kept_by_ended_deliveries"] = sorted(kept.items())[:5]
     if result["violations"]["double_bookings"]:
         evidence = stack.cfg.data_dir / "double-bookings.json"
         evidence.write_text(json.dumps(history.evidence(result["violation_examples"]["double_bookings"], found),
@@ -1188,6 +1196,19 @@ def _drive(plan: Plan, stack: Stack, submitter: Submitter, duplicator: Duplicato
                    "settle_s": round(settle_s, 1), "drones_held_at_end": held_at_end,
                    "fault_log": chaos.faults.events[-60:]})
     return result
+
+
+def drones_kept(client: redis.Redis, fleet: Pool, ended: set[str], timeout_s: float) -> dict[str, str]:
+    """The drones still booked for deliveries that ended (shipped, or failed with their undos
+    confirmed), by delivery. The supervisor gives a shipped delivery's drone back as it reads
+    the shipment, after the outcome is out: they are waited for up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        booked = {text(holder): text(member) for holder, member in client.hgetall(fleet.booking_key).items()}
+        kept = {holder: member for holder, member in booked.items() if holder in ended}
+        if not kept or time.monotonic() > deadline:
+            return kept
+        time.sleep(0.5)
 
 
 def _stream_id(raw: bytes) -> tuple[int, int]:

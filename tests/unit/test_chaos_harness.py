@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any, cast
+
 from choreo.serde import registry_client
-from infra.chaos import EDGE_TOPIC, Findings, FleetHistory, Submitter, judge, make_plan, using
+from infra.chaos import EDGE_TOPIC, Findings, FleetHistory, Submitter, drones_kept, judge, make_plan, using
 
 URL = "http://127.0.0.1:18081"  # the private registry of every chaos run (never contacted here)
 
@@ -41,3 +44,15 @@ def test_a_request_written_twice_by_the_edge_is_counted_and_a_duplicate_output_i
     assert result["violations"]["duplicate_event_ids"] == 1
     assert result["violation_examples"]["duplicate_event_ids"] == [output_copy]
     assert result["edge_duplicate_examples"] == [edge_copy]
+
+
+def test_a_drone_booked_for_an_ended_delivery_is_kept_and_one_of_a_pending_delivery_is_not() -> None:
+    """The check of drones lost to the fleet: a booking of a delivery still under way is fine,
+    one of an ended delivery is reported once the wait is over."""
+    booking = {b"d-shipped": b"drone-1", b"d-pending": b"drone-2"}
+    fleet = SimpleNamespace(booking_key="fleet:{fleet}:booking")
+    client = SimpleNamespace(hgetall=lambda key: booking if key == fleet.booking_key else {})
+    kept = drones_kept(cast(Any, client), cast(Any, fleet), {"d-shipped", "d-failed"}, timeout_s=0)
+    assert kept == {"d-shipped": "drone-1"}
+    booking.pop(b"d-shipped")
+    assert drones_kept(cast(Any, client), cast(Any, fleet), {"d-shipped", "d-failed"}, timeout_s=0) == {}
