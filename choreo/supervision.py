@@ -294,21 +294,21 @@ if tries >= tonumber(ARGV[5]) then
       tries = tries, detail = detail, told = told, undone = get('undo.order') or ''})
   end
   -- fail the delivery: steps that may have side effects, the abandoned ones first, then
-  -- the completed ones newest first (reverse order of completion). Abandoned: begun, by the
-  -- attempt running now or by one given away (a claimed step keeps the input that began it:
-  -- that attempt may have taken a drone before it stalled). A step never begun must not
-  -- begin for a failed delivery (its trigger may still be queued): closed here
-  local done, abandoned = {}, {}
+  -- the completed ones newest first (reverse order of completion). A step of them still
+  -- pending must not begin for a failed delivery (its trigger may still be queued, or its
+  -- requeue on the way): closed here, with a new token
+  local done, abandoned, closed = {}, {}, {}
   for name in string.gmatch(ARGV[12], '[^,]+') do
     local st = of(name, 'status')
     if st == 'completed' then
       table.insert(done, {name, of(name, 'completed_at') or 0})
-    elseif st == 'processing' or (st == 'pending' and (of(name, 'source') or '') ~= '') then
+    elseif st == 'processing' then
       table.insert(abandoned, name)
     elseif st == 'pending' and name ~= step then
       step_set(KEYS[1], name, {status = 'failed', attempt = (of(name, 'attempt') or 1) + 1, updated = now,
-               error = 'not begun: its delivery failed'})
+               error = 'closed: its delivery failed first'})
       redis.call('ZREM', KEYS[2], string.sub(member, 1, #member - #step) .. name)
+      table.insert(closed, name)
     end
   end
   table.sort(done, function(x, y) return x[2] > y[2] end)
@@ -323,7 +323,7 @@ if tries >= tonumber(ARGV[5]) then
   set({status = 'failed', attempt = attempt + 1, updated = now})
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[9]), member)
   return cjson.encode({a = 'fail', again = 0, reason = reason, detail = detail, compensate = compensate,
-    attempt = attempt + 1, tries = tries})
+    attempt = attempt + 1, tries = tries, closed = table.concat(closed, ',')})
 end
 -- the exponent counts the supervisor's own interventions (failures also counts the runner's)
 local round = (of(step, 'backoffs') or 0) + 1

@@ -331,7 +331,8 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
             cause=cause,
         )
         log.warning("delivery.failed_by_supervisor", reason=data["reason"], detail=data["detail"],
-                    tries=data.get("tries"), compensate=compensate, again=bool(data.get("again")))
+                    tries=data.get("tries"), compensate=compensate, again=bool(data.get("again")),
+                    closed=data.get("closed", ""))
     elif action.kind == "comp_failed":
         target = str(data["target"])
         before = str(data.get("before", ""))

@@ -404,25 +404,27 @@ def test_compensate_lists_completed_steps_in_reverse_order_and_abandoned_first(
     assert _scan(client, lease, 1_002_000)[(d2, "drone")].data["compensate"] == "drone,package"
 
 
-def test_a_failed_delivery_undoes_a_step_given_away_and_closes_one_never_begun(
+def test_a_failed_delivery_closes_its_pending_steps_so_no_queued_trigger_begins_them(
         client: redis.Redis, lease: Lease) -> None:
-    """A claimed step (pending at a new attempt) was begun: the attempt given away may have
-    taken a drone before it stalled, so it is undone. A step never begun is closed, so its
-    trigger, still queued, starts nothing for a failed delivery."""
+    """A step with side effects still pending when the supervisor fails the delivery (never
+    begun, its trigger queued; or claimed, its requeue on the way) is closed with a new
+    token: neither trigger starts anything for a failed delivery later (a drone booked then
+    was held for good). What an attempt given away did before it stalled is not undone."""
     d = _new(client, "package", "drone", "delivery")
     StateTable(client).put(d, {"package.status": "pending", "package.attempt": 2, "package.source": "x|x|0|0",
                                "delivery.status": "failed", "delivery.tries": BUDGET,
                                "delivery.source": "y|y|0|0"})
     client.zadd(deadline_index(d), {index_member(d, "delivery"): 0})
     fail = _scan(client, lease, 1_000_000)[(d, "delivery")]
-    assert fail.kind == "fail" and fail.data["compensate"] == "package"
+    assert fail.kind == "fail" and fail.data["compensate"] == "" and fail.data["closed"] == "package,drone"
     f = _fields(client, d)
-    assert f["drone.status"] == "failed" and f["drone.attempt"] == "2"
+    assert (f["package.status"], f["package.attempt"]) == ("failed", "3")
+    assert (f["drone.status"], f["drone.attempt"]) == ("failed", "2")
     assert client.zscore(deadline_index(d), index_member(d, "drone")) is None
-    assert f["package.status"] == "pending"  # marked compensating when the failure is read
+    assert client.zscore(deadline_index(d), index_member(d, "package")) is None
     table = StateTable(client)
-    assert table.begin(d, "drone", 1, 1_000_100, DEADLINE, BUDGET, "a|a|0|1") is not Begin.GO
-    assert table.begin(d, "drone", 2, 1_000_100, DEADLINE, BUDGET, "a|a|0|1") is Begin.CLOSED
+    assert table.begin(d, "drone", 1, 1_000_100, DEADLINE, BUDGET, "a|a|0|1") is Begin.STALE
+    assert table.begin(d, "package", 2, 1_000_100, DEADLINE, BUDGET, "r|r|0|1") is Begin.STALE
 
 
 def test_an_outcome_decided_elsewhere_wins(client: redis.Redis, lease: Lease) -> None:
