@@ -58,14 +58,26 @@ def dropped_by(answer: object) -> str:
     """Why an effect's answer drops the attempt that asked it (``DROPPED``), or ''."""
     return DROPPED.get(answer, "") if isinstance(answer, str) else ""
 
+
+# Before every effect body: ``refusal(table, refuse, step, attempt)``, the answer that keeps
+# it from running (``RELEASED``, ``STALE``) or nil. ``table``: the delivery's step table;
+# ``refuse``: '1' to refuse a released delivery; ``step``, ``attempt``: the asking attempt's
+# forward step ('' for none) and attempt, which must still own it.
+_REFUSAL = STEP_OWNED_LUA + """
+local function refusal(table_key, refuse, step, attempt)
+  if refuse == '1' and redis.call('HEXISTS', table_key, 'done') == 1 then return '\\0released' end
+  if step ~= '' and not step_owned(table_key, step, tonumber(attempt)) then return '\\0stale' end
+  return nil
+end
+"""
+
 # KEYS: the memo hash, the delivery's step table, the body's keys. ARGV: the memo field, the
-# memo TTL, '1' to refuse a released delivery, the asking attempt's step ('' for none) and
-# attempt, the body's args.
-ONCE_TEMPLATE = STEP_OWNED_LUA + """
+# memo TTL, then ``refusal``'s refuse, step and attempt, then the body's args.
+ONCE_TEMPLATE = _REFUSAL + """
 local remembered = redis.call('HGET', KEYS[1], ARGV[1])
 if remembered then return remembered end
-if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return '\\0released' end
-if ARGV[4] ~= '' and not step_owned(KEYS[2], ARGV[4], tonumber(ARGV[5])) then return '\\0stale' end
+local refused = refusal(KEYS[2], ARGV[3], ARGV[4], ARGV[5])
+if refused then return refused end
 local outcome = (function(KEYS, ARGV)
 %s
 end)({select(3, unpack(KEYS))}, {select(6, unpack(ARGV))})
@@ -78,33 +90,29 @@ return outcome
 # An effect whose own keys remember what it answered (a join's results and who decided): no
 # copy of its answer in the memo hash. The body sees the memo field as ``remembered_as`` and
 # must answer a replay of the same input as the first run was answered.
-SELF_REMEMBERING_TEMPLATE = STEP_OWNED_LUA + """
-if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return '\\0released' end
+SELF_REMEMBERING_TEMPLATE = _REFUSAL + """
+local refused = refusal(KEYS[2], ARGV[3], ARGV[4], ARGV[5])
+if refused then return refused end
 local remembered_as = ARGV[1]
-if ARGV[4] ~= '' and not step_owned(KEYS[2], ARGV[4], tonumber(ARGV[5])) then return '\\0stale' end
 return (function(KEYS, ARGV)
 %s
 end)({select(3, unpack(KEYS))}, {select(6, unpack(ARGV))})
 """
 
 # an effect on another slot's keys, in three calls (see the module doc). KEYS: the memo hash,
-# the step table. ARGV: the memo field, '1' to refuse a released delivery, the asking
-# attempt's step ('' for none) and attempt
-_RECALL = STEP_OWNED_LUA + """
+# the step table. ARGV: the memo field, then ``refusal``'s refuse, step and attempt
+_RECALL = _REFUSAL + """
 local remembered = redis.call('HGET', KEYS[1], ARGV[1])
 if remembered then return remembered end
-if ARGV[2] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return '\\0released' end
-if ARGV[3] ~= '' and not step_owned(KEYS[2], ARGV[3], tonumber(ARGV[4])) then return '\\0stale' end
-return false
+return refusal(KEYS[2], ARGV[2], ARGV[3], ARGV[4]) or false
 """
 
-# ARGV: the memo field, '1' to refuse a released delivery, the body's answer, the memo TTL,
-# the asking attempt's step ('' for none) and attempt
-_REMEMBER = STEP_OWNED_LUA + """
-if ARGV[2] == '1' and redis.call('HEXISTS', KEYS[2], 'done') == 1 then return '\\0released' end
-if ARGV[5] ~= '' and not step_owned(KEYS[2], ARGV[5], tonumber(ARGV[6])) then return '\\0stale' end
-redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[3])
-if redis.call('TTL', KEYS[1]) < tonumber(ARGV[4]) then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
+# ARGV: as ``_RECALL``'s, then the body's answer and the memo TTL
+_REMEMBER = _REFUSAL + """
+local refused = refusal(KEYS[2], ARGV[2], ARGV[3], ARGV[4])
+if refused then return refused end
+redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[5])
+if redis.call('TTL', KEYS[1]) < tonumber(ARGV[6]) then redis.call('EXPIRE', KEYS[1], ARGV[6]) end
 return redis.call('HGET', KEYS[1], ARGV[1])
 """
 
@@ -255,9 +263,7 @@ def _elsewhere(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | N
     given = [(i, answer) for i, answer in zip(todo, ran) if answer is not None]
     remember = BatchScript.of(client, "effect_remember", _REMEMBER)
     kept = run_together(client, [(remember, [
-        (memo_items[i][0], [calls[i].memo_field, calls[i].refuse, answer, calls[i].ttl_s, calls[i].step,
-                            calls[i].attempt])
-        for i, answer in given])])[0]
+        (memo_items[i][0], [*memo_items[i][1], answer, calls[i].ttl_s]) for i, answer in given])])[0]
     for (i, _), answer in zip(given, kept):
         answers[i] = _answer(answer)
     return answers

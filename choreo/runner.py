@@ -140,9 +140,9 @@ class Attempt:
             elif self._rode_in_begin(out):
                 assert self.work.first is not None
                 answer = self.work.first[1]
-                if dropped_by(answer):
+                if why := dropped_by(answer):
                     gen.close()
-                    raise AttemptDropped(self.ctx.delivery_id, dropped_by(answer))
+                    raise AttemptDropped(self.ctx.delivery_id, why)
                 if isinstance(out, Op):
                     self.ctx.effect(out.effect, out.keys, out.args)  # asked, as if sent
                     out = gen.send(out.decode(answer))
@@ -165,9 +165,9 @@ class Attempt:
     def resume(self, answer: str | None) -> None:
         assert self._gen is not None
         gen = self._gen
-        if dropped_by(answer):
+        if why := dropped_by(answer):
             gen.close()
-            self.request, self.dropped = None, dropped_by(answer)
+            self.request, self.dropped = None, why
             return
         decode, self.decode = self.decode, None
         self._step(lambda: gen.send(decode(answer) if decode else answer))
@@ -508,9 +508,7 @@ class Runner:
         write left to the finish does not."""
         if isinstance(t, Refused) or not t.handler.first_op_in_begin:
             return None
-        ctx = Context(self.service.name, t.envelope, t.topic, t.message.partition() or 0,
-                      t.message.offset() or 0, self.redis, t.log, step=t.handler.fenced_by,
-                      refuse_released=self.in_workflow)
+        ctx = self._context(t)
         try:  # the handler is a generator function (Service.subscribe)
             started = cast(EffectfulHandler, t.handler.fn(t.event, ctx))
             out = started.send(None)
@@ -559,9 +557,7 @@ class Runner:
                 retry: list[Attempt] = []
                 for run in runs:
                     if run.dropped:
-                        metrics.IGNORED.labels(self.service.name, run.work.topic, run.dropped).inc()
-                        run.work.log.info("step.dropped_meanwhile", step=run.work.handler.step,
-                                          why=run.dropped)
+                        self._note_dropped(run.work, run.dropped)
                     elif run.error is None:
                         for out in _as_events(run.result):
                             run.ctx.emit(out)
@@ -577,6 +573,18 @@ class Runner:
                     time.sleep(delay)
                 runs = retry
         return sorted(done, key=lambda w: order[id(w)])
+
+    def _context(self, w: Work, try_no: int = 1) -> Context:
+        """A handler's context for one try of ``w``: its effects fenced by the step it runs
+        (``Handler.fenced_by``), a workflow service's refusing a released delivery."""
+        return Context(self.service.name, w.envelope, w.topic, w.message.partition() or 0,
+                       w.message.offset() or 0, self.redis, w.log, try_no=try_no,
+                       step=w.handler.fenced_by, refuse_released=self.in_workflow)
+
+    def _note_dropped(self, w: Work, why: str) -> None:
+        """An attempt dropped because an effect was refused (``choreo.effects``): its outputs go."""
+        metrics.IGNORED.labels(self.service.name, w.topic, why).inc()
+        w.log.info("step.dropped_meanwhile", step=w.handler.step, why=why)
 
     def _admitted(self, w: Work) -> bool:
         """Whether the step's state lets this attempt run (stale, closed, expired or exhausted
@@ -597,9 +605,7 @@ class Runner:
         """One try of every handler, their effects batched per round of ``yield``."""
         for run in runs:
             w = run.work
-            run.ctx = Context(self.service.name, w.envelope, w.topic, w.message.partition() or 0,
-                              w.message.offset() or 0, self.redis, w.log, try_no=run.tries + 1,
-                              step=w.handler.fenced_by, refuse_released=self.in_workflow)
+            run.ctx = self._context(w, try_no=run.tries + 1)
             run.start()
         waiting = [run for run in runs if run.request is not None]
         while waiting:
@@ -681,8 +687,7 @@ class Runner:
                 w.log.info("step.late_answer_dropped", step=w.handler.step, why=finished)
                 continue
             if id(w) in refused:
-                metrics.IGNORED.labels(self.service.name, w.topic, refused[id(w)]).inc()
-                w.log.info("step.dropped_meanwhile", step=w.handler.step, why=refused[id(w)])
+                self._note_dropped(w, refused[id(w)])
                 continue
             late_opens += elsewhere.get(id(w), [])
             publish += [(emitted, w.envelope, w.span) for emitted in (w.ctx.emitted if w.ctx else ())]

@@ -181,8 +181,8 @@ class Context:
     def once(self, effect: OnceEffect, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> str | None:
         """Run ``effect`` at most once for this input event, now; a replay gets the same answer."""
         answer = self.effect(effect, keys, args).run(self.redis)
-        if dropped_by(answer):
-            raise AttemptDropped(self.delivery_id, dropped_by(answer))
+        if why := dropped_by(answer):
+            raise AttemptDropped(self.delivery_id, why)
         return answer
 
     def effect(self, effect: OnceEffect, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> EffectCall:

@@ -155,8 +155,8 @@ class _Context(Context):
     def once(self, effect: OnceEffect, keys: Sequence[str] = (), args: Sequence[Any] = ()) -> str | None:
         assert self.script is not None
         answer = self.script.answer(self.effect(effect, keys, args), None)
-        if dropped_by(answer):
-            raise AttemptDropped(self.delivery_id, dropped_by(answer))
+        if why := dropped_by(answer):
+            raise AttemptDropped(self.delivery_id, why)
         return cast("str | None", answer)
 
 

@@ -26,9 +26,10 @@ whose ``drone.scheduled`` is committed carries over; one that never reached Kafk
 forgotten with Redis, as nobody outside ever learned of it); no accepted request missing
 from ``delivery.requested``; no good event dead-lettered; everything ended within the
 bound; no service instance died by itself (every kill of the plan is followed by a restart,
-nothing restarts a crash); no drone still booked for a delivery that ended. The result is one JSON line; the exit code is 1 on any violation.
-Deliveries that never ended are described in it (``stuck_evidence``: records, state table,
-deadlines), since a CI log keeps nothing else.
+nothing restarts a crash); no drone still booked for a delivery that ended. The result is
+one JSON line; the exit code is 1 on any violation. Deliveries that never ended are
+described in it (``stuck_evidence``: records, state table, deadlines), since a CI log keeps
+nothing else.
 
 Every random choice comes from ``random.Random(seed)``: a failing run is replayed with the
 same seed (same deliveries, same fault schedule; the timing of the machine is not
