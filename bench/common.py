@@ -232,6 +232,11 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return groups
 
 
+def compiler_seconds(by_thread: Mapping[str, float]) -> float:
+    """CPU seconds of a JVM's JIT compiler threads (C1, C2) in a ``thread_cpu`` split."""
+    return sum(c for group, c in by_thread.items() if "Compiler" in group)
+
+
 def load_average() -> list[float]:
     try:
         return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]

@@ -22,6 +22,10 @@ per repeat:
    ``TUNED_SCALE`` times the deliveries: the best this machine's Kafka does, the yardstick
    of the ``ratio_tuned`` target.
 
+Before any of it, a warm-up: rounds of every one of these paths, on ``--warmup`` deliveries
+each, until the broker's JIT compilers rest (``Bench.warm``), so the figures are of a broker
+as warm as one in service.
+
 Then open-loop runs at each ``--rates`` and at half of the closed-loop rate just measured
 (requests on a fixed schedule), a Redis memory probe
 (bytes per accepted and per completed delivery, and the keys one delivery leaves), and,
@@ -57,7 +61,7 @@ from confluent_kafka import Consumer, TopicPartition
 from bench.ceiling import Record, save_samples
 from bench.common import (
     HAPPY_PATH, SOURCE_TOPIC, TERMINAL_TOPIC, Hops, ProcSample, Stage, batch_figures,
-    free_port, hop_count, latency_summary, load_average, metric_by_label, metric_sum, parse_metrics, rate, sample_process,
+    compiler_seconds, free_port, hop_count, latency_summary, load_average, metric_by_label, metric_sum, parse_metrics, rate, sample_process,
     run_header, summarise_repeats, thread_cpu, write_figures,
 )
 from choreo.config import REPO_ROOT, settings
@@ -459,6 +463,35 @@ class Bench:
                              f"({', '.join(self.services)})")
         wait_for_groups(SERVICES, 90)
         log("services up: " + ", ".join(f"{n} (pid {p.pid()})" for n, p in self.services.items()))
+
+    def warm(self) -> dict[str, Any]:
+        """Rounds of every path the measured runs take (the closed loop, the three ceilings,
+        the open loop at each rate and at half the round's closed-loop rate) until the
+        broker's JIT compilers rest: at most ``--warm-jit-pct`` of a core over a round, or
+        ``--warm-max-seconds`` have passed (then ``warm`` is false and the figures are of a
+        broker still compiling). A broker in service has compiled these paths long ago; one
+        that still compiles takes a core's share from the pipeline it shares 2 cores with,
+        and the open-loop runs' tail measures the compiler."""
+        kafka = self.private.pids()["kafka"]
+        started = time.monotonic()
+        rounds: list[dict[str, Any]] = []
+        while True:
+            k, t0, compiled = len(rounds), time.monotonic(), compiler_seconds(thread_cpu(kafka))
+            closed = self.pipeline_run(self.args.warmup, 0, f"warmup-{k}")
+            self.ceiling_run(self.args.warmup, True, f"warmup-{k}-txn")
+            self.ceiling_run(self.args.warmup, False, f"warmup-{k}-plain")
+            self.ceiling_run(self.args.warmup, True, f"warmup-{k}-tuned", tuned=True)
+            for offered in [*self.args.rates, closed["deliveries_per_s"] / 2]:
+                self.pipeline_run(max(1, int(offered * self.args.open_seconds)), offered,
+                                  f"warmup-{k}-open-{int(offered)}")
+            seconds = time.monotonic() - t0
+            pct = round(100 * (compiler_seconds(thread_cpu(kafka)) - compiled) / seconds, 1)
+            rounds.append({"seconds": round(seconds, 1), "compiler_cpu_pct": pct,
+                           "closed_deliveries_per_s": closed["deliveries_per_s"]})
+            log(f"warm-up round {k}: the broker's compilers took {pct}% of a core")
+            warm = pct <= self.args.warm_jit_pct
+            if warm or time.monotonic() - started >= self.args.warm_max_seconds:
+                return {"warm": warm, "seconds": round(time.monotonic() - started, 1), "rounds": rounds}
 
     def idle(self, seconds: float = 3.0) -> dict[str, Any]:
         """What the stack costs with no load at all (polling consumers, lag and deadline
@@ -875,8 +908,7 @@ def cpu_budget(processes: dict[str, dict[str, Any]], deliveries: int, seconds: f
                        / deliveries) for name, p in processes.items()}
     total_us, net_us = sum(per.values()), sum(net.values())
     # the JVM's compiler threads: warm-up work a long-running broker has done long ago
-    jit_us = sum(round(1e6 * sum(c for group, c in p.get("cpu_s_by_thread", {}).items()
-                                 if "Compiler" in group) / deliveries)
+    jit_us = sum(round(1e6 * compiler_seconds(p.get("cpu_s_by_thread", {})) / deliveries)
                  for p in processes.values())
     cores = os.cpu_count() or 1
     return {"cpu_us_per_delivery": per, "total_cpu_us_per_delivery": total_us,
@@ -934,7 +966,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         **run_header("bench.pipeline"),
         "config": {"deliveries": args.deliveries, "repeats": args.repeats, "warmup": args.warmup,
-                   "rates": args.rates,
+                   "rates": args.rates, "warm_jit_pct": args.warm_jit_pct,
+                   "warm_max_seconds": args.warm_max_seconds,
                    "open_seconds": args.open_seconds, "partitions": args.partitions,
                    "instances_per_service": args.instances, "drivers": args.drivers, "log_level": args.log_level,
                    "stack": "private (own Kafka, Redis, registry on free ports)",
@@ -944,12 +977,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     try:
         bench.start()
-        # A fresh broker spends a minute or more compiling (its C1/C2 threads took 40-50 % of
-        # its CPU in the first runs): warm it on the pipeline's and the ceiling's paths alike
-        log(f"warm-up: {args.warmup} deliveries through the pipeline, then the ceiling")
+        log(f"warm-up: rounds of {args.warmup} deliveries on every measured path until the broker "
+            f"stops compiling")
         result["warmup"] = bench.pipeline_run(args.warmup, 0, "warmup")
         bench.samples = bench.capture_samples()
-        result["warmup_ceiling"] = bench.ceiling_run(args.warmup, True, "warmup-txn")
+        result["warm_up"] = bench.warm()
         time.sleep(2.0)  # a fresh broker settles (topic creation, group and txn coordinators)
         result["idle"] = bench.idle()
         log(f"idle stack: {result['idle']['total_cpu_pct']}% CPU ({result['idle']['cpu_pct']})")
@@ -1055,6 +1087,8 @@ def summarise(result: dict[str, Any], bench: Bench) -> dict[str, Any]:
         "redis_script_items_per_delivery": summarise_repeats(
             [r["pipeline"] for r in runs], ["redis_script_items_per_delivery"])["redis_script_items_per_delivery"]["median"],
         "hops_per_delivery": {"produced": bench.hops.produced, "consumed": bench.hops.consumed},
+        "broker_warm": result["warm_up"]["warm"],
+        "warm_up_seconds": result["warm_up"]["seconds"],
         "load_average": {"before": result["machine"]["load_average_before"],
                          "after": result["machine"]["load_average_after"]},
     }
@@ -1067,6 +1101,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", "-r", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2000,
                         help="deliveries of the warm-up (pipeline, then ceiling) before measuring")
+    parser.add_argument("--warm-jit-pct", type=float, default=5.0,
+                        help="the warm-up ends once a round keeps the broker's JIT compilers at or "
+                             "below this share of a core")
+    parser.add_argument("--warm-max-seconds", type=float, default=300.0,
+                        help="the warm-up ends after this long even if the broker still compiles "
+                             "(the JSON then says warm: false)")
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x],
                         default=[100.0], help="open-loop offered rates, deliveries/s (besides half the "
                                               "measured capacity, which always runs)")
