@@ -41,6 +41,9 @@ BATCH_PHASE_SECONDS = Histogram("choreo_batch_phase_seconds", "Seconds per batch
 # in script runs, whatever the round trips carrying them (bench/README.md)
 SCRIPT_ITEMS = Counter("choreo_redis_script_items_total", "Items run by the runtime's batched Redis scripts",
                        ["script"])
+OFFSET_COMMITS = Counter("choreo_offset_commits_total",
+                         "Batches' offset commits: in the batch's transaction, or plain where it wrote nothing",
+                         ["service", "how"])
 TXN_ABORTS = Counter("choreo_transaction_aborts_total", "Aborted transactions (replayed)", ["service"])
 LAG = Gauge("choreo_consumer_lag", "Consumer lag per partition", ["service", "topic", "partition"])
 

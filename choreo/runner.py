@@ -25,11 +25,11 @@ from datetime import UTC, datetime
 from types import FrameType, GeneratorType
 from typing import Any, cast
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from choreo import metrics
-from choreo.kafka import transactional_consumer_config, transactional_producer_config
+from choreo.kafka import TransactionalProducer, transactional_consumer_config, transactional_producer_config
 from choreo.config import settings
 from choreo import dedupe
 from choreo.envelope import Envelope, HeaderList, Unusable, pairs, derived_id, now_ms
@@ -240,9 +240,10 @@ class Runner:
             service.name, f"{service.name}-{self.options.instance}"))
         self.producer = self._new_producer()
 
-    def _new_producer(self) -> Producer:
+    def _new_producer(self) -> TransactionalProducer:
         # stable per instance: a restarted instance fences its zombie predecessor
-        producer = Producer(transactional_producer_config(f"{self.service.name}-{self.options.instance}"))
+        producer = TransactionalProducer(
+            transactional_producer_config(f"{self.service.name}-{self.options.instance}"))
         producer.init_transactions(30)
         return producer
 
@@ -363,11 +364,16 @@ class Runner:
             self._finish_all(done)
             self.state.note_dead_letters(self._dead_lettered)  # before the commit: one round trip
             clock.lap("finish")
-            self.producer.send_offsets_to_transaction(
-                _next_offsets(batch), self.consumer.consumer_group_metadata(), 30
-            )
-            clock.lap("offsets")
-            self._commit()
+            if self.producer.wrote:
+                self.producer.send_offsets_to_transaction(
+                    _next_offsets(batch), self.consumer.consumer_group_metadata(), 30
+                )
+                clock.lap("offsets")
+                self._commit()
+                metrics.child(metrics.OFFSET_COMMITS, self.service.name, "transaction").inc()
+            else:
+                self._commit_plain(batch)
+                clock.lap("offsets")
             clock.lap("commit")
             metrics.BATCH_SIZE.labels(self.service.name).observe(len(batch))
         except TRANSIENT as exc:
@@ -404,6 +410,18 @@ class Runner:
                 if not err.retriable() or err.txn_requires_abort() or attempt == attempts:
                     raise
                 self.log.warning("transaction.commit_retry", error=str(err), attempt=attempt)
+
+    def _commit_plain(self, batch: list[Message]) -> None:
+        """A batch that wrote no record (a subscriber's, the supervisor's reading of an
+        outcome) has nothing to commit atomically with its offsets: its Redis work is done,
+        and a replay of it is harmless. Its empty transaction ends without a broker request
+        (librdkafka sends no EndTxn for it), and its offsets go in one plain commit, which the
+        group's generation fences as it does the transactional one. The coordinator keeps the
+        newer of the two kinds by their place in its log, so the previous batch's
+        transactional offsets, materialised after this commit, do not overwrite it."""
+        self.producer.commit_transaction(30)
+        self.consumer.commit(offsets=_next_offsets(batch), asynchronous=False)
+        metrics.child(metrics.OFFSET_COMMITS, self.service.name, "plain").inc()
 
     def _tick(self, periodic: Periodic) -> None:
         """One run of a periodic task, its output in one transaction (no input offsets)."""

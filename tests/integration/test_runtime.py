@@ -4,6 +4,7 @@ crash recovery and schema evolution, with services as real processes."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from choreo.config import settings
 from choreo.envelope import MAX_ATTEMPT, Envelope, now_ms
-from choreo.kafka import ensure_topics
+from choreo.kafka import CommittedOffsets, ensure_topics
 from choreo.publisher import Publisher
 from choreo.serde import Encoder, registry_client
 from choreo.state import Begin, StateTable, StepStatus
@@ -79,6 +80,35 @@ def test_ten_line_subscriber_receives_typed_events_and_emits(services: list[Serv
         assert env.causation_id == ids[env.correlation_id]  # caused by its own input
         assert env.hops == 1 and env.event_type == "DroneReleased"
     assert {r.key for r in out} == {f"d{i}".encode() for i in range(30)}
+
+
+def test_a_batch_that_writes_nothing_commits_plainly_and_no_older_transactional_commit_overtakes_it(
+        services: list[ServiceProcess], stack: None, unique: str) -> None:
+    # one partition, one input per batch, an output for every other input: each plain commit
+    # follows a transactional one whose markers the coordinator may not have written yet
+    topic, port = f"t.sometimes.{unique}", free_port()
+    ensure_topics([topic, f"{topic}.out", f"{topic}.dlq"], partitions=1)
+    publisher = Publisher("test")
+    for i in range(40):
+        publisher.publish(DeliveryShipped(delivery_id=f"d{i}", package_id=f"p{i}", drone_id=f"drone-{i}",
+                                          shipped_at=datetime.now(UTC)), str(uuid.uuid4()), topic=topic)
+    publisher.flush(30)
+    services.append(ServiceProcess("tests.services.sometimes:service", env={"PROBE_TOPIC": topic},
+                                   workflow="", args=["--metrics-port", str(port)]).start())
+    out = wait_for(lambda: len(r := read_topic(f"{topic}.out")) >= 20 and r, what="20 outputs")
+    assert sorted(r.key for r in out) == sorted(f"d{i}".encode() for i in range(0, 40, 2))
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    commits = {how: float(line.rsplit(" ", 1)[1]) for how in ("plain", "transaction") for line in text.splitlines()
+               if line.startswith(f'choreo_offset_commits_total{{how="{how}",service="sometimes-{topic}"}}')}
+    assert commits == {"plain": 20, "transaction": 20}
+    offsets = CommittedOffsets()
+    try:
+        # every marker is written within moments; the group must still read on after the last input
+        wait_for(lambda: offsets.of(f"sometimes-{topic}", [(topic, 0)])[(topic, 0)] == 40, what="offset 40")
+        time.sleep(3)
+        assert offsets.of(f"sometimes-{topic}", [(topic, 0)])[(topic, 0)] == 40
+    finally:
+        offsets.close()
 
 
 def test_poison_messages_are_dead_lettered_while_good_ones_flow(
