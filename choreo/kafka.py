@@ -77,8 +77,9 @@ class TransactionalProducer(Producer):
 
 
 def transactional_consumer_config(group: str, client_id: str) -> dict[str, Any]:
-    """The consumer side of a consume-transform-produce service: offsets are committed only
-    through the producer's transaction, and only committed records are read."""
+    """The consumer side of a consume-transform-produce service: offsets are committed
+    through the producer's transaction (plainly for a batch that wrote no record), and only
+    committed records are read."""
     return {
         **base_config(),
         "group.id": group,

@@ -2,7 +2,8 @@
 
 A batch is read with ``read_committed``; handlers run; every output, dead letter and
 recovery report is produced and the input offsets are committed in **one** Kafka
-transaction. A crash anywhere replays the batch; idempotent Redis effects and
+transaction (a batch that writes no record commits its offsets plainly: nothing to make
+atomic with them). A crash anywhere replays the batch; idempotent Redis effects and
 deterministic output ids make the replay invisible to ``read_committed`` readers.
 
 Retries: a handler's ``Retryable`` error is retried in process a few times with
@@ -347,7 +348,8 @@ class Runner:
     # -- one batch, one transaction -------------------------------------------------------
 
     def _process(self, batch: list[Message]) -> None:
-        """One transaction for the batch, with Redis work batched per phase: dedupe and begin
+        """One transaction for the batch (or a plain offset commit, ``_commit_plain``), with
+        Redis work batched per phase: dedupe and begin
         (one round trip for the whole batch), handlers (their own effects), then finish for
         all and only then the outputs of the attempts that still own their step."""
         self._dead_lettered.clear()
@@ -372,8 +374,8 @@ class Runner:
                 self._commit()
                 metrics.child(metrics.OFFSET_COMMITS, self.service.name, "transaction").inc()
             else:
+                clock.lap("offsets")  # none sent apart: the plain commit carries them
                 self._commit_plain(batch)
-                clock.lap("offsets")
             clock.lap("commit")
             metrics.BATCH_SIZE.labels(self.service.name).observe(len(batch))
         except TRANSIENT as exc:
