@@ -1,0 +1,119 @@
+"""How a batch's offsets are committed (``Runner._process``), with Kafka's clients faked: in
+the transaction when the batch wrote a record, plainly when it wrote none, and a refused
+plain commit rewinds the batch like an aborted transaction."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from choreo.runner import Runner
+
+
+class _Producer:
+    """librdkafka's transactional state as far as a batch sees it: an abort outside a
+    transaction is refused with a non-fatal state error."""
+
+    def __init__(self, writes: bool) -> None:
+        self.writes = writes
+        self.wrote = False
+        self.calls: list[str] = []
+        self.open = False
+
+    def begin_transaction(self) -> None:
+        self.calls.append("begin")
+        self.open, self.wrote = True, self.writes
+
+    def send_offsets_to_transaction(self, offsets: list[TopicPartition], *_: Any) -> None:
+        self.calls.append(f"send_offsets {[(tp.topic, tp.partition, tp.offset) for tp in offsets]}")
+
+    def commit_transaction(self, *_: Any) -> None:
+        self.calls.append("commit")
+        self.open = False
+
+    def abort_transaction(self, *_: Any) -> None:
+        if not self.open:
+            raise KafkaException(KafkaError(KafkaError._STATE))
+        self.calls.append("abort")
+        self.open = False
+
+
+class _Consumer:
+    def __init__(self, refusal: int | None) -> None:
+        self.refusal = refusal
+        self.commits: list[list[tuple[str, int, int]]] = []
+        self.seeks: list[tuple[str, int, int]] = []
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        assert asynchronous is False
+        if self.refusal is not None:
+            raise KafkaException(KafkaError(self.refusal))
+        self.commits.append([(tp.topic, tp.partition, tp.offset) for tp in offsets])
+
+    def consumer_group_metadata(self) -> str:
+        return "group metadata"
+
+    def assignment(self) -> list[TopicPartition]:
+        return [TopicPartition("t", 0)]
+
+    def seek(self, tp: TopicPartition) -> None:
+        self.seeks.append((tp.topic, tp.partition, tp.offset))
+
+
+class _Message:
+    def __init__(self, offset: int) -> None:
+        self._offset = offset
+
+    def topic(self) -> str:
+        return "t"
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return []
+
+
+def _runner(producer: _Producer, consumer: _Consumer) -> Any:
+    runner: Any = object.__new__(Runner)
+    runner.service = SimpleNamespace(name="svc")
+    runner.log = SimpleNamespace(warning=lambda *a, **k: None, info=lambda *a, **k: None)
+    runner._dead_lettered = set()
+    runner.state = SimpleNamespace(note_dead_letters=lambda ids: None)
+    runner._prepare = lambda message, envelope: None
+    runner._begin_all = lambda taken: []
+    runner._run_all = lambda work: []
+    runner._finish_all = lambda done: None
+    runner.producer, runner.consumer = producer, consumer
+    return runner
+
+
+@pytest.mark.parametrize("writes", [True, False])
+def test_the_offsets_go_in_the_transaction_only_when_the_batch_wrote_a_record(writes: bool) -> None:
+    producer, consumer = _Producer(writes), _Consumer(None)
+    _runner(producer, consumer)._process([_Message(5), _Message(6)])
+    if writes:
+        assert producer.calls == ["begin", "send_offsets [('t', 0, 7)]", "commit"]
+        assert consumer.commits == []
+    else:  # the empty transaction ends (locally, in librdkafka), then one plain commit
+        assert producer.calls == ["begin", "commit"]
+        assert consumer.commits == [[("t", 0, 7)]]
+    assert consumer.seeks == []
+
+
+@pytest.mark.parametrize("refusal", [KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION,
+                                     KafkaError.UNKNOWN_MEMBER_ID])
+def test_a_refused_plain_commit_rewinds_the_batch_and_leaves_the_producer_ready(refusal: int) -> None:
+    producer, consumer = _Producer(False), _Consumer(refusal)
+    runner = _runner(producer, consumer)
+    runner._process([_Message(5), _Message(6)])
+    assert consumer.seeks == [("t", 0, 5)]  # read again, here or by the partition's new owner
+    assert consumer.commits == [] and not producer.open
+    runner._process([_Message(5), _Message(6)])  # the next batch begins a transaction as usual
+    assert producer.calls == ["begin", "commit", "begin", "commit"]
