@@ -349,9 +349,9 @@ class Runner:
 
     def _process(self, batch: list[Message]) -> None:
         """One transaction for the batch (or a plain offset commit, ``_commit_plain``), with
-        Redis work batched per phase: dedupe and begin
-        (one round trip for the whole batch), handlers (their own effects), then finish for
-        all and only then the outputs of the attempts that still own their step."""
+        Redis work batched per phase: dedupe and begin (one round trip for the whole batch),
+        handlers (their own effects), then finish for all and only then the outputs of the
+        attempts that still own their step."""
         self._dead_lettered.clear()
         clock = PhaseClock(self.service.name)
         taken: list[Work | Refused] = []
@@ -418,7 +418,8 @@ class Runner:
         outcome) has nothing to commit atomically with its offsets: its Redis work is done,
         and a replay of it is harmless. Its empty transaction ends without a broker request
         (librdkafka sends no EndTxn for it), and its offsets go in one plain commit, which the
-        group's generation fences as it does the transactional one. The coordinator keeps the
+        group's generation fences (the transactional one also by the producer's epoch: a
+        zombie commits only offsets of work it finished, harmless). The coordinator keeps the
         newer of the two kinds by their place in its log, so the previous batch's
         transactional offsets, materialised after this commit, do not overwrite it."""
         self.producer.commit_transaction(30)
