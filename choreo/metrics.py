@@ -44,6 +44,9 @@ SCRIPT_ITEMS = Counter("choreo_redis_script_items_total", "Items run by the runt
 OFFSET_COMMITS = Counter("choreo_offset_commits_total",
                          "Batches' offset commits: in the batch's transaction, or plain where it wrote nothing",
                          ["service", "how"])
+OFFSET_COMMIT_REFUSALS = Counter("choreo_offset_commit_refusals_total",
+                                 "Plain offset commits refused (the group moved on): the batch is read again",
+                                 ["service"])
 TXN_ABORTS = Counter("choreo_transaction_aborts_total", "Aborted transactions (replayed)", ["service"])
 LAG = Gauge("choreo_consumer_lag", "Consumer lag per partition", ["service", "topic", "partition"])
 

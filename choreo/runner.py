@@ -413,7 +413,7 @@ class Runner:
                     raise
                 self.log.warning("transaction.commit_retry", error=str(err), attempt=attempt)
 
-    def _commit_plain(self, batch: list[Message]) -> None:
+    def _commit_plain(self, batch: list[Message], attempts: int = 3) -> None:
         """A batch that wrote no record (a subscriber's, the supervisor's reading of an
         outcome) has nothing to commit atomically with its offsets: its Redis work is done,
         and a replay of it is harmless. Its empty transaction ends without a broker request
@@ -421,10 +421,29 @@ class Runner:
         group's generation fences (the transactional one also by the producer's epoch: a
         zombie commits only offsets of work it finished, harmless). The coordinator keeps the
         newer of the two kinds by their place in its log, so the previous batch's
-        transactional offsets, materialised after this commit, do not overwrite it."""
+        transactional offsets, materialised after this commit, do not overwrite it.
+
+        A retriable failure (a timeout: outcome unknown) is tried again, as ``_commit`` does;
+        a refusal (the group rebalanced) rewinds the batch. No transaction is open by then,
+        so neither is an abort."""
         self.producer.commit_transaction(30)
-        self.consumer.commit(offsets=_next_offsets(batch), asynchronous=False)
-        metrics.child(metrics.OFFSET_COMMITS, self.service.name, "plain").inc()
+        offsets = _next_offsets(batch)
+        for attempt in range(1, attempts + 1):
+            try:
+                self.consumer.commit(offsets=offsets, asynchronous=False)
+                metrics.child(metrics.OFFSET_COMMITS, self.service.name, "plain").inc()
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.fatal():
+                    raise SystemExit(f"{self.service.name}: fatal Kafka error: {err}") from exc
+                if err.retriable() and attempt < attempts:
+                    self.log.warning("offsets.commit_retry", error=str(err), attempt=attempt)
+                    continue
+                self.log.warning("offsets.commit_refused", error=str(err), retriable=err.retriable())
+                metrics.child(metrics.OFFSET_COMMIT_REFUSALS, self.service.name).inc()
+                self._rewind(batch)
+                return
 
     def _tick(self, periodic: Periodic) -> None:
         """One run of a periodic task, its output in one transaction (no input offsets)."""
@@ -454,6 +473,10 @@ class Runner:
         except KafkaException as exc:
             if exc.args[0].fatal():
                 raise SystemExit(f"{self.service.name}: fatal Kafka error: {exc}") from exc
+        self._rewind(batch)
+
+    def _rewind(self, batch: list[Message]) -> None:
+        """Seek back to the batch's first offsets on the partitions still assigned here."""
         assigned = {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
         for tp in _first_offsets(batch):
             if (tp.topic, tp.partition) in assigned:

@@ -1,6 +1,6 @@
 """How a batch's offsets are committed (``Runner._process``), with Kafka's clients faked: in
-the transaction when the batch wrote a record, plainly when it wrote none, and a refused
-plain commit rewinds the batch like an aborted transaction."""
+the transaction when the batch wrote a record, plainly when it wrote none; a plain commit that timed out is tried again, and a refused one
+rewinds the batch without counting an aborted transaction."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from prometheus_client import REGISTRY
 
+from choreo import metrics
 from choreo.runner import Runner
 
 
@@ -42,15 +44,20 @@ class _Producer:
 
 
 class _Consumer:
-    def __init__(self, refusal: int | None) -> None:
-        self.refusal = refusal
+    """Answers its plain commits with ``errors`` in turn (``None``: accepted), then accepts."""
+
+    def __init__(self, *errors: KafkaError | None) -> None:
+        self.errors = list(errors)
+        self.tries = 0
         self.commits: list[list[tuple[str, int, int]]] = []
         self.seeks: list[tuple[str, int, int]] = []
 
     def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
         assert asynchronous is False
-        if self.refusal is not None:
-            raise KafkaException(KafkaError(self.refusal))
+        self.tries += 1
+        error = self.errors.pop(0) if self.errors else None
+        if error is not None:
+            raise KafkaException(error)
         self.commits.append([(tp.topic, tp.partition, tp.offset) for tp in offsets])
 
     def consumer_group_metadata(self) -> str:
@@ -80,9 +87,18 @@ class _Message:
         return []
 
 
+SERVICE = "commit-test"
+
+
+def _count(metric: Any, *labels: str) -> float:
+    """The counter's value for ``labels`` now (0 before its first count)."""
+    names = dict(zip(metric._labelnames, labels))
+    return REGISTRY.get_sample_value(f"{metric._name}_total", names) or 0.0
+
+
 def _runner(producer: _Producer, consumer: _Consumer) -> Any:
     runner: Any = object.__new__(Runner)
-    runner.service = SimpleNamespace(name="svc")
+    runner.service = SimpleNamespace(name=SERVICE)
     runner.log = SimpleNamespace(warning=lambda *a, **k: None, info=lambda *a, **k: None)
     runner._dead_lettered = set()
     runner.state = SimpleNamespace(note_dead_letters=lambda ids: None)
@@ -96,7 +112,7 @@ def _runner(producer: _Producer, consumer: _Consumer) -> Any:
 
 @pytest.mark.parametrize("writes", [True, False])
 def test_the_offsets_go_in_the_transaction_only_when_the_batch_wrote_a_record(writes: bool) -> None:
-    producer, consumer = _Producer(writes), _Consumer(None)
+    producer, consumer = _Producer(writes), _Consumer()
     _runner(producer, consumer)._process([_Message(5), _Message(6)])
     if writes:
         assert producer.calls == ["begin", "send_offsets [('t', 0, 7)]", "commit"]
@@ -110,10 +126,32 @@ def test_the_offsets_go_in_the_transaction_only_when_the_batch_wrote_a_record(wr
 @pytest.mark.parametrize("refusal", [KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION,
                                      KafkaError.UNKNOWN_MEMBER_ID])
 def test_a_refused_plain_commit_rewinds_the_batch_and_leaves_the_producer_ready(refusal: int) -> None:
-    producer, consumer = _Producer(False), _Consumer(refusal)
+    producer, consumer = _Producer(False), _Consumer(KafkaError(refusal))
     runner = _runner(producer, consumer)
+    aborts, refusals = _count(metrics.TXN_ABORTS, SERVICE), _count(metrics.OFFSET_COMMIT_REFUSALS, SERVICE)
     runner._process([_Message(5), _Message(6)])
     assert consumer.seeks == [("t", 0, 5)]  # read again, here or by the partition's new owner
     assert consumer.commits == [] and not producer.open
+    # no transaction was open to abort: the refusal is counted as what it is
+    assert _count(metrics.TXN_ABORTS, SERVICE) == aborts
+    assert _count(metrics.OFFSET_COMMIT_REFUSALS, SERVICE) == refusals + 1
     runner._process([_Message(5), _Message(6)])  # the next batch begins a transaction as usual
     assert producer.calls == ["begin", "commit", "begin", "commit"]
+
+
+def test_a_plain_commit_that_timed_out_is_tried_again() -> None:
+    timed_out = KafkaError(KafkaError.REQUEST_TIMED_OUT, retriable=True)
+    producer, consumer = _Producer(False), _Consumer(timed_out)
+    plain = _count(metrics.OFFSET_COMMITS, SERVICE, "plain")
+    _runner(producer, consumer)._process([_Message(5), _Message(6)])
+    assert consumer.tries == 2 and consumer.commits == [[("t", 0, 7)]]
+    assert consumer.seeks == []
+    assert _count(metrics.OFFSET_COMMITS, SERVICE, "plain") == plain + 1
+
+
+def test_a_plain_commit_that_keeps_timing_out_rewinds_the_batch() -> None:
+    timed_out = KafkaError(KafkaError.REQUEST_TIMED_OUT, retriable=True)
+    producer, consumer = _Producer(False), _Consumer(timed_out, timed_out, timed_out)
+    _runner(producer, consumer)._process([_Message(5), _Message(6)])
+    assert consumer.tries == 3 and consumer.commits == []
+    assert consumer.seeks == [("t", 0, 5)]
