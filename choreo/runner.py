@@ -375,7 +375,8 @@ class Runner:
                 metrics.child(metrics.OFFSET_COMMITS, self.service.name, "transaction").inc()
             else:
                 clock.lap("offsets")  # none sent apart: the plain commit carries them
-                self._commit_plain(batch)
+                if not self._commit_plain(batch):
+                    return  # read again: not a batch done
             clock.lap("commit")
             metrics.BATCH_SIZE.labels(self.service.name).observe(len(batch))
         except TRANSIENT as exc:
@@ -413,7 +414,7 @@ class Runner:
                     raise
                 self.log.warning("transaction.commit_retry", error=str(err), attempt=attempt)
 
-    def _commit_plain(self, batch: list[Message], attempts: int = 3) -> None:
+    def _commit_plain(self, batch: list[Message]) -> bool:
         """A batch that wrote no record (a subscriber's, the supervisor's reading of an
         outcome) has nothing to commit atomically with its offsets: its Redis work is done,
         and a replay of it is harmless. Its empty transaction ends without a broker request
@@ -423,27 +424,23 @@ class Runner:
         newer of the two kinds by their place in its log, so the previous batch's
         transactional offsets, materialised after this commit, do not overwrite it.
 
-        A retriable failure (a timeout: outcome unknown) is tried again, as ``_commit`` does;
-        a refusal (the group rebalanced) rewinds the batch. No transaction is open by then,
-        so neither is an abort."""
+        librdkafka itself retries a commit that timed out or found no coordinator; what fails
+        here is refused (the group rebalanced) or outlasted those retries, and the batch is
+        read again. No transaction is open by then, so nothing is aborted. Returns whether
+        the offsets were committed."""
         self.producer.commit_transaction(30)
-        offsets = _next_offsets(batch)
-        for attempt in range(1, attempts + 1):
-            try:
-                self.consumer.commit(offsets=offsets, asynchronous=False)
-                metrics.child(metrics.OFFSET_COMMITS, self.service.name, "plain").inc()
-                return
-            except KafkaException as exc:
-                err = exc.args[0]
-                if err.fatal():
-                    raise SystemExit(f"{self.service.name}: fatal Kafka error: {err}") from exc
-                if err.retriable() and attempt < attempts:
-                    self.log.warning("offsets.commit_retry", error=str(err), attempt=attempt)
-                    continue
-                self.log.warning("offsets.commit_refused", error=str(err), retriable=err.retriable())
-                metrics.child(metrics.OFFSET_COMMIT_REFUSALS, self.service.name).inc()
-                self._rewind(batch)
-                return
+        try:
+            self.consumer.commit(offsets=_next_offsets(batch), asynchronous=False)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if err.fatal() or err.code() == KafkaError._FATAL:  # the consumer's errors carry no flag
+                raise SystemExit(f"{self.service.name}: fatal Kafka error: {err}") from exc
+            self.log.warning("offsets.commit_refused", error=str(err), code=err.name())
+            metrics.child(metrics.OFFSET_COMMIT_REFUSALS, self.service.name).inc()
+            self._rewind(batch)
+            return False
+        metrics.child(metrics.OFFSET_COMMITS, self.service.name, "plain").inc()
+        return True
 
     def _tick(self, periodic: Periodic) -> None:
         """One run of a periodic task, its output in one transaction (no input offsets)."""

@@ -141,10 +141,10 @@ def replay_cmd(
     for warning in result.warnings:
         err.print(f"[yellow]warning:[/] {warning}")
     table = Table("records in range", "handled (new to the service)", "skipped (already handled)",
-                  "skipped (delivery released)", "aborted batches", "seconds",
+                  "skipped (delivery released)", "batches read again", "seconds",
                   title=f"replay into {result.service} (group {result.group})")
     table.add_row(str(result.records), str(result.handled), str(result.duplicates), str(result.released),
-                  str(result.aborted_batches), f"{result.seconds:.2f}")
+                  str(result.rewound_batches), f"{result.seconds:.2f}")
     out.print(table)
 
 

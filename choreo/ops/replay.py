@@ -82,7 +82,7 @@ class ReplayResult:
     handled: int = 0
     duplicates: int = 0
     released: int = 0  # events of deliveries already finished and released (choreo.release)
-    aborted_batches: int = 0
+    rewound_batches: int = 0  # read again: their transaction aborted, or their commit was refused
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
 
@@ -107,7 +107,7 @@ class ReplayRunner(Runner):
         self.fresh_count = 0
         self.duplicate_count = 0
         self.released_count = 0
-        self.aborts = 0
+        self.rewinds = 0
 
     def _dedupe_position(self, message: Message) -> str:
         """A replay position: an event the live service handled is a copy here."""
@@ -129,9 +129,9 @@ class ReplayRunner(Runner):
         self.fresh_count += len(verdicts) - duplicates - released
         return verdicts, answers
 
-    def _abort(self, batch: list[Message]) -> None:
-        self.aborts += 1
-        super()._abort(batch)
+    def _rewind(self, batch: list[Message]) -> None:
+        self.rewinds += 1
+        super()._rewind(batch)
 
     def replay(self, spans: list[Span], progress: Callable[[int], None] | None = None,
                idle_timeout_s: float = 60.0) -> int:
@@ -151,9 +151,9 @@ class ReplayRunner(Runner):
                 keep = [m for m in batch if (s := todo.get((m.topic() or "", m.partition() or 0)))
                         and (m.offset() or 0) < s.end]
                 if keep:
-                    aborts = self.aborts
+                    rewinds = self.rewinds
                     self._process(keep)
-                    if self.aborts == aborts:
+                    if self.rewinds == rewinds:
                         done += len(keep)
                         if progress is not None:
                             progress(len(keep))
@@ -198,7 +198,7 @@ def replay_into_service(service: Service, spec: RangeSpec, *, group: str | None 
     runner.replay(spans, progress)
     result.handled, result.duplicates = runner.fresh_count, runner.duplicate_count
     result.released = runner.released_count
-    result.aborted_batches = runner.aborts
+    result.rewound_batches = runner.rewinds
     result.seconds = time.perf_counter() - started
     return result
 

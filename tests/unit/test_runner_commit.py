@@ -1,6 +1,7 @@
 """How a batch's offsets are committed (``Runner._process``), with Kafka's clients faked: in
-the transaction when the batch wrote a record, plainly when it wrote none; a plain commit that timed out is tried again, and a refused one
-rewinds the batch without counting an aborted transaction."""
+the transaction when the batch wrote a record, plainly when it wrote none; a plain commit that fails rewinds the batch without counting an
+aborted transaction (the consumer's errors carry no retriable flag: librdkafka retried
+already)."""
 
 from __future__ import annotations
 
@@ -90,10 +91,19 @@ class _Message:
 SERVICE = "commit-test"
 
 
-def _count(metric: Any, *labels: str) -> float:
-    """The counter's value for ``labels`` now (0 before its first count)."""
-    names = dict(zip(metric._labelnames, labels))
-    return REGISTRY.get_sample_value(f"{metric._name}_total", names) or 0.0
+def _sample(name: str, **labels: str) -> float:
+    """A sample's value now; its child must exist (``_touch``), so a misspelt name fails."""
+    value = REGISTRY.get_sample_value(name, labels)
+    assert value is not None, f"no sample {name} {labels}"
+    return value
+
+
+def _touch() -> None:
+    """Create the children the tests read, so each reads 0 before its first count."""
+    metrics.child(metrics.TXN_ABORTS, SERVICE)
+    metrics.child(metrics.OFFSET_COMMIT_REFUSALS, SERVICE)
+    metrics.child(metrics.OFFSET_COMMITS, SERVICE, "plain")
+    metrics.child(metrics.BATCH_SIZE, SERVICE)
 
 
 def _runner(producer: _Producer, consumer: _Consumer) -> Any:
@@ -124,34 +134,33 @@ def test_the_offsets_go_in_the_transaction_only_when_the_batch_wrote_a_record(wr
 
 
 @pytest.mark.parametrize("refusal", [KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION,
-                                     KafkaError.UNKNOWN_MEMBER_ID])
+                                     KafkaError.UNKNOWN_MEMBER_ID, KafkaError.REQUEST_TIMED_OUT])
 def test_a_refused_plain_commit_rewinds_the_batch_and_leaves_the_producer_ready(refusal: int) -> None:
     producer, consumer = _Producer(False), _Consumer(KafkaError(refusal))
     runner = _runner(producer, consumer)
-    aborts, refusals = _count(metrics.TXN_ABORTS, SERVICE), _count(metrics.OFFSET_COMMIT_REFUSALS, SERVICE)
+    _touch()
+    aborts = _sample("choreo_transaction_aborts_total", service=SERVICE)
+    refusals = _sample("choreo_offset_commit_refusals_total", service=SERVICE)
+    plain = _sample("choreo_offset_commits_total", service=SERVICE, how="plain")
+    batches = _sample("choreo_batch_size_count", service=SERVICE)
     runner._process([_Message(5), _Message(6)])
+    assert consumer.tries == 1  # librdkafka retried what it could: no second try here
     assert consumer.seeks == [("t", 0, 5)]  # read again, here or by the partition's new owner
     assert consumer.commits == [] and not producer.open
-    # no transaction was open to abort: the refusal is counted as what it is
-    assert _count(metrics.TXN_ABORTS, SERVICE) == aborts
-    assert _count(metrics.OFFSET_COMMIT_REFUSALS, SERVICE) == refusals + 1
+    # no transaction was open to abort, and the batch is not done: counted as what it is
+    assert _sample("choreo_transaction_aborts_total", service=SERVICE) == aborts
+    assert _sample("choreo_offset_commit_refusals_total", service=SERVICE) == refusals + 1
+    assert _sample("choreo_offset_commits_total", service=SERVICE, how="plain") == plain
+    assert _sample("choreo_batch_size_count", service=SERVICE) == batches
     runner._process([_Message(5), _Message(6)])  # the next batch begins a transaction as usual
     assert producer.calls == ["begin", "commit", "begin", "commit"]
+    assert consumer.commits == [[("t", 0, 7)]]
+    assert _sample("choreo_offset_commits_total", service=SERVICE, how="plain") == plain + 1
+    assert _sample("choreo_batch_size_count", service=SERVICE) == batches + 1
 
 
-def test_a_plain_commit_that_timed_out_is_tried_again() -> None:
-    timed_out = KafkaError(KafkaError.REQUEST_TIMED_OUT, retriable=True)
-    producer, consumer = _Producer(False), _Consumer(timed_out)
-    plain = _count(metrics.OFFSET_COMMITS, SERVICE, "plain")
-    _runner(producer, consumer)._process([_Message(5), _Message(6)])
-    assert consumer.tries == 2 and consumer.commits == [[("t", 0, 7)]]
+def test_a_fatal_consumer_error_on_a_plain_commit_stops_the_service() -> None:
+    producer, consumer = _Producer(False), _Consumer(KafkaError(KafkaError._FATAL))
+    with pytest.raises(SystemExit, match="fatal Kafka error"):
+        _runner(producer, consumer)._process([_Message(5), _Message(6)])
     assert consumer.seeks == []
-    assert _count(metrics.OFFSET_COMMITS, SERVICE, "plain") == plain + 1
-
-
-def test_a_plain_commit_that_keeps_timing_out_rewinds_the_batch() -> None:
-    timed_out = KafkaError(KafkaError.REQUEST_TIMED_OUT, retriable=True)
-    producer, consumer = _Producer(False), _Consumer(timed_out, timed_out, timed_out)
-    _runner(producer, consumer)._process([_Message(5), _Message(6)])
-    assert consumer.tries == 3 and consumer.commits == []
-    assert consumer.seeks == [("t", 0, 5)]
