@@ -16,10 +16,11 @@ per repeat:
 2. **ceiling, transactional** and 3. **ceiling, plain**: the same happy path
    (``bench.common.HAPPY_PATH``: the same consume→produce hops, topics of the same partition
    count, records of the same sizes, the runtime's client settings, one process per
-   stage) with confluent-kafka and no logic, through the same broker;
+   stage) with confluent-kafka and no logic, through the same broker, with
+   ``--ceiling-scale`` times the deliveries (a short ceiling run measures its own start);
 4. **ceiling, throughput-tuned**: the same no-logic transactional chain tuned for
    throughput (``bench.ceiling``: batches as large as the consumer hands over), with
-   ``TUNED_SCALE`` times the deliveries: the best this machine's Kafka does, the yardstick
+   ``--tuned-scale`` times the deliveries: the best this machine's Kafka does, the yardstick
    of the ``ratio_tuned`` target.
 
 Before any of it, a warm-up: rounds of every one of these paths, on ``--warmup`` deliveries
@@ -92,7 +93,12 @@ TARGETS = {"ratio_tuned": 0.35, "p50_ms_at_100": 100.0, "p99_ms_at_100": 250.0,
            "p99_ms_at_half_capacity": 500.0, "rss_mb_per_service": 150.0,
            "redis_bytes_per_inflight": 1024.0, "redis_bytes_retained_per_completed": 150.0,
            "redis_script_items_per_delivery": 10.0}
-TUNED_SCALE = 5  # the tuned chain runs this many times the deliveries (it is that much faster)
+# The ceilings run this many times the pipeline's deliveries. A no-logic chain drains a burst
+# of the pipeline's size in under a second, most of it the time to fill and drain its hops,
+# and its rate then grew with the run's size (bench/README.md, "A ceiling too short measures
+# its own start"); at these sizes each runs for seconds, as the pipeline does.
+CEILING_SCALE = 16
+TUNED_SCALE = 80
 HALF = "half"  # the open-loop run at half of the measured capacity
 
 
@@ -969,6 +975,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "rates": args.rates, "warm_jit_pct": args.warm_jit_pct,
                    "warm_max_seconds": args.warm_max_seconds,
                    "open_seconds": args.open_seconds, "partitions": args.partitions,
+                   "ceiling_scale": args.ceiling_scale, "tuned_scale": args.tuned_scale,
                    "instances_per_service": args.instances, "drivers": args.drivers, "log_level": args.log_level,
                    "stack": "private (own Kafka, Redis, registry on free ports)",
                    "redis": "a Redis Cluster of 3 masters and 3 replicas" if args.redis_cluster else "one node",
@@ -990,9 +997,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runs: list[dict[str, Any]] = []
         for r in range(args.repeats):
             pipeline = bench.pipeline_run(args.deliveries, 0, f"closed-{r}")
-            txn = bench.ceiling_run(args.deliveries, True, f"txn-{r}")
-            plain = bench.ceiling_run(args.deliveries, False, f"plain-{r}")
-            tuned = bench.ceiling_run(args.deliveries * TUNED_SCALE, True, f"tuned-{r}", tuned=True)
+            txn = bench.ceiling_run(args.deliveries * args.ceiling_scale, True, f"txn-{r}")
+            plain = bench.ceiling_run(args.deliveries * args.ceiling_scale, False, f"plain-{r}")
+            tuned = bench.ceiling_run(args.deliveries * args.tuned_scale, True, f"tuned-{r}", tuned=True)
             runs.append({
                 "repeat": r, "pipeline": pipeline, "ceiling_transactional": txn, "ceiling_plain": plain,
                 "ceiling_tuned": tuned,
@@ -1112,6 +1119,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                               "measured capacity, which always runs)")
     parser.add_argument("--open-seconds", type=float, default=2.0, help="length of each open-loop run")
     parser.add_argument("--partitions", type=int, default=6)
+    parser.add_argument("--ceiling-scale", type=int, default=CEILING_SCALE,
+                        help="the like-for-like ceilings run this many times --deliveries")
+    parser.add_argument("--tuned-scale", type=int, default=TUNED_SCALE,
+                        help="the throughput-tuned ceiling runs this many times --deliveries")
     parser.add_argument("--redis-cluster", action="store_true",
                         help="Redis as a Redis Cluster of three masters with a replica each")
     parser.add_argument("--instances", type=int, default=1, help="processes per service")

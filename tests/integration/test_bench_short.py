@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from bench.pipeline import CEILING_SCALE, TUNED_SCALE
 from choreo.config import REPO_ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -45,9 +46,13 @@ def test_the_benchmark_measures_every_figure_on_its_own_stack(tmp_path: Path) ->
     closed = result["runs"][0]["pipeline"]
     assert closed["accepted"] == closed["terminal"] == 200
     assert closed["lost_or_stuck"] == 0 and closed["more_than_one_outcome"] == 0
-    assert result["runs"][0]["ceiling_transactional"]["events_per_s"] > 0
+    # the ceilings run at their scales (a short ceiling measures its own start)
+    assert result["config"]["ceiling_scale"] == CEILING_SCALE and result["config"]["tuned_scale"] == TUNED_SCALE
+    for name in ("ceiling_transactional", "ceiling_plain"):
+        ceiling = result["runs"][0][name]
+        assert ceiling["terminal"] == 200 * CEILING_SCALE and ceiling["events_per_s"] > 0
     tuned = result["runs"][0]["ceiling_tuned"]
-    assert tuned["mode"] == "transactional, throughput-tuned" and tuned["terminal"] == 200 * 5
+    assert tuned["mode"] == "transactional, throughput-tuned" and tuned["terminal"] == 200 * TUNED_SCALE
     assert summary["ratio_tuned"] == round(closed["events_per_s"] / tuned["events_per_s"], 3) > 0
     # the broker's CPU, split by thread group: request handling apart from its JIT compiler
     broker_threads = closed["processes"]["kafka"]["cpu_s_by_thread"]
