@@ -388,10 +388,8 @@ class Runner:
             self._abort(batch)
             time.sleep(0.5 + random.random())
         except KafkaException as exc:
+            self._stop_if_fatal(exc)
             err = exc.args[0]
-            if err.fatal():
-                self.log.error("transaction.fatal", error=str(err))
-                raise SystemExit(f"{self.service.name}: fatal Kafka error: {err}") from exc
             self.log.warning("transaction.abort", error=str(err),
                              retriable=err.retriable(), abortable=err.txn_requires_abort())
             self._abort(batch)
@@ -432,9 +430,8 @@ class Runner:
         try:
             self.consumer.commit(offsets=_next_offsets(batch), asynchronous=False)
         except KafkaException as exc:
+            self._stop_if_fatal(exc)
             err = exc.args[0]
-            if err.fatal() or err.code() == KafkaError._FATAL:  # the consumer's errors carry no flag
-                raise SystemExit(f"{self.service.name}: fatal Kafka error: {err}") from exc
             self.log.warning("offsets.commit_refused", error=str(err), code=err.name())
             metrics.child(metrics.OFFSET_COMMIT_REFUSALS, self.service.name).inc()
             self._rewind(batch)
@@ -458,8 +455,7 @@ class Runner:
             self.log.warning("tick.transient", error=str(exc))
             self._abort([])
         except KafkaException as exc:
-            if exc.args[0].fatal():
-                raise SystemExit(f"{self.service.name}: fatal Kafka error: {exc}") from exc
+            self._stop_if_fatal(exc)
             self.log.warning("tick.abort", error=str(exc))
             self._abort([])
 
@@ -468,9 +464,17 @@ class Runner:
         try:
             self.producer.abort_transaction(30)
         except KafkaException as exc:
-            if exc.args[0].fatal():
-                raise SystemExit(f"{self.service.name}: fatal Kafka error: {exc}") from exc
+            self._stop_if_fatal(exc)
         self._rewind(batch)
+
+    def _stop_if_fatal(self, exc: KafkaException) -> None:
+        """A fatal error (a producer fenced by a newer epoch, a consumer fenced by its group)
+        ends the process: only a new instance can go on. The consumer's errors carry no fatal
+        flag, only the code."""
+        err = exc.args[0]
+        if err.fatal() or err.code() == KafkaError._FATAL:
+            self.log.error("kafka.fatal", error=str(err))
+            raise SystemExit(f"{self.service.name}: fatal Kafka error: {err}") from exc
 
     def _rewind(self, batch: list[Message]) -> None:
         """Seek back to the batch's first offsets on the partitions still assigned here."""

@@ -1,7 +1,7 @@
 """How a batch's offsets are committed (``Runner._process``), with Kafka's clients faked: in
-the transaction when the batch wrote a record, plainly when it wrote none; a plain commit that fails rewinds the batch without counting an
-aborted transaction (the consumer's errors carry no retriable flag: librdkafka retried
-already)."""
+the transaction when the batch wrote a record, plainly when it wrote none; a plain commit
+that fails rewinds the batch without counting an aborted transaction (the consumer's errors
+carry no retriable flag: librdkafka retried already)."""
 
 from __future__ import annotations
 
@@ -45,10 +45,10 @@ class _Producer:
 
 
 class _Consumer:
-    """Answers its plain commits with ``errors`` in turn (``None``: accepted), then accepts."""
+    """Refuses its first plain commit with ``error``, if given, then accepts."""
 
-    def __init__(self, *errors: KafkaError | None) -> None:
-        self.errors = list(errors)
+    def __init__(self, error: KafkaError | None = None) -> None:
+        self.error = error
         self.tries = 0
         self.commits: list[list[tuple[str, int, int]]] = []
         self.seeks: list[tuple[str, int, int]] = []
@@ -56,7 +56,7 @@ class _Consumer:
     def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
         assert asynchronous is False
         self.tries += 1
-        error = self.errors.pop(0) if self.errors else None
+        error, self.error = self.error, None
         if error is not None:
             raise KafkaException(error)
         self.commits.append([(tp.topic, tp.partition, tp.offset) for tp in offsets])
@@ -109,7 +109,8 @@ def _touch() -> None:
 def _runner(producer: _Producer, consumer: _Consumer) -> Any:
     runner: Any = object.__new__(Runner)
     runner.service = SimpleNamespace(name=SERVICE)
-    runner.log = SimpleNamespace(warning=lambda *a, **k: None, info=lambda *a, **k: None)
+    runner.log = SimpleNamespace(warning=lambda *a, **k: None, info=lambda *a, **k: None,
+                                 error=lambda *a, **k: None)
     runner._dead_lettered = set()
     runner.state = SimpleNamespace(note_dead_letters=lambda ids: None)
     runner._prepare = lambda message, envelope: None
