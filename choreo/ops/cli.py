@@ -179,6 +179,7 @@ def rebuild_cmd(
                  "released_skipped", "awaiting_release"):
         table.add_row(name.replace("_", " "), str(getattr(report, name)))
     out.print(table)
+    out.print("seconds: " + ", ".join(f"{phase} {s:.1f}" for phase, s in report.phase_seconds.items()))
     for conflict in report.booking_conflicts:
         err.print(f"[red]booking conflict:[/] {conflict}")
     if report.booking_conflicts:

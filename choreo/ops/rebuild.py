@@ -56,7 +56,8 @@ key is missing makes the procedure safe with the services running.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +139,9 @@ class RebuildReport:
     released_skipped: int = 0  # released deliveries (choreo.release): their tombstone is left alone
     awaiting_release: int = 0  # successful deliveries handed back to the release
     seconds: float = 0.0
+    # where the time went (the pipeline waits for the rebuild): waiting for transactions in
+    # doubt, reading the topics, and each kind of write
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -322,15 +326,16 @@ class Rebuilder:
 
     def write(self, report: RebuildReport) -> None:
         report.deliveries = len(self.facts)
-        self.released = self._released()
+        with _timed(report, "released"):
+            self.released = self._released()
         report.released_skipped = len(self.released)
-        report.pool_members = sum(pool.grow(self.client) for pool in self.pools.values())
-        self._write_joins(report)
-        self._write_steps(report)
-        self._write_holds(report)
-        self._write_records(report)
-        self._write_seen(report)
-        self._write_awaiting_release(report)
+        with _timed(report, "pools"):
+            report.pool_members = sum(pool.grow(self.client) for pool in self.pools.values())
+        for name, part in (("joins", self._write_joins), ("steps", self._write_steps),
+                           ("holds", self._write_holds), ("records", self._write_records),
+                           ("seen", self._write_seen), ("awaiting_release", self._write_awaiting_release)):
+            with _timed(report, name):
+                part(report)
         self.client.set(READY_KEY, now_ms())
 
     def _released(self) -> set[str]:
@@ -457,6 +462,15 @@ class Rebuilder:
         pipe.execute()
 
 
+@contextmanager
+def _timed(report: RebuildReport, phase: str) -> Iterator[None]:
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        report.phase_seconds[phase] = round(time.perf_counter() - started, 3)
+
+
 def _event(model: type[Event], body: dict[str, Any]) -> Event | None:
     """The event a decoded body holds, or ``None`` when it is not one (a foreign writer)."""
     try:
@@ -501,8 +515,10 @@ def rebuild(workflow: Workflow, *, since_ms: int | None = None,
     report = RebuildReport(since_ms=since)
     # a service killed mid-transaction leaves it open until it times out: read only once
     # everything in doubt has committed or aborted, or its effects would be missed
-    wait_transactions_settled(90)
-    report.records_read = rebuilder.collect(since, progress_total, progress)
+    with _timed(report, "settle"):
+        wait_transactions_settled(90)
+    with _timed(report, "read"):
+        report.records_read = rebuilder.collect(since, progress_total, progress)
     rebuilder.write(report)
     report.seconds = time.perf_counter() - started
     return report

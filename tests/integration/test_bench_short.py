@@ -150,3 +150,19 @@ def test_the_transaction_benchmark_times_both_hops_and_writes_every_record(tmp_p
                 assert phases["hop"]["p50_ms"] >= phases["offsets"]["p50_ms"] > 0
     for gap in summary["by_gap_ms"].values():
         assert gap["ratio"] == round(gap["plain_hop_ms"] / gap["transactional_hop_ms"], 3) > 0
+
+
+def test_the_rebuild_benchmark_restores_every_delivery_on_both_sides(tmp_path: Path) -> None:
+    summary, result = run_benchmark(
+        "bench.rebuild", "--deliveries", "200", "--rounds", "1", "--commit", "HEAD",
+        out=tmp_path / "rebuild.json")
+    assert summary == result["summary"]
+    assert summary["filled"] == summary["deliveries"] == summary["outcomes"] == 200
+    for side in ("current", "baseline"):
+        (report,) = result["reports"][side]
+        assert report["records_read"] == summary["records"] > 200 and report["outcomes"] == 200
+        (keys,) = result["keyspace"][side]
+        assert keys["dl"]["keys"] == keys["seen"]["keys"] == 200
+    assert summary["same_keyspace"] is True
+    assert summary["records"] == result["plain_read"]["records"] >= result["plain_read"]["messages"] > 200
+    assert summary["current_over_baseline"] > 0 and 0 < summary["current_over_plain_read"]

@@ -1,0 +1,186 @@
+"""How fast ``choreo ops rebuild-state`` restores a lost Redis, beside a plain read of the
+same records and beside a given commit's rebuild, on the same records in one run.
+
+    .venv/bin/python -m bench.rebuild --deliveries 20000 --commit HEAD~1 --rounds 2
+
+After a Redis loss the pipeline waits for the rebuild (RELIABILITY.md), so its rate is the
+outage's length. The benchmark fills a private stack with ``--deliveries`` deliveries through
+the whole pipeline, stops the services, and then, per round: FLUSHALL and the rebuild with
+this tree's code, FLUSHALL and the rebuild with ``--commit``'s code (in ABBA order, each in a
+process of its own, the commit's from a temporary git worktree). The yardstick is one
+plain read of the same topics' records with no decoding: what the machine's Kafka gives one
+reader. Each rebuild's restored keyspace is summarised (keys and hash fields per key kind),
+so a faster rebuild that restores less shows as a difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+from confluent_kafka import Consumer, TopicPartition
+
+from bench.common import load_average, rate, run_header, write_figures
+from bench.pipeline import Bench, Private, add_private_stack_options, log
+from bench.pipeline import parse_args as pipeline_args
+from bench.versus import resolve, worktree
+from choreo.config import REPO_ROOT, settings
+from choreo.ops.rebuild import Rebuilder
+from choreo.ops.records import existing_topics, reader, resolve as spans_of
+from choreo.redis_client import connect
+
+# run in the side's own tree and process: its rebuild, as its CLI would run it, as JSON
+REBUILD = """
+import dataclasses, json, sys
+from choreo.ops.rebuild import rebuild
+from consumers.workflow import WORKFLOW
+report = rebuild(WORKFLOW, since_ms=int(sys.argv[1]), force=True)
+print(json.dumps(dataclasses.asdict(report)))
+"""
+
+
+def rebuild_in(tree: Path, since_ms: int) -> dict[str, Any]:
+    """One rebuild by the code of ``tree``, against the activated private stack."""
+    done = subprocess.run([sys.executable, "-c", REBUILD, str(since_ms)], cwd=tree,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the rebuild in {tree} exited {done.returncode}: {done.stderr[-2000:]}")
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return report
+
+
+def keyspace(client: redis.Redis) -> dict[str, dict[str, int]]:
+    """Keys and hash fields by key kind (the key's name up to its first ``:`` or ``{``)."""
+    keys: Counter[str] = Counter()
+    fields: Counter[str] = Counter()
+    for key in client.scan_iter(count=5000):
+        name = key.decode()
+        kind = name.split("{", 1)[0].split(":", 1)[0]
+        keys[kind] += 1
+        if client.type(key) == b"hash":
+            fields[kind] += int(client.hlen(key))
+    return {kind: {"keys": keys[kind], "hash_fields": fields[kind]} for kind in sorted(keys)}
+
+
+def plain_read(topics: Sequence[str], since_ms: int) -> dict[str, Any]:
+    """Every record of ``topics`` since ``since_ms``, read as the rebuild reads them
+    (``read_committed``, big fetches) and touched for nothing but its value: the ceiling.
+    ``records`` counts offsets, as the rebuild's report does (a transaction's commit marker
+    takes one and is never delivered); ``messages`` the records delivered."""
+    consumer: Consumer = reader()
+    try:
+        spans = [s for t in topics for s in spans_of(consumer, t, since_ms=since_ms)]
+        ends = {(s.topic, s.partition): s.end for s in spans}
+        started = time.perf_counter()
+        consumer.assign([TopicPartition(s.topic, s.partition, s.start) for s in spans])
+        count, size = 0, 0
+        while ends:
+            for message in consumer.consume(5000, 0.2):
+                if message.error() is not None:
+                    continue
+                count += 1
+                size += len(message.value() or b"")
+            for tp in consumer.position([TopicPartition(t, p) for t, p in ends]):
+                if tp.offset >= ends[(tp.topic, tp.partition)]:
+                    del ends[(tp.topic, tp.partition)]
+        seconds = time.perf_counter() - started
+        offsets = sum(s.size for s in spans)
+        return {"records": offsets, "messages": count, "bytes": size, "seconds": round(seconds, 2),
+                "records_per_s": rate(offsets, seconds)}
+    finally:
+        consumer.close()
+
+
+def side_figures(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    rates = [rate(r["records_read"], r["seconds"]) for r in reports]
+    return {"seconds": [round(r["seconds"], 2) for r in reports], "records_per_s": rates,
+            "records_per_s_median": statistics.median(rates)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    private = Private.at(args.stack_dir)
+    private.activate()
+    bench = Bench(pipeline_args(["--out", args.out, "--timeout", "600"]), private)
+    commit = resolve(args.commit)
+    result: dict[str, Any] = {**run_header("bench.rebuild"), "baseline_commit": commit,
+                              "config": {"deliveries": args.deliveries, "rounds": args.rounds}}
+    with tempfile.TemporaryDirectory(prefix="bench-rebuild-") as tmp:
+        base_tree = worktree(commit, Path(tmp) / "baseline")
+        try:
+            bench.start()
+            client = connect(settings().redis_url)
+            since_ms = int(time.time() * 1000) - 1000
+            result["fill"] = {k: v for k, v in bench.pipeline_run(args.deliveries, 0, "fill").items()
+                              if k in ("terminal", "deliveries_per_s", "outcomes")}
+            bench.stop()
+            from consumers.workflow import WORKFLOW
+
+            probe = reader()
+            try:
+                topics = Rebuilder(WORKFLOW, client).topics(existing_topics(probe))
+            finally:
+                probe.close()
+            result["plain_read"] = plain_read(topics, since_ms)
+            log(f"plain read: {result['plain_read']}")
+            reports: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
+            spaces: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
+            for round_ in range(args.rounds):
+                for side in (["current", "baseline"] if round_ % 2 == 0 else ["baseline", "current"]):
+                    client.flushall()
+                    report = rebuild_in(REPO_ROOT if side == "current" else base_tree, since_ms)
+                    reports[side].append(report)
+                    spaces[side].append(keyspace(client))
+                    log(f"round {round_ + 1}: {side} read {report['records_read']} records in "
+                        f"{report['seconds']:.1f} s")
+        finally:
+            bench.stop()
+            private.stop(keep=args.keep_stack)
+            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=REPO_ROOT,
+                           capture_output=True, check=False)
+    result["reports"] = reports
+    result["keyspace"] = spaces
+    result["machine"]["load_average_after"] = load_average()
+    current, baseline = side_figures(reports["current"]), side_figures(reports["baseline"])
+    ceiling = result["plain_read"]["records_per_s"]
+    result["summary"] = {
+        "filled": result["fill"]["terminal"],
+        "records": reports["current"][0]["records_read"],
+        "deliveries": reports["current"][0]["deliveries"],
+        "outcomes": reports["current"][0]["outcomes"],
+        "plain_read_records_per_s": ceiling,
+        "current": current, "baseline": baseline,
+        "current_over_baseline": round(current["records_per_s_median"] / baseline["records_per_s_median"], 2),
+        "current_over_plain_read": round(current["records_per_s_median"] / ceiling, 3),
+        "same_keyspace": spaces["current"][0] == spaces["baseline"][0],
+    }
+    return result
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.rebuild", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--deliveries", "-n", type=int, default=20000, help="deliveries to fill the topics with")
+    parser.add_argument("--commit", default="HEAD", help="the baseline's rebuild: any git revision")
+    parser.add_argument("--rounds", type=int, default=2, help="rebuilds of each side (alternating order)")
+    add_private_stack_options(parser, "rebuild.json")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = run(args)
+    write_figures(Path(args.out), result, result["summary"])
+
+
+if __name__ == "__main__":
+    main()
