@@ -645,10 +645,11 @@ class StateTable:
                status: StepStatus, error: str = "") -> str:
         """``ok``; ``replay`` (already so: a replayed batch); ``stale`` (a newer attempt owns
         the step) or ``ignored`` (closed meanwhile): a late answer, whose outputs must go."""
-        return self._finish_many([(delivery_id, step, attempt, status, error)], now_ms)[0]
+        return self.finish_many([(delivery_id, step, attempt, status, error)], now_ms)[0]
 
-    def _finish_many(self, items: Sequence[tuple[str, str, int, StepStatus, str]],
-                     now_ms: int) -> list[str]:
+    def finish_many(self, items: Sequence[tuple[str, str, int, StepStatus, str]],
+                    now_ms: int) -> list[str]:
+        """``finish`` for many (delivery, step, attempt, status, error) in one round trip."""
         answers = self._finish.run([
             ([delivery_key(delivery_id), deadline_index(delivery_id)],
              [step, attempt, now_ms, status.value, index_member(delivery_id, step), error[:500]])

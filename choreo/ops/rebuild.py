@@ -46,6 +46,10 @@ says it was released (``choreo.release``) is left as it is; a decided delivery's
 state expires as the delivery service's does; a delivery with dead letters gets its
 ``dead_letters`` mark back, so it is not released before a redrive.
 
+The writes go by the chunk (``CHUNK`` items per round trip: each transition for many steps,
+a delivery's fields in one script item): the pipeline waits for the rebuild, and a round trip
+per transition or a command per field made it wait for Redis's round trips, not its work.
+
 **Procedure.** Pause the workflow's services (stop them, or SIGSTOP), run
 ``rebuild-state``, resume them. Between a wipe and the end of the rebuild a running
 service would decide on empty state (a pool with no members, a join with no parts). The
@@ -56,15 +60,16 @@ key is missing makes the procedure safe with the services running.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from confluent_kafka import TopicPartition
 
 from choreo import layout
+from choreo.batch import BatchScript, Item
 from choreo.kafka import wait_transactions_settled
 from choreo.config import settings
 from choreo.dedupe import seen_field, seen_key
@@ -86,6 +91,15 @@ from choreo.workflow import Workflow
 
 READY_KEY = "choreo:state:ready"
 DEFAULT_WINDOW_S = 7 * 24 * 3600
+CHUNK = 5000  # items per round trip: deliveries' steps, merged keys, members of a ZADD
+T = TypeVar("T")
+# KEYS[1] a hash; ARGV: a TTL in seconds (0: none), then field and value pairs, each written
+# only where the field is absent (merge-only): one script item per key, where a command per
+# field and one for the TTL cost the rebuild most of its time
+_MERGE = """
+for i = 2, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+"""
 SHARED = {RECOVERY_TOPIC, CompensationRecord.topic}  # never prefixed
 
 
@@ -210,6 +224,15 @@ class Rebuilder:
         self.records = {record.name: record for s in workflow.services for record in s.records}
         self.pools = {pool.name: pool for s in workflow.services for pool in s.pools}
         self.compensable = set(workflow.compensations())
+        self._merge = BatchScript(client, "rebuild_merge", _MERGE)
+
+    def merge(self, writes: Iterable[tuple[str, Mapping[str, str | int], int]]) -> None:
+        """(key, fields, TTL s or 0) each: the fields written where absent, in one round trip
+        per ``CHUNK`` keys."""
+        items: list[Item] = [([key], [ttl_s, *(x for pair in fields.items() for x in pair)])
+                             for key, fields, ttl_s in writes if fields]
+        for chunk in _chunks(items, CHUNK):
+            self._merge.run(chunk)
 
     def topics(self, present: dict[str, int]) -> list[str]:
         wanted = set(self.handlers) | set(self.canonical)
@@ -348,58 +371,63 @@ class Rebuilder:
 
     def _write_joins(self, report: RebuildReport) -> None:
         retention = max((join.retention_s for join in self.joins.values()), default=0)
-        pipe = self.client.pipeline(transaction=False)
+        writes: list[tuple[str, Mapping[str, str | int], int]] = []
         for delivery, facts in self._unreleased():
-            key = delivery_key(delivery)
+            fields: dict[str, str | int] = {**facts.undo, **fanin_fields(facts.results)}
             if facts.dead_letters:
-                pipe.hsetnx(key, "dead_letters", facts.dead_letters)
-            for name, value in facts.undo.items():
-                pipe.hsetnx(key, name, value)
+                fields["dead_letters"] = facts.dead_letters
             if facts.outcome:
-                pipe.hsetnx(key, "outcome", facts.outcome)
-                # as the join does when it decides: a decided delivery's state goes in time,
-                # rebuilt or not (it stayed forever, for every delivery of the window)
-                pipe.expire(key, retention)
+                fields["outcome"] = facts.outcome
                 report.outcomes += 1
-            fields = fanin_fields(facts.results)
-            for name, value in fields.items():
-                pipe.hsetnx(key, name, value)
             report.fanin_fields += len(facts.results)
-        pipe.execute()
+            # as the join does when it decides: a decided delivery's state goes in time,
+            # rebuilt or not (it stayed forever, for every delivery of the window)
+            writes.append((delivery_key(delivery), fields, retention if facts.outcome else 0))
+        self.merge(writes)
 
     def _write_steps(self, report: RebuildReport) -> None:
         state = StateTable(self.client)
-        items = [(d, t) for d, f in self._unreleased() for t in f.triggers.values()]
-        pipe = self.client.pipeline(transaction=False)
-        for delivery, trigger in items:
-            pipe.hexists(delivery_key(delivery), trigger.step)
-        exists = pipe.execute()
+        triggered = [(d, list(f.triggers.values())) for d, f in self._unreleased() if f.triggers]
         now = now_ms()
-        for (delivery, trigger), known in zip(items, exists):
-            if known:
+        # each transition for a chunk of deliveries' steps in one round trip, in the order a
+        # step goes through them (its own open, begin, finish), as the services' batches do
+        for deliveries in _chunks(triggered, CHUNK):
+            pipe = self.client.pipeline(transaction=False)
+            for delivery, triggers in deliveries:
+                pipe.hmget(delivery_key(delivery), [t.step for t in triggers])
+            chunk = [(delivery, t) for (delivery, triggers), known in zip(deliveries, pipe.execute())
+                     for t, value in zip(triggers, known) if value is None]
+            if not chunk:
                 continue
-            r = trigger.rec
-            complete_by = max(r.timestamp_ms + trigger.deadline_ms, now + self.grace_ms)
             # at the trigger's attempt: a requeue not yet read must not be claimed (and sent)
             # again under the same attempt once the supervisor finds the step past its deadline
-            state.open(delivery, trigger.step, complete_by, now, attempt=trigger.attempt)
-            report.steps += 1
-            if self._consumed.get((trigger.service, r.topic, r.partition), -1) <= r.offset:
-                report.open_steps += 1
+            state.open_many([(delivery, t.step, max(t.rec.timestamp_ms + t.deadline_ms, now + self.grace_ms),
+                              t.attempt) for delivery, t in chunk], now)
+            report.steps += len(chunk)
+            consumed = [(delivery, t) for delivery, t in chunk
+                        if self._consumed.get((t.service, t.rec.topic, t.rec.partition), -1) > t.rec.offset]
+            report.open_steps += len(chunk) - len(consumed)
+            if not consumed:
                 continue
-            state.begin(delivery, trigger.step, trigger.attempt, now, trigger.deadline_ms, 1 << 30,
-                        source=Source(trigger.handler_topic, r.topic, r.partition, r.offset).text())
-            error = self.facts[delivery].reports.get((trigger.step, trigger.attempt), "")
-            if not error and (trigger.service, r.position) in self.dead_lettered:
-                error = "dead-lettered"
-            state.finish(delivery, trigger.step, trigger.attempt, now,
-                         StepStatus.FAILED if error else StepStatus.COMPLETED, error)
+            state.begin_many([(delivery, t.step, t.attempt, now, t.deadline_ms,
+                               Source(t.handler_topic, t.rec.topic, t.rec.partition, t.rec.offset).text())
+                              for delivery, t in consumed], 1 << 30)
+            state.finish_many([(delivery, t.step, t.attempt, *self._ended(delivery, t)) for delivery, t in consumed],
+                              now)
         pipes = NodePipelines(self.client)
         for delivery, facts in self._unreleased():
             for step, status in facts.compensation.items():
                 # the supervisor's log is the record of compensation states
                 state.put(delivery, {f"{step}.status": StepStatus(status).value}, pipes)
         raise_first(pipes.execute())
+
+    def _ended(self, delivery: str, trigger: Trigger) -> tuple[StepStatus, str]:
+        """How a consumed trigger's step ended: failed when its attempt was reported to
+        ``recovery`` or dead-lettered, completed otherwise."""
+        error = self.facts[delivery].reports.get((trigger.step, trigger.attempt), "")
+        if not error and (trigger.service, trigger.rec.position) in self.dead_lettered:
+            error = "dead-lettered"
+        return (StepStatus.FAILED, error) if error else (StepStatus.COMPLETED, "")
 
     def _write_holds(self, report: RebuildReport) -> None:
         for name, pool in self.pools.items():
@@ -421,44 +449,40 @@ class Rebuilder:
                     report.booking_conflicts.append(f"{hold.member} for {delivery}: held by {verdict[9:]}")
 
     def _write_records(self, report: RebuildReport) -> None:
-        pipe = self.client.pipeline(transaction=False)
+        writes: list[tuple[str, Mapping[str, str | int], int]] = []
         for delivery, facts in self.facts.items():
             for name, fields in facts.records.items():
                 record = self.records[name]
                 if record.released_with_delivery and delivery in self.released:
                     continue
-                key = record.key(delivery)
-                for field_name, value in fields.items():
-                    pipe.hsetnx(key, field_name, value)
-                if record.ttl_s:
-                    pipe.expire(key, record.ttl_s)
-                report.service_records += 1
-        pipe.execute()
+                writes.append((record.key(delivery), fields, record.ttl_s or 0))
+        report.service_records += len(writes)
+        self.merge(writes)
 
     def _write_seen(self, report: RebuildReport) -> None:
+        by_delivery: dict[str, dict[str, str | int]] = {}
+        for delivery, name, position in self.seen:
+            if delivery not in self.released:
+                by_delivery.setdefault(delivery, {})[name] = position
+        report.seen_entries = sum(map(len, by_delivery.values()))
         ttl = settings().dedupe_ttl_s
-        for chunk in _chunks(self.seen, 2000):
-            pipe = self.client.pipeline(transaction=False)
-            for delivery, name, position in chunk:
-                if delivery in self.released:
-                    continue
-                pipe.hsetnx(seen_key(delivery), name, position)
-                pipe.expire(seen_key(delivery), ttl)
-            pipe.execute()
-            report.seen_entries += len(chunk)
-
+        self.merge((seen_key(delivery), fields, ttl) for delivery, fields in by_delivery.items())
 
     def _write_awaiting_release(self, report: RebuildReport) -> None:
         """The supervisor's record of each terminal was lost with Redis: without it, a shipped
         delivery's rebuilt state would wait for its TTLs (63,623 deliveries' worth in the chaos
         run, RELIABILITY.md). Recorded again, the supervisor's releaser frees each one as soon as
         its readers are past its terminal, by the same rule as for any other."""
-        pipe = self.client.pipeline(transaction=False)
+        by_key: dict[str, dict[str, int]] = {}
         for delivery, facts in self._unreleased():
             if facts.terminal is not None:
                 topic, partition, offset = facts.terminal
-                pipe.zadd(awaiting_key(topic, partition), {delivery: offset})
+                by_key.setdefault(awaiting_key(topic, partition), {})[delivery] = offset
                 report.awaiting_release += 1
+        pipe = self.client.pipeline(transaction=False)
+        for key, members in by_key.items():
+            for chunk in _chunks(list(members.items()), CHUNK):
+                pipe.zadd(key, dict(chunk))
         pipe.execute()
 
 
@@ -479,7 +503,7 @@ def _event(model: type[Event], body: dict[str, Any]) -> Event | None:
         return None
 
 
-def _chunks(items: list[tuple[str, str, str]], size: int) -> Iterable[list[tuple[str, str, str]]]:
+def _chunks(items: list[T], size: int) -> Iterable[list[T]]:
     for i in range(0, len(items), size):
         yield items[i:i + size]
 
