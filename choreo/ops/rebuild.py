@@ -46,9 +46,9 @@ says it was released (``choreo.release``) is left as it is; a decided delivery's
 state expires as the delivery service's does; a delivery with dead letters gets its
 ``dead_letters`` mark back, so it is not released before a redrive.
 
-The writes go by the chunk (``CHUNK`` items per round trip: each transition for many steps,
-a delivery's fields in one script item): the pipeline waits for the rebuild, and a round trip
-per transition or a command per field made it wait for Redis's round trips, not its work.
+The writes go by the chunk (``WRITE_CHUNK`` items per call: each transition for many steps,
+a key's fields in one script item): the pipeline waits for the rebuild, and a round trip per
+transition or a command per field would make it wait for Redis's round trips, not its work.
 
 **Procedure.** Pause the workflow's services (stop them, or SIGSTOP), run
 ``rebuild-state``, resume them. Between a wipe and the end of the rebuild a running
@@ -59,6 +59,7 @@ key is missing makes the procedure safe with the services running.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -91,11 +92,14 @@ from choreo.workflow import Workflow
 
 READY_KEY = "choreo:state:ready"
 DEFAULT_WINDOW_S = 7 * 24 * 3600
-CHUNK = 5000  # items per round trip: deliveries' steps, merged keys, members of a ZADD
+WRITE_CHUNK = 5000  # items per call: a transition's steps, merged keys, a ZADD's members
+# a key's fields per merge item: an item's arguments are unpacked at once, and Lua refuses
+# 8,000 values or more (a hostile writer can give one delivery that many dedupe entries)
+MERGE_PAIRS = 1000
 T = TypeVar("T")
 # KEYS[1] a hash; ARGV: a TTL in seconds (0: none), then field and value pairs, each written
-# only where the field is absent (merge-only): one script item per key, where a command per
-# field and one for the TTL cost the rebuild most of its time
+# only where the field is absent (merge-only): one script item per key and not a command per
+# field, so the rebuild waits for Redis's work rather than for its round trips
 _MERGE = """
 for i = 2, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
@@ -103,24 +107,31 @@ if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
 SHARED = {RECOVERY_TOPIC, CompensationRecord.topic}  # never prefixed
 
 
-@dataclass
+@dataclass(slots=True)
 class Trigger:
+    """A step's latest trigger: where it lies and when it was written, not the record (the
+    rebuild holds one per step of every delivery of the window until it writes)."""
+
     step: str
     service: str
-    handler_topic: str
-    rec: Rec
+    source: Source
+    timestamp_ms: int
     attempt: int
     deadline_ms: int
     event_id: str = ""
 
+    @property
+    def position(self) -> str:
+        return f"{self.source.topic}|{self.source.partition}|{self.source.offset}"
 
-@dataclass
+
+@dataclass(slots=True)
 class Hold:
     member: str
     since_ms: int  # when this holder's hold was first recorded
 
 
-@dataclass
+@dataclass(slots=True)
 class DeliveryFacts:
     results: dict[str, tuple[int, bool, str]] = field(default_factory=dict)  # part -> (ts, ok, result)
     outcome: str = ""
@@ -224,15 +235,20 @@ class Rebuilder:
         self.records = {record.name: record for s in workflow.services for record in s.records}
         self.pools = {pool.name: pool for s in workflow.services for pool in s.pools}
         self.compensable = set(workflow.compensations())
-        self._merge = BatchScript(client, "rebuild_merge", _MERGE)
+        self._merge_script = BatchScript(client, "rebuild_merge", _MERGE)
 
-    def merge(self, writes: Iterable[tuple[str, Mapping[str, str | int], int]]) -> None:
-        """(key, fields, TTL s or 0) each: the fields written where absent, in one round trip
-        per ``CHUNK`` keys."""
-        items: list[Item] = [([key], [ttl_s, *(x for pair in fields.items() for x in pair)])
-                             for key, fields, ttl_s in writes if fields]
-        for chunk in _chunks(items, CHUNK):
-            self._merge.run(chunk)
+    def merge_fields(self, writes: Iterable[tuple[str, Mapping[str, str | int], int]]) -> None:
+        """(key, fields, TTL s or 0) each: the fields written where absent and the TTL set
+        (also on a key with no field to write, as an EXPIRE would), ``WRITE_CHUNK`` items per
+        call."""
+        items: list[Item] = []
+        for key, fields, ttl_s in writes:
+            pairs = [x for pair in fields.items() for x in pair]
+            if pairs or ttl_s:
+                items += [([key], [ttl_s, *pairs[i:i + 2 * MERGE_PAIRS]])
+                          for i in range(0, max(1, len(pairs)), 2 * MERGE_PAIRS)]
+        for chunk in _chunks(items, WRITE_CHUNK):
+            self._merge_script.run(chunk)
 
     def topics(self, present: dict[str, int]) -> list[str]:
         wanted = set(self.handlers) | set(self.canonical)
@@ -307,8 +323,9 @@ class Rebuilder:
             latest = facts.triggers.get(step)
             if latest is not None and (latest.event_id, latest.attempt) == (env.event_id, env.attempt):
                 continue  # a copy of the trigger already kept (the dedupe skips it): not a new try
-            if latest is None or (env.attempt, r.timestamp_ms) >= (latest.attempt, latest.rec.timestamp_ms):
-                facts.triggers[step] = Trigger(step, service, origin, r, env.attempt, deadline_ms,
+            if latest is None or (env.attempt, r.timestamp_ms) >= (latest.attempt, latest.timestamp_ms):
+                facts.triggers[step] = Trigger(step, service, Source(origin, r.topic, r.partition, r.offset),
+                                               r.timestamp_ms, env.attempt, deadline_ms,
                                                env.event_id)
 
     def _declared_fact(self, declared: Declared, facts: DeliveryFacts, r: Rec, body: dict[str, Any],
@@ -383,7 +400,7 @@ class Rebuilder:
             # as the join does when it decides: a decided delivery's state goes in time,
             # rebuilt or not (it stayed forever, for every delivery of the window)
             writes.append((delivery_key(delivery), fields, retention if facts.outcome else 0))
-        self.merge(writes)
+        self.merge_fields(writes)
 
     def _write_steps(self, report: RebuildReport) -> None:
         state = StateTable(self.client)
@@ -391,7 +408,7 @@ class Rebuilder:
         now = now_ms()
         # each transition for a chunk of deliveries' steps in one round trip, in the order a
         # step goes through them (its own open, begin, finish), as the services' batches do
-        for deliveries in _chunks(triggered, CHUNK):
+        for deliveries in _chunks(triggered, WRITE_CHUNK):
             pipe = self.client.pipeline(transaction=False)
             for delivery, triggers in deliveries:
                 pipe.hmget(delivery_key(delivery), [t.step for t in triggers])
@@ -401,16 +418,16 @@ class Rebuilder:
                 continue
             # at the trigger's attempt: a requeue not yet read must not be claimed (and sent)
             # again under the same attempt once the supervisor finds the step past its deadline
-            state.open_many([(delivery, t.step, max(t.rec.timestamp_ms + t.deadline_ms, now + self.grace_ms),
+            state.open_many([(delivery, t.step, max(t.timestamp_ms + t.deadline_ms, now + self.grace_ms),
                               t.attempt) for delivery, t in chunk], now)
             report.steps += len(chunk)
             consumed = [(delivery, t) for delivery, t in chunk
-                        if self._consumed.get((t.service, t.rec.topic, t.rec.partition), -1) > t.rec.offset]
+                        if self._consumed.get((t.service, t.source.topic, t.source.partition), -1) > t.source.offset]
             report.open_steps += len(chunk) - len(consumed)
             if not consumed:
                 continue
             state.begin_many([(delivery, t.step, t.attempt, now, t.deadline_ms,
-                               Source(t.handler_topic, t.rec.topic, t.rec.partition, t.rec.offset).text())
+                               t.source.text())
                               for delivery, t in consumed], 1 << 30)
             state.finish_many([(delivery, t.step, t.attempt, *self._ended(delivery, t)) for delivery, t in consumed],
                               now)
@@ -425,7 +442,7 @@ class Rebuilder:
         """How a consumed trigger's step ended: failed when its attempt was reported to
         ``recovery`` or dead-lettered, completed otherwise."""
         error = self.facts[delivery].reports.get((trigger.step, trigger.attempt), "")
-        if not error and (trigger.service, trigger.rec.position) in self.dead_lettered:
+        if not error and (trigger.service, trigger.position) in self.dead_lettered:
             error = "dead-lettered"
         return (StepStatus.FAILED, error) if error else (StepStatus.COMPLETED, "")
 
@@ -457,16 +474,17 @@ class Rebuilder:
                     continue
                 writes.append((record.key(delivery), fields, record.ttl_s or 0))
         report.service_records += len(writes)
-        self.merge(writes)
+        self.merge_fields(writes)
 
     def _write_seen(self, report: RebuildReport) -> None:
         by_delivery: dict[str, dict[str, str | int]] = {}
         for delivery, name, position in self.seen:
             if delivery not in self.released:
-                by_delivery.setdefault(delivery, {})[name] = position
+                # the first position read, as the live dedupe keeps it (and the step's trigger)
+                by_delivery.setdefault(delivery, {}).setdefault(name, position)
         report.seen_entries = sum(map(len, by_delivery.values()))
         ttl = settings().dedupe_ttl_s
-        self.merge((seen_key(delivery), fields, ttl) for delivery, fields in by_delivery.items())
+        self.merge_fields((seen_key(delivery), fields, ttl) for delivery, fields in by_delivery.items())
 
     def _write_awaiting_release(self, report: RebuildReport) -> None:
         """The supervisor's record of each terminal was lost with Redis: without it, a shipped
@@ -481,13 +499,29 @@ class Rebuilder:
                 report.awaiting_release += 1
         pipe = self.client.pipeline(transaction=False)
         for key, members in by_key.items():
-            for chunk in _chunks(list(members.items()), CHUNK):
+            for chunk in _chunks(list(members.items()), WRITE_CHUNK):
                 pipe.zadd(key, dict(chunk))
         pipe.execute()
 
 
 @contextmanager
+def _without_cycle_collection() -> Iterator[None]:
+    """The cycle collector paused: the facts are millions of live objects and make no garbage
+    cycles, and each full collection walked them all (a third of a rebuild's time on 40,000
+    deliveries, bench/README.md)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextmanager
 def _timed(report: RebuildReport, phase: str) -> Iterator[None]:
+    """Time the block into ``report.phase_seconds[phase]``: an operator reads where the
+    outage's time went."""
     started = time.perf_counter()
     try:
         yield
@@ -541,9 +575,10 @@ def rebuild(workflow: Workflow, *, since_ms: int | None = None,
     # everything in doubt has committed or aborted, or its effects would be missed
     with _timed(report, "settle"):
         wait_transactions_settled(90)
-    with _timed(report, "read"):
-        report.records_read = rebuilder.collect(since, progress_total, progress)
-    rebuilder.write(report)
+    with _without_cycle_collection():
+        with _timed(report, "read"):
+            report.records_read = rebuilder.collect(since, progress_total, progress)
+        rebuilder.write(report)
     report.seconds = time.perf_counter() - started
     return report
 

@@ -29,8 +29,9 @@ from confluent_kafka import ConsumerGroupState
 
 from choreo import topology
 from choreo.kafka import admin, ensure_topics
-from choreo.ops.rebuild import rebuild
+from choreo.ops.rebuild import Rebuilder, rebuild
 from choreo.ops.trace import trace
+from choreo.dedupe import seen_key
 from choreo.envelope import Envelope
 from choreo.publisher import Publish, Publisher
 from choreo.redis_client import connect
@@ -368,3 +369,18 @@ def test_trace_of_a_requeued_delivery(isolated: IsolatedPipeline, unique: str) -
         assert found.state["drone.status"] == "completed" and found.state["drone.attempt"] == "2"
         assert found.state["delivery.status"] == "completed"
     assert found.stats.partitions <= len(found.hops) * 10
+
+
+def test_a_rebuild_merges_any_number_of_fields_into_a_key_keeping_what_is_there(
+        private_redis: redis.Redis) -> None:
+    """A hostile writer can give one delivery thousands of dedupe entries (any records with
+    its id and fresh event ids): the rebuild must still write them all, where Lua refuses to
+    unpack 8,000 values at once, and keep a field that is already there."""
+    many, bare = seen_key(f"many-{uuid.uuid4()}"), seen_key(f"bare-{uuid.uuid4()}")
+    private_redis.hset(many, "f0", "first")
+    private_redis.hset(bare, "f", "v")
+    Rebuilder(ops_pipeline.WORKFLOW, private_redis).merge_fields(
+        [(many, {f"f{i}": f"v{i}" for i in range(10_000)}, 600), (bare, {}, 300)])
+    assert private_redis.hlen(many) == 10_000
+    assert private_redis.hget(many, "f0") == b"first" and private_redis.hget(many, "f9999") == b"v9999"
+    assert 590 <= private_redis.ttl(many) <= 600 and 290 <= private_redis.ttl(bare) <= 300
