@@ -16,11 +16,12 @@ so a faster rebuild that restores less shows as a difference.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -38,38 +39,67 @@ from choreo.config import REPO_ROOT, settings
 from choreo.ops.rebuild import Rebuilder
 from choreo.ops.records import existing_topics, reader, resolve as spans_of
 from choreo.redis_client import connect
+from consumers.workflow import WORKFLOW
 
-# run in the side's own tree and process: its rebuild, as its CLI would run it, as JSON
+_EPOCH_MS = re.compile(rb"\d{12,}")
+REBUILD_TIMEOUT_S = 900
+# run in the side's own tree and process: its rebuild, as its CLI would run it, as JSON with
+# the process's peak RSS (the rebuild holds every delivery's facts until it writes)
 REBUILD = """
-import dataclasses, json, sys
+import dataclasses, json, resource, sys
 from choreo.ops.rebuild import rebuild
 from consumers.workflow import WORKFLOW
 report = rebuild(WORKFLOW, since_ms=int(sys.argv[1]), force=True)
-print(json.dumps(dataclasses.asdict(report)))
+peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({**dataclasses.asdict(report), "peak_rss_mb": round(peak_mb, 1)}))
 """
 
 
 def rebuild_in(tree: Path, since_ms: int) -> dict[str, Any]:
     """One rebuild by the code of ``tree``, against the activated private stack."""
     done = subprocess.run([sys.executable, "-c", REBUILD, str(since_ms)], cwd=tree,
-                          capture_output=True, text=True, check=False)
+                          capture_output=True, text=True, check=False, timeout=REBUILD_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"the rebuild in {tree} exited {done.returncode}: {done.stderr[-2000:]}")
     report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return report
 
 
-def keyspace(client: redis.Redis) -> dict[str, dict[str, int]]:
-    """Keys and hash fields by key kind (the key's name up to its first ``:`` or ``{``)."""
+def keyspace(client: redis.Redis) -> dict[str, Any]:
+    """What a rebuild restored: every key's type, content and whether it expires, as one
+    digest to compare sides by (epoch milliseconds masked: each rebuild writes its own "now"
+    into step records, deadlines and its ready mark), and keys and hash fields by kind (the
+    key's name up to its first ``:`` or ``{``) to read."""
     keys: Counter[str] = Counter()
     fields: Counter[str] = Counter()
-    for key in client.scan_iter(count=5000):
-        name = key.decode()
-        kind = name.split("{", 1)[0].split(":", 1)[0]
-        keys[kind] += 1
-        if client.type(key) == b"hash":
-            fields[kind] += int(client.hlen(key))
-    return {kind: {"keys": keys[kind], "hash_fields": fields[kind]} for kind in sorted(keys)}
+    digest = hashlib.sha256()
+    names = sorted(client.scan_iter(count=5000))
+    for start in range(0, len(names), 1000):
+        chunk = names[start:start + 1000]
+        pipe = client.pipeline(transaction=False)
+        for key in chunk:
+            pipe.type(key)
+            pipe.ttl(key)
+        meta = pipe.execute()
+        types = [t.decode() for t in meta[0::2]]
+        pipe = client.pipeline(transaction=False)
+        for key, kind in zip(chunk, types):
+            {"hash": pipe.hgetall, "zset": lambda k: pipe.zrange(k, 0, -1, withscores=True),
+             "set": pipe.smembers, "stream": pipe.xlen}.get(kind, pipe.get)(key)
+        for key, kind, ttl, content in zip(chunk, types, meta[1::2], pipe.execute()):
+            name = key.decode()
+            family = name.split("{", 1)[0].split(":", 1)[0]
+            keys[family] += 1
+            if kind == "hash":
+                fields[family] += len(content)
+                content = sorted(content.items())
+            elif kind == "zset":
+                content = [(member, "T" if score >= 1e12 else score) for member, score in content]
+            elif kind == "set":
+                content = sorted(content)
+            digest.update(_EPOCH_MS.sub(b"T", repr((name, kind, ttl > 0, content)).encode()))
+    return {"digest": digest.hexdigest(),
+            "by_kind": {kind: {"keys": keys[kind], "hash_fields": fields[kind]} for kind in sorted(keys)}}
 
 
 def plain_read(topics: Sequence[str], since_ms: int) -> dict[str, Any]:
@@ -104,27 +134,27 @@ def plain_read(topics: Sequence[str], since_ms: int) -> dict[str, Any]:
 def side_figures(reports: list[dict[str, Any]]) -> dict[str, Any]:
     rates = [rate(r["records_read"], r["seconds"]) for r in reports]
     return {"seconds": [round(r["seconds"], 2) for r in reports], "records_per_s": rates,
-            "records_per_s_median": statistics.median(rates)}
+            "records_per_s_median": statistics.median(rates),
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in reports)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    commit = resolve(args.commit)
     private = Private.at(args.stack_dir)
     private.activate()
     bench = Bench(pipeline_args(["--out", args.out, "--timeout", "600"]), private)
-    commit = resolve(args.commit)
     result: dict[str, Any] = {**run_header("bench.rebuild"), "baseline_commit": commit,
                               "config": {"deliveries": args.deliveries, "rounds": args.rounds}}
-    with tempfile.TemporaryDirectory(prefix="bench-rebuild-") as tmp:
-        base_tree = worktree(commit, Path(tmp) / "baseline")
+    reports: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
+    spaces: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
+    with worktree(commit) as base_tree:
         try:
             bench.start()
-            client = connect(settings().redis_url)
             since_ms = int(time.time() * 1000) - 1000
             result["fill"] = {k: v for k, v in bench.pipeline_run(args.deliveries, 0, "fill").items()
                               if k in ("terminal", "deliveries_per_s", "outcomes")}
             bench.stop()
-            from consumers.workflow import WORKFLOW
-
+            client = connect(settings().redis_url)
             probe = reader()
             try:
                 topics = Rebuilder(WORKFLOW, client).topics(existing_topics(probe))
@@ -132,8 +162,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 probe.close()
             result["plain_read"] = plain_read(topics, since_ms)
             log(f"plain read: {result['plain_read']}")
-            reports: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
-            spaces: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
             for round_ in range(args.rounds):
                 for side in (["current", "baseline"] if round_ % 2 == 0 else ["baseline", "current"]):
                     client.flushall()
@@ -142,11 +170,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     spaces[side].append(keyspace(client))
                     log(f"round {round_ + 1}: {side} read {report['records_read']} records in "
                         f"{report['seconds']:.1f} s")
+            client.close()
         finally:
             bench.stop()
             private.stop(keep=args.keep_stack)
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=REPO_ROOT,
-                           capture_output=True, check=False)
     result["reports"] = reports
     result["keyspace"] = spaces
     result["machine"]["load_average_after"] = load_average()
@@ -161,7 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "current": current, "baseline": baseline,
         "current_over_baseline": round(current["records_per_s_median"] / baseline["records_per_s_median"], 2),
         "current_over_plain_read": round(current["records_per_s_median"] / ceiling, 3),
-        "same_keyspace": spaces["current"][0] == spaces["baseline"][0],
+        # every rebuild of either side restored the same keys with the same contents
+        "same_keyspace": len({space["digest"] for side in spaces.values() for space in side}) == 1,
     }
     return result
 

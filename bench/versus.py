@@ -18,7 +18,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +43,20 @@ def resolve(commit: str) -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
-def worktree(commit: str, where: Path) -> Path:
-    """The commit's tree at ``where``, using this checkout's virtualenv."""
-    subprocess.run(["git", "worktree", "add", "--detach", str(where), commit], cwd=REPO_ROOT,
-                   capture_output=True, text=True, check=True)
-    (where / ".venv").symlink_to(REPO_ROOT / ".venv")
-    return where
+@contextmanager
+def worktree(commit: str) -> Iterator[Path]:
+    """The commit's tree in a temporary git worktree, using this checkout's virtualenv;
+    removed on the way out."""
+    with tempfile.TemporaryDirectory(prefix="bench-baseline-") as tmp:
+        where = Path(tmp) / "baseline"
+        subprocess.run(["git", "worktree", "add", "--detach", str(where), commit], cwd=REPO_ROOT,
+                       capture_output=True, text=True, check=True)
+        try:
+            (where / ".venv").symlink_to(REPO_ROOT / ".venv")
+            yield where
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(where)], cwd=REPO_ROOT,
+                           capture_output=True, check=False)
 
 
 def bench_once(tree: Path, out: Path, bench_args: Sequence[str]) -> dict[str, Any]:
@@ -77,21 +86,16 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     commit = resolve(args.commit)
     result: dict[str, Any] = {**run_header("bench.versus"), "baseline_commit": commit,
                               "bench_args": args.bench_args, "rounds": []}
-    with tempfile.TemporaryDirectory(prefix="bench-versus-") as tmp:
-        base_tree = worktree(commit, Path(tmp) / "baseline")
-        try:
-            runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
-            for round_ in range(args.rounds):
-                order = ["baseline", "current"] if round_ % 2 == 0 else ["current", "baseline"]
-                for side in order:
-                    tree = base_tree if side == "baseline" else REPO_ROOT
-                    log(f"round {round_ + 1}/{args.rounds}: {side}")
-                    summary = bench_once(tree, Path(tmp) / f"{side}-{round_}.json", args.bench_args)
-                    runs[side].append(summary)
-                    result["rounds"].append({"round": round_, "side": side, "summary": summary})
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=REPO_ROOT,
-                           capture_output=True, check=False)
+    with tempfile.TemporaryDirectory(prefix="bench-versus-") as tmp, worktree(commit) as base_tree:
+        runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
+        for round_ in range(args.rounds):
+            order = ["baseline", "current"] if round_ % 2 == 0 else ["current", "baseline"]
+            for side in order:
+                tree = base_tree if side == "baseline" else REPO_ROOT
+                log(f"round {round_ + 1}/{args.rounds}: {side}")
+                summary = bench_once(tree, Path(tmp) / f"{side}-{round_}.json", args.bench_args)
+                runs[side].append(summary)
+                result["rounds"].append({"round": round_, "side": side, "summary": summary})
     result["machine"]["load_average_after"] = load_average()
     result["compared"] = compare(runs["baseline"], runs["current"])
     summary = {name: figure["current_over_baseline"] for name, figure in result["compared"].items()}

@@ -162,7 +162,9 @@ def test_the_rebuild_benchmark_restores_every_delivery_on_both_sides(tmp_path: P
         (report,) = result["reports"][side]
         assert report["records_read"] == summary["records"] > 200 and report["outcomes"] == 200
         (keys,) = result["keyspace"][side]
-        assert keys["dl"]["keys"] == keys["seen"]["keys"] == 200
+        assert keys["by_kind"]["dl"]["keys"] == keys["by_kind"]["seen"]["keys"] == 200
+    # both sides are this tree's code here: two rebuilds of the same records restore the same
+    # keyspace (times masked), or the comparison could not tell a change's effect
     assert summary["same_keyspace"] is True
     assert summary["records"] == result["plain_read"]["records"] >= result["plain_read"]["messages"] > 200
     assert summary["current_over_baseline"] > 0 and 0 < summary["current_over_plain_read"]
