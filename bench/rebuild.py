@@ -9,8 +9,9 @@ the whole pipeline, stops the services, and then, per round: FLUSHALL and the re
 this tree's code, FLUSHALL and the rebuild with ``--commit``'s code (in ABBA order, each in a
 process of its own, the commit's from a temporary git worktree). The yardstick is one
 plain read of the same topics' records with no decoding: what the machine's Kafka gives one
-reader. Each rebuild's restored keyspace is summarised (keys and hash fields per key kind),
-so a faster rebuild that restores less shows as a difference.
+reader. Every rebuild's restored keyspace is digested (each key's type, contents and expiry,
+epoch milliseconds masked), so a faster rebuild that restores anything else shows as a
+different digest.
 """
 
 from __future__ import annotations

@@ -450,9 +450,13 @@ class Source:
     partition: int
     offset: int
 
+    @property
+    def position(self) -> str:
+        """``topic|partition|offset``: the record itself, whichever handler reads it."""
+        return f"{self.topic}|{self.partition}|{self.offset}"
+
     def text(self) -> str:
-        where = f"{self.topic}|{self.partition}|{self.offset}"
-        return where if self.handler_topic == self.topic else f"{self.handler_topic}|{where}"
+        return self.position if self.handler_topic == self.topic else f"{self.handler_topic}|{self.position}"
 
     @classmethod
     def parse_all(cls, raw: str) -> list[Source | None]:

@@ -120,10 +120,6 @@ class Trigger:
     deadline_ms: int
     event_id: str = ""
 
-    @property
-    def position(self) -> str:
-        return f"{self.source.topic}|{self.source.partition}|{self.source.offset}"
-
 
 @dataclass(slots=True)
 class Hold:
@@ -426,8 +422,7 @@ class Rebuilder:
             report.open_steps += len(chunk) - len(consumed)
             if not consumed:
                 continue
-            state.begin_many([(delivery, t.step, t.attempt, now, t.deadline_ms,
-                               t.source.text())
+            state.begin_many([(delivery, t.step, t.attempt, now, t.deadline_ms, t.source.text())
                               for delivery, t in consumed], 1 << 30)
             state.finish_many([(delivery, t.step, t.attempt, *self._ended(delivery, t)) for delivery, t in consumed],
                               now)
@@ -442,7 +437,7 @@ class Rebuilder:
         """How a consumed trigger's step ended: failed when its attempt was reported to
         ``recovery`` or dead-lettered, completed otherwise."""
         error = self.facts[delivery].reports.get((trigger.step, trigger.attempt), "")
-        if not error and (trigger.service, trigger.position) in self.dead_lettered:
+        if not error and (trigger.service, trigger.source.position) in self.dead_lettered:
             error = "dead-lettered"
         return (StepStatus.FAILED, error) if error else (StepStatus.COMPLETED, "")
 
