@@ -180,6 +180,7 @@ def rebuild_cmd(
         table.add_row(name.replace("_", " "), str(getattr(report, name)))
     out.print(table)
     out.print("seconds: " + ", ".join(f"{phase} {s:.1f}" for phase, s in report.phase_seconds.items()))
+    out.print(f"read in {report.passes} passes, at most {report.most_deliveries_held} deliveries held at once")
     for conflict in report.booking_conflicts:
         err.print(f"[red]booking conflict:[/] {conflict}")
     if report.booking_conflicts:

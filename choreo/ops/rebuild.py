@@ -50,6 +50,18 @@ The writes go by the chunk (``WRITE_CHUNK`` items per call: each transition for 
 a key's fields in one script item): the pipeline waits for the rebuild, and a round trip per
 transition or a command per field would make it wait for Redis's round trips, not its work.
 
+**A partition at a time.** The facts of a delivery are held until they are written, so the
+window is read and written in passes, one per partition number: every event of a delivery
+is keyed by its id, and the workflow's topics are co-partitioned (``choreo.topology``), so
+partition *p* of each topic holds the same deliveries. The rebuild holds one partition's
+deliveries at once, not the window's. What crosses partitions is read first and kept, and
+it is small: the runtime's shared topics (``recovery``, its dead letters, the compensation
+log, which is keyed by delivery and step) hold failures only, and a pool keeps each
+member's latest holder and the holds not yet ended. When the workflow's topics do not all
+have one partition count, one pass reads them all. A record keyed against the rule lands
+in another pass than its delivery's others; its facts are written there, merge-only, so
+what the first pass wrote is kept.
+
 **Procedure.** Pause the workflow's services (stop them, or SIGSTOP), run
 ``rebuild-state``, resume them. Between a wipe and the end of the rebuild a running
 service would decide on empty state (a pool with no members, a join with no parts). The
@@ -79,7 +91,7 @@ from choreo.kafka import admin
 from choreo.events import Event
 from choreo.join import FAILED, Join, fanin_fields, result_text
 from choreo.ops.dlq import DeadLetter
-from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
+from choreo.ops.records import BodyDecoder, Progress, Rec, Span, existing_topics, read, reader, resolve
 from choreo.pool import Pool
 from choreo.record import Record, RebuildRule
 from choreo.redis_client import NodePipelines, connect, raise_first
@@ -105,6 +117,9 @@ for i = 2, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
 """
 SHARED = {RECOVERY_TOPIC, CompensationRecord.topic}  # never prefixed
+# read before the partition passes and kept: keyed otherwise, or partitioned apart from the
+# workflow's topics, and holding failures only
+SIDE = SHARED | {dlq_topic(t) for t in SHARED}
 
 
 @dataclass(slots=True)
@@ -136,8 +151,6 @@ class DeliveryFacts:
     ended: set[str] = field(default_factory=set)  # pools whose hold of it ended (in any order)
     records: dict[str, dict[str, str]] = field(default_factory=dict)  # record name -> fields
     triggers: dict[str, Trigger] = field(default_factory=dict)  # step -> latest trigger
-    reports: dict[tuple[str, int], str] = field(default_factory=dict)  # (step, attempt) -> error
-    compensation: dict[str, str] = field(default_factory=dict)  # forward step -> status
     dead_letters: int = 0  # its events in dead-letter topics: the state stays for a redrive
     terminal: tuple[str, int, int] | None = None  # its first success outcome: topic, partition, offset
 
@@ -159,6 +172,8 @@ class RebuildReport:
     pool_members: int = 0
     released_skipped: int = 0  # released deliveries (choreo.release): their tombstone is left alone
     awaiting_release: int = 0  # successful deliveries handed back to the release
+    passes: int = 0  # reads of a share of the window, each written before the next
+    most_deliveries_held: int = 0  # the largest pass's deliveries: what sets the memory
     seconds: float = 0.0
     # where the time went (the pipeline waits for the rebuild): waiting for transactions in
     # doubt, reading the topics, and each kind of write
@@ -215,10 +230,18 @@ class Rebuilder:
         self.canonical.update({t: t for t in SHARED})
         self.client = client
         self.grace_ms = int(grace_s * 1000)
+        # one pass's: written, then dropped before the next pass reads
         self.facts: dict[str, DeliveryFacts] = {}
         self.seen: list[tuple[str, str, str]] = []  # (delivery, field, position)
-        self.dead_lettered: set[tuple[str, str]] = set()  # (service, source position)
         self.released: set[str] = set()
+        # kept from pass to pass: the side topics' facts (failures only) and the pools' holds
+        self.dead_lettered: set[tuple[str, str]] = set()  # (service, source position)
+        self.reports: dict[str, dict[tuple[str, int], str]] = {}  # delivery -> (step, attempt) -> error
+        self.compensation: dict[str, dict[str, str]] = {}  # delivery -> forward step -> status
+        self.side_dead_letters: dict[str, int] = {}  # delivery -> its dead letters in the side topics
+        self.side_seen: list[tuple[str, str, str]] = []  # the side topics' dedupe entries
+        self.latest_holds: dict[str, dict[str, tuple[int, str]]] = {}  # pool -> member -> (since, holder)
+        self.open_holds: list[tuple[str, str, str]] = []  # (pool, holder, member): not ended
         self.decode = BodyDecoder()
         self._consumed: dict[tuple[str, str, int], int] = {}  # (service, topic, partition) -> committed
         # handler topic (origin or retry) -> [(service, step, origin topic, deadline)]
@@ -253,21 +276,43 @@ class Rebuilder:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def collect(self, since_ms: int, progress_total: Callable[[int], None] | None = None,
-                progress: Progress | None = None) -> int:
+    def passes(self, consumer: Any, since_ms: int) -> list[list[Span]]:
+        """The window's spans in the order they are read: the side topics', then one pass
+        per partition number of the workflow's topics (one pass when their counts differ)."""
+        present = existing_topics(consumer)
+        spans = [s for t in self.topics(present) for s in resolve(consumer, t, since_ms=since_ms)]
+        side = [s for s in spans if s.topic in SIDE]
+        workflow = [s for s in spans if s.topic not in SIDE]
+        if len({present[s.topic] for s in workflow}) > 1:
+            return [side, workflow]
+        by_partition: dict[int, list[Span]] = {}
+        for span in workflow:
+            by_partition.setdefault(span.partition, []).append(span)
+        return [side, *(by_partition[p] for p in sorted(by_partition))]
+
+    def run(self, since_ms: int, report: RebuildReport, progress_total: Callable[[int], None] | None = None,
+            progress: Progress | None = None) -> None:
+        """Read and write the window pass by pass (see the module doc), then what the passes kept."""
         consumer = reader()
         try:
-            present = existing_topics(consumer)
-            spans = [s for t in self.topics(present) for s in resolve(consumer, t, since_ms=since_ms)]
-            committed = self._consumed = self._committed(consumer, {(s.topic, s.partition) for s in spans})
-            total = sum(s.size for s in spans)
+            passes = self.passes(consumer, since_ms)
+            self._consumed = self._committed(consumer, {(s.topic, s.partition) for p in passes for s in p})
+            report.records_read = sum(s.size for p in passes for s in p)
             if progress_total is not None:
-                progress_total(total)
-            for record in read(consumer, spans, progress):
-                self._fact(record, committed)
-            return total
+                progress_total(report.records_read)
+            with _timed(report, "pools"):
+                report.pool_members = sum(pool.grow(self.client) for pool in self.pools.values())
+            for spans in passes:
+                with _timed(report, "read"):
+                    for record in read(consumer, spans, progress):
+                        self._fact(record, self._consumed)
+                self.write(report)
         finally:
             consumer.close()
+        for name, part in (("side", self._write_side), ("holds", self._write_holds)):
+            with _timed(report, name):
+                part(report)
+        self.client.set(READY_KEY, now_ms())
 
     def _committed(self, consumer: Any, tps: set[tuple[str, int]]) -> dict[tuple[str, str, int], int]:
         """Each service group's committed offset on every partition it consumes."""
@@ -289,28 +334,23 @@ class Rebuilder:
         delivery = env.correlation_id if env else r.key_text
         if not delivery:
             return
-        facts = self.facts.setdefault(delivery, DeliveryFacts())
 
         def consumed_by(service: str) -> bool:
             return committed.get((service, r.topic, r.partition), -1) > r.offset
 
+        if r.topic in SIDE:
+            self._side_fact(r, delivery, consumed_by)
+            return
+        facts = self.facts.setdefault(delivery, DeliveryFacts())
         if r.topic.endswith(".dlq"):
             facts.dead_letters += 1
-            letter = DeadLetter.of(r, set())  # read as redrive reads it: only the runtime's headers
-            if not letter.problem:
-                self.dead_lettered.add((letter.service, f"{letter.source_topic}|{letter.source_partition}|"
-                                                        f"{letter.source_offset}"))
+            self._dead_letter(r)
             return
         topic = self.canonical.get(r.topic, "")
         body = self.decode(r.topic, r.value) if topic else {}
-        body = body if isinstance(body, dict) else {}
         declared = self.declared.get(topic)
-        if declared is not None and body:
+        if declared is not None and isinstance(body, dict) and body:
             self._declared_fact(declared, facts, r, body, consumed_by)
-        if topic == RECOVERY_TOPIC and body:
-            facts.reports[(str(body["step"]), int(body["attempt"]))] = f"{body['kind']}: {body.get('error', '')}"
-        if topic == CompensationRecord.topic and body:
-            facts.compensation[str(body["step"])] = str(body["status"]).lower()
         for service, step, origin, deadline_ms in self.handlers.get(r.topic, ()):
             if env is not None and consumed_by(service):
                 self.seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))
@@ -323,6 +363,29 @@ class Rebuilder:
                 facts.triggers[step] = Trigger(step, service, Source(origin, r.topic, r.partition, r.offset),
                                                r.timestamp_ms, env.attempt, deadline_ms,
                                                env.event_id)
+
+    def _side_fact(self, r: Rec, delivery: str, consumed_by: Callable[[str], bool]) -> None:
+        """A side topic's record (``SIDE``): kept until the passes that need it have run."""
+        if r.topic.endswith(".dlq"):
+            self.side_dead_letters[delivery] = self.side_dead_letters.get(delivery, 0) + 1
+            self._dead_letter(r)
+            return
+        body = self.decode(r.topic, r.value)
+        if isinstance(body, dict) and body and r.topic == RECOVERY_TOPIC:
+            error = f"{body['kind']}: {body.get('error', '')}"
+            self.reports.setdefault(delivery, {})[(str(body["step"]), int(body["attempt"]))] = error
+        if isinstance(body, dict) and body and r.topic == CompensationRecord.topic:
+            self.compensation.setdefault(delivery, {})[str(body["step"])] = str(body["status"]).lower()
+        env = r.envelope
+        for service, _, _, _ in self.handlers.get(r.topic, ()):
+            if env is not None and consumed_by(service):
+                self.side_seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))
+
+    def _dead_letter(self, r: Rec) -> None:
+        letter = DeadLetter.of(r, set())  # read as redrive reads it: only the runtime's headers
+        if not letter.problem:
+            self.dead_lettered.add((letter.service, f"{letter.source_topic}|{letter.source_partition}|"
+                                                    f"{letter.source_offset}"))
 
     def _declared_fact(self, declared: Declared, facts: DeliveryFacts, r: Rec, body: dict[str, Any],
                        consumed_by: Callable[[str], bool]) -> None:
@@ -361,18 +424,20 @@ class Rebuilder:
     # -- writing ---------------------------------------------------------------------------
 
     def write(self, report: RebuildReport) -> None:
-        report.deliveries = len(self.facts)
+        """Write one pass's facts, keep what later writes need of them, and drop the rest."""
+        report.passes += 1
+        report.deliveries += len(self.facts)
+        report.most_deliveries_held = max(report.most_deliveries_held, len(self.facts))
         with _timed(report, "released"):
             self.released = self._released()
-        report.released_skipped = len(self.released)
-        with _timed(report, "pools"):
-            report.pool_members = sum(pool.grow(self.client) for pool in self.pools.values())
+        report.released_skipped += len(self.released)
         for name, part in (("joins", self._write_joins), ("steps", self._write_steps),
-                           ("holds", self._write_holds), ("records", self._write_records),
-                           ("seen", self._write_seen), ("awaiting_release", self._write_awaiting_release)):
+                           ("records", self._write_records), ("seen", self._write_seen),
+                           ("awaiting_release", self._write_awaiting_release)):
             with _timed(report, name):
                 part(report)
-        self.client.set(READY_KEY, now_ms())
+        self._keep_holds()
+        self.facts, self.seen, self.released = {}, [], set()
 
     def _released(self) -> set[str]:
         """Deliveries whose tombstone says they are finished: on a live Redis, writing their
@@ -387,8 +452,9 @@ class Rebuilder:
         writes: list[tuple[str, Mapping[str, str | int], int]] = []
         for delivery, facts in self._unreleased():
             fields: dict[str, str | int] = {**facts.undo, **fanin_fields(facts.results)}
-            if facts.dead_letters:
-                fields["dead_letters"] = facts.dead_letters
+            dead_letters = facts.dead_letters + self.side_dead_letters.pop(delivery, 0)
+            if dead_letters:
+                fields["dead_letters"] = dead_letters
             if facts.outcome:
                 fields["outcome"] = facts.outcome
                 report.outcomes += 1
@@ -426,39 +492,52 @@ class Rebuilder:
                               for delivery, t in consumed], 1 << 30)
             state.finish_many([(delivery, t.step, t.attempt, *self._ended(delivery, t)) for delivery, t in consumed],
                               now)
-        pipes = NodePipelines(self.client)
-        for delivery, facts in self._unreleased():
-            for step, status in facts.compensation.items():
-                # the supervisor's log is the record of compensation states
-                state.put(delivery, {f"{step}.status": StepStatus(status).value}, pipes)
-        raise_first(pipes.execute())
 
     def _ended(self, delivery: str, trigger: Trigger) -> tuple[StepStatus, str]:
         """How a consumed trigger's step ended: failed when its attempt was reported to
         ``recovery`` or dead-lettered, completed otherwise."""
-        error = self.facts[delivery].reports.get((trigger.step, trigger.attempt), "")
+        error = self.reports.get(delivery, {}).get((trigger.step, trigger.attempt), "")
         if not error and (trigger.service, trigger.source.position) in self.dead_lettered:
             error = "dead-lettered"
         return (StepStatus.FAILED, error) if error else (StepStatus.COMPLETED, "")
 
+    def _keep_holds(self) -> None:
+        """A pass's holds, kept for the end: a member's latest holder is known only once
+        every pass is read, and only its holds not ended can still be on."""
+        for delivery, facts in self.facts.items():
+            for name, hold in facts.holds.items():
+                latest = self.latest_holds.setdefault(name, {})
+                latest[hold.member] = max(latest.get(hold.member, (0, "")), (hold.since_ms, delivery))
+                if name not in facts.ended:
+                    self.open_holds.append((name, delivery, hold.member))
+
     def _write_holds(self, report: RebuildReport) -> None:
-        for name, pool in self.pools.items():
-            latest: dict[str, tuple[int, str]] = {}  # member -> (held since, holder)
-            for delivery, facts in self.facts.items():
-                if (hold := facts.holds.get(name)) is not None:
-                    latest[hold.member] = max(latest.get(hold.member, (0, "")), (hold.since_ms, delivery))
-            for delivery, facts in self.facts.items():
-                hold = facts.holds.get(name)
-                if hold is None or name in facts.ended:
-                    continue
-                if latest[hold.member][1] != delivery:
-                    report.bookings_superseded += 1
-                    continue
-                verdict = pool.restore(self.client, delivery, hold.member)
-                if verdict == "restored":
-                    report.bookings_restored += 1
-                elif verdict.startswith("conflict:"):
-                    report.booking_conflicts.append(f"{hold.member} for {delivery}: held by {verdict[9:]}")
+        for name, delivery, member in self.open_holds:
+            if self.latest_holds[name][member][1] != delivery:
+                report.bookings_superseded += 1
+                continue
+            verdict = self.pools[name].restore(self.client, delivery, member)
+            if verdict == "restored":
+                report.bookings_restored += 1
+            elif verdict.startswith("conflict:"):
+                report.booking_conflicts.append(f"{member} for {delivery}: held by {verdict[9:]}")
+
+    def _write_side(self, report: RebuildReport) -> None:
+        """What the side topics gave that no pass wrote: the compensation states (once every
+        step they name is in the table: the supervisor's log is their record), the dead
+        letters and dedupe entries of deliveries no pass held."""
+        deliveries = {*self.compensation, *self.side_dead_letters, *(d for d, _, _ in self.side_seen)}
+        done = released(self.client, deliveries)
+        state = StateTable(self.client)
+        pipes = NodePipelines(self.client)
+        for delivery, steps in self.compensation.items():
+            if delivery not in done:
+                state.put(delivery, {f"{step}.status": StepStatus(status).value for step, status in steps.items()},
+                          pipes)
+        raise_first(pipes.execute())
+        self.merge_fields((delivery_key(delivery), {"dead_letters": count}, 0)
+                          for delivery, count in self.side_dead_letters.items() if delivery not in done)
+        self._merge_seen(self.side_seen, done, report)
 
     def _write_records(self, report: RebuildReport) -> None:
         writes: list[tuple[str, Mapping[str, str | int], int]] = []
@@ -472,12 +551,15 @@ class Rebuilder:
         self.merge_fields(writes)
 
     def _write_seen(self, report: RebuildReport) -> None:
+        self._merge_seen(self.seen, self.released, report)
+
+    def _merge_seen(self, seen: list[tuple[str, str, str]], skipped: set[str], report: RebuildReport) -> None:
         by_delivery: dict[str, dict[str, str | int]] = {}
-        for delivery, name, position in self.seen:
-            if delivery not in self.released:
+        for delivery, name, position in seen:
+            if delivery not in skipped:
                 # the first position read, as the live dedupe keeps it (and the step's trigger)
                 by_delivery.setdefault(delivery, {}).setdefault(name, position)
-        report.seen_entries = sum(map(len, by_delivery.values()))
+        report.seen_entries += sum(map(len, by_delivery.values()))
         ttl = settings().dedupe_ttl_s
         self.merge_fields((seen_key(delivery), fields, ttl) for delivery, fields in by_delivery.items())
 
@@ -515,13 +597,14 @@ def _without_cycle_collection() -> Iterator[None]:
 
 @contextmanager
 def _timed(report: RebuildReport, phase: str) -> Iterator[None]:
-    """Time the block into ``report.phase_seconds[phase]``: an operator reads where the
-    outage's time went."""
+    """Add the block's time to ``report.phase_seconds[phase]`` (a phase runs once per pass):
+    an operator reads where the outage's time went."""
     started = time.perf_counter()
     try:
         yield
     finally:
-        report.phase_seconds[phase] = round(time.perf_counter() - started, 3)
+        spent = report.phase_seconds.get(phase, 0.0) + time.perf_counter() - started
+        report.phase_seconds[phase] = round(spent, 3)
 
 
 def _event(model: type[Event], body: dict[str, Any]) -> Event | None:
@@ -571,9 +654,7 @@ def rebuild(workflow: Workflow, *, since_ms: int | None = None,
     with _timed(report, "settle"):
         wait_transactions_settled(90)
     with _without_cycle_collection():
-        with _timed(report, "read"):
-            report.records_read = rebuilder.collect(since, progress_total, progress)
-        rebuilder.write(report)
+        rebuilder.run(since, report, progress_total, progress)
     report.seconds = time.perf_counter() - started
     return report
 

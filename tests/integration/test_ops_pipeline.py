@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import redis
 from confluent_kafka import ConsumerGroupState
+from confluent_kafka.admin import NewPartitions
 
 from choreo import topology
 from choreo.kafka import admin, ensure_topics
@@ -43,7 +44,7 @@ from choreo.workflow import Workflow
 from consumers.drone_scheduler import fleet
 from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
 from infra.chaos import stuck_evidence
-from schemas.models import ALL_EVENTS, DroneScheduled
+from schemas.models import ALL_EVENTS, DroneScheduled, PackageReady
 from tests.factories import delivery_request
 from tests.helpers import CLUSTER_URL, ServiceProcess, read_topic, start_group_at_end, wait_for
 from tests.services import ops_pipeline
@@ -182,6 +183,9 @@ def test_flushall_mid_run_then_rebuild_every_delivery_ends_once(isolated: Isolat
     assert report.outcomes == len(before)
     assert report.booking_conflicts == []
     assert report.steps > 0 and report.seen_entries > 0
+    # the side topics' pass, then one per partition (the isolated topics have 3): it never
+    # held every delivery at once
+    assert report.passes == 4 and 0 < report.most_deliveries_held < report.deliveries
     assert all(0 < client.ttl(delivery_key(d)) <= DECIDED_RETENTION_S for d in before)  # none forever
     isolated.start()  # resume
     isolated.supervise(f"sup-ops-{uuid.uuid4().hex[:8]}")  # it gives the shipped deliveries' drones back
@@ -210,6 +214,18 @@ def test_rebuild_restores_a_drone_only_to_its_latest_booking(isolated: IsolatedP
     then shows the drone booked by A (never released) and later by B. Only B can hold it,
     even when a copy of A's booking (a replay, a redrive) was written after B's."""
     started = int(time.time() * 1000)
+    first, second = _book_drone_twice(isolated)
+    report = rebuild(isolated.flow, since_ms=started - 5000, client=isolated.client,
+                     prefix=isolated.prefix)
+    assert report.booking_conflicts == []
+    assert (report.bookings_restored, report.bookings_superseded) == (1, 1)
+    assert isolated.client.hget(fleet.held_key, "drone-00007") == second.encode()
+    assert _bookings(isolated.client).get(first) is None
+
+
+def _book_drone_twice(isolated: IsolatedPipeline) -> tuple[str, str]:
+    """Two deliveries that booked one drone in turn, and a later copy of the first booking
+    (a replay, a redrive): only the second delivery can hold the drone."""
     publisher = Publisher("test", redis_client=isolated.client)
     first, second = delivery_request(), delivery_request()
     bookings = [(DroneScheduled(delivery_id=request.delivery_id, drone_id="drone-00007",
@@ -219,12 +235,30 @@ def test_rebuild_restores_a_drone_only_to_its_latest_booking(isolated: IsolatedP
         publisher.publish(booking, event_id, topic=isolated.prefix + DroneScheduled.topic)
         publisher.flush(30)
         time.sleep(0.01)  # each is produced later, as the fleet script ordered the first two
+    return first.delivery_id, second.delivery_id
+
+
+def test_a_rebuild_reads_the_window_in_one_pass_when_its_topics_are_not_co_partitioned(
+        isolated: IsolatedPipeline) -> None:
+    """A partition number holds the same deliveries in every topic only when the counts
+    agree: with one topic grown, the rebuild reads the workflow's topics in one pass."""
+    started = int(time.time() * 1000)
+    grown = isolated.prefix + PackageReady.topic
+    client = admin()  # held until the answer: a destroyed handle fails its futures
+    client.create_partitions([NewPartitions(grown, 4)])[grown].result(timeout=30)
+    first, second = _book_drone_twice(isolated)
+    ready = PackageReady(delivery_id=first, package_id=f"pkg-{first}", package_size="S", weight_kg=1.0,
+                         ready_at=datetime.now(UTC))
+    publisher = Publisher("test", redis_client=isolated.client)
+    publisher.publish(ready, str(uuid.uuid4()), topic=grown)
+    publisher.flush(30)
     report = rebuild(isolated.flow, since_ms=started - 5000, client=isolated.client,
                      prefix=isolated.prefix)
-    assert report.booking_conflicts == []
+    assert report.passes == 2 and report.most_deliveries_held == report.deliveries == 2
+    assert report.fanin_fields == 3  # both drones and the package
     assert (report.bookings_restored, report.bookings_superseded) == (1, 1)
-    assert isolated.client.hget(fleet.held_key, "drone-00007") == second.delivery_id.encode()
-    assert _bookings(isolated.client).get(first.delivery_id) is None
+    assert isolated.client.hget(fleet.held_key, "drone-00007") == second.encode()
+    assert _bookings(isolated.client).get(first) is None
 
 
 def test_rebuild_restores_a_requeued_step_at_its_attempt(isolated: IsolatedPipeline) -> None:
