@@ -27,6 +27,9 @@ from choreo.envelope import Envelope, header_value, pairs
 from choreo.serde import MAGIC_BYTE, MAX_WRITER_SCHEMAS, DecodeFailure, bounded_writer, registry_client
 
 Progress = Callable[[int], None]
+# how long a consume waits to fill its batch: a read's last batch always waits it out (its
+# span ends where nothing more comes), once per read, and the rebuild reads once per partition
+BATCH_WAIT_S = 0.02
 
 _RELATIVE = re.compile(r"^-?(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)(?:\s+ago)?$")
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -239,12 +242,9 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
     last_progress = time.monotonic()
     try:
         while todo:
-            messages = consumer.consume(batch, 0.2)
+            messages = consumer.consume(batch, BATCH_WAIT_S)
             if not messages:
-                for tp in consumer.position([TopicPartition(t, p) for t, p in todo]):
-                    span = todo.get((tp.topic, tp.partition))
-                    if span is not None and tp.offset >= span.end:
-                        _finish(consumer, todo, span)
+                _finish_ended(consumer, todo)
                 if time.monotonic() - last_progress > idle_timeout_s:
                     raise TimeoutError(f"no progress reading {sorted(todo)} for {idle_timeout_s}s")
                 continue
@@ -264,11 +264,23 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
                     _finish(consumer, todo, span)
             if progress is not None and counted:
                 progress(counted)
+            # a span ending in a transaction marker (never delivered) ends with the batch that
+            # took the consumer past it: found now, not after one more wait for nothing
+            _finish_ended(consumer, todo)
     finally:
         try:
             consumer.unassign()
         except Exception:  # noqa: BLE001 - the consumer may be closing already
             pass
+
+
+def _finish_ended(consumer: Consumer, todo: dict[tuple[str, int], Span]) -> None:
+    """Finish the spans the consumer's position has passed the end of."""
+    if todo:
+        for tp in consumer.position([TopicPartition(t, p) for t, p in todo]):
+            span = todo.get((tp.topic, tp.partition))
+            if span is not None and tp.offset >= span.end:
+                _finish(consumer, todo, span)
 
 
 def _finish(consumer: Consumer, todo: dict[tuple[str, int], Span], span: Span) -> None:
