@@ -50,15 +50,17 @@ REBUILD = """
 import dataclasses, json, resource, sys
 from choreo.ops.rebuild import rebuild
 from consumers.workflow import WORKFLOW
-report = rebuild(WORKFLOW, since_ms=int(sys.argv[1]), force=True)
+options = {"pass_records": int(sys.argv[2])} if len(sys.argv) > 2 else {}
+report = rebuild(WORKFLOW, since_ms=int(sys.argv[1]), force=True, **options)
 peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps({**dataclasses.asdict(report), "peak_rss_mb": round(peak_mb, 1)}))
 """
 
 
-def rebuild_in(tree: Path, since_ms: int) -> dict[str, Any]:
+def rebuild_in(tree: Path, since_ms: int, pass_records: int | None = None) -> dict[str, Any]:
     """One rebuild by the code of ``tree``, against the activated private stack."""
-    done = subprocess.run([sys.executable, "-c", REBUILD, str(since_ms)], cwd=tree,
+    args = [str(since_ms)] + ([str(pass_records)] if pass_records else [])
+    done = subprocess.run([sys.executable, "-c", REBUILD, *args], cwd=tree,
                           capture_output=True, text=True, check=False, timeout=REBUILD_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"the rebuild in {tree} exited {done.returncode}: {done.stderr[-2000:]}")
@@ -74,6 +76,7 @@ def keyspace(client: redis.Redis) -> dict[str, Any]:
     keys: Counter[str] = Counter()
     fields: Counter[str] = Counter()
     digest = hashlib.sha256()
+    digests: dict[str, Any] = {}  # by kind: which kinds differ when the whole does
     names = sorted(client.scan_iter(count=5000))
     for start in range(0, len(names), 1000):
         chunk = names[start:start + 1000]
@@ -98,9 +101,20 @@ def keyspace(client: redis.Redis) -> dict[str, Any]:
                 content = [(member, "T" if score >= 1e12 else score) for member, score in content]
             elif kind == "set":
                 content = sorted(content)
-            digest.update(_EPOCH_MS.sub(b"T", repr((name, kind, ttl > 0, content)).encode()))
+            entry = _EPOCH_MS.sub(b"T", repr((name, kind, ttl > 0, content)).encode())
+            digest.update(entry)
+            digests.setdefault(family, hashlib.sha256()).update(entry)
     return {"digest": digest.hexdigest(),
-            "by_kind": {kind: {"keys": keys[kind], "hash_fields": fields[kind]} for kind in sorted(keys)}}
+            "by_kind": {kind: {"keys": keys[kind], "hash_fields": fields[kind], "digest": digests[kind].hexdigest()}
+                        for kind in sorted(keys)}}
+
+
+def _kinds_that_differ(spaces: list[dict[str, Any]]) -> list[str]:
+    """The kinds of key (``keyspace``'s ``by_kind``) whose digest is not the same in every
+    rebuild: where to look when ``same_keyspace`` is false."""
+    kinds = {kind for space in spaces for kind in space["by_kind"]}
+    return sorted(kind for kind in kinds
+                  if len({space["by_kind"].get(kind, {}).get("digest") for space in spaces}) > 1)
 
 
 def plain_read(topics: Sequence[str], since_ms: int) -> dict[str, Any]:
@@ -166,7 +180,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for round_ in range(args.rounds):
                 for side in (["current", "baseline"] if round_ % 2 == 0 else ["baseline", "current"]):
                     client.flushall()
-                    report = rebuild_in(REPO_ROOT if side == "current" else base_tree, since_ms)
+                    report = (rebuild_in(REPO_ROOT, since_ms, args.pass_records) if side == "current"
+                              else rebuild_in(base_tree, since_ms))
                     reports[side].append(report)
                     spaces[side].append(keyspace(client))
                     log(f"round {round_ + 1}: {side} read {report['records_read']} records in "
@@ -191,6 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "current_over_plain_read": round(current["records_per_s_median"] / ceiling, 3),
         # every rebuild of either side restored the same keys with the same contents
         "same_keyspace": len({space["digest"] for side in spaces.values() for space in side}) == 1,
+        "kinds_that_differ": _kinds_that_differ([space for side in spaces.values() for space in side]),
     }
     return result
 
@@ -201,6 +217,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deliveries", "-n", type=int, default=20000, help="deliveries to fill the topics with")
     parser.add_argument("--commit", default="HEAD", help="the baseline's rebuild: any git revision")
     parser.add_argument("--rounds", type=int, default=2, help="rebuilds of each side (alternating order)")
+    parser.add_argument("--pass-records", type=int, default=None,
+                        help="this tree's rebuild holds at most this many records a pass (its default if unset)")
     add_private_stack_options(parser, "rebuild.json")
     return parser.parse_args(argv)
 

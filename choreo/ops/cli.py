@@ -154,6 +154,10 @@ def replay_cmd(
 def rebuild_cmd(
     since: str = typer.Option("-7d", "--from", help="read the topics from this time (ISO, epoch ms, -7d)"),
     force: bool = typer.Option(False, "--force", help="rebuild even while services consume (unsafe)"),
+    pass_records: int | None = typer.Option(
+        None, "--pass-records", min=1,
+        help="records a pass holds at most, about 3 KB each (default 500,000); a bigger partition is read "
+             "once per share of its deliveries"),
     workflow: str = WORKFLOW_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
@@ -161,13 +165,14 @@ def rebuild_cmd(
 
     Pause the workflow's services first (stop or SIGSTOP them), resume them afterwards.
     """
-    from choreo.ops.rebuild import rebuild
+    from choreo.ops.rebuild import PASS_RECORDS, rebuild
     from choreo.ops.records import parse_time
 
     try:
         with _progress("reading topics", as_json) as (total, advance):
             report = rebuild(_workflow(workflow), since_ms=parse_time(since),
-                             progress_total=total, progress=advance, force=force)
+                             progress_total=total, progress=advance, force=force,
+                             pass_records=pass_records or PASS_RECORDS)
     except RuntimeError as exc:
         _fail(str(exc))
     if as_json:

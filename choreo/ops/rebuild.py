@@ -54,8 +54,9 @@ transition or a command per field would make it wait for Redis's round trips, no
 window is read and written in passes, one per partition number: every event of a delivery
 is keyed by its id, and the workflow's topics are co-partitioned (``choreo.topology``), so
 partition *p* of each topic holds the same deliveries. The rebuild holds one partition's
-deliveries at once, not the window's. What crosses partitions is read first and kept, and
-it is small: the runtime's shared topics (``recovery``, its dead letters, the compensation
+deliveries at once, not the window's; a partition of more than ``PASS_RECORDS`` records is
+read once per share of its deliveries (split by a hash of the key), so what a pass holds is
+bounded whatever the window. What crosses partitions is read first and kept, and it is small: the runtime's shared topics (``recovery``, its dead letters, the compensation
 log, which is keyed by delivery and step) hold failures only, and a pool keeps each
 member's latest holder and the holds not yet ended. When the workflow's topics do not all
 have one partition count, one pass reads them all. A record keyed against the rule lands
@@ -72,6 +73,7 @@ key is missing makes the procedure safe with the services running.
 from __future__ import annotations
 
 import gc
+import hashlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -79,7 +81,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis
-from confluent_kafka import TopicPartition
+from confluent_kafka import Message, TopicPartition
 
 from choreo import layout
 from choreo.batch import BatchScript, Item
@@ -105,6 +107,10 @@ from choreo.workflow import Workflow
 READY_KEY = "choreo:state:ready"
 DEFAULT_WINDOW_S = 7 * 24 * 3600
 WRITE_CHUNK = 5000  # items per call: a transition's steps, merged keys, a ZADD's members
+# the records a pass reads before a partition is split into shares of its deliveries: the
+# bound on what the rebuild holds (about 3 KB a record), paid for by reading the partition
+# once per share
+PASS_RECORDS = 500_000
 # a key's fields per merge item: an item's arguments are unpacked at once, and Lua refuses
 # 8,000 values or more (a hostile writer can give one delivery that many dedupe entries)
 MERGE_PAIRS = 1000
@@ -120,6 +126,29 @@ SHARED = {RECOVERY_TOPIC, CompensationRecord.topic}  # never prefixed
 # read before the partition passes and kept: keyed otherwise, or partitioned apart from the
 # workflow's topics, and holding failures only
 SIDE = SHARED | {dlq_topic(t) for t in SHARED}
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Spans read together, of which one share of the deliveries is kept (by the key's
+    hash): a partition too big for one pass is read once per share, each read holding only
+    its share's facts."""
+
+    spans: list[Span]
+    share: int = 0
+    shares: int = 1
+
+    @property
+    def accept(self) -> Callable[[Message], bool] | None:
+        if self.shares == 1:
+            return None
+        return lambda message: share_of(message.key() or b"", self.shares) == self.share
+
+
+def share_of(key: bytes, shares: int) -> int:
+    """A key's share: a hash of its own, independent of the partitioner's (a partition's
+    keys all have one partitioner hash modulo the partition count)."""
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % shares
 
 
 @dataclass(slots=True)
@@ -221,9 +250,10 @@ class Rebuilder:
     """Collects the facts from the topics, then writes them merge-only (see module doc)."""
 
     def __init__(self, workflow: Workflow, client: redis.Redis, grace_s: float = 10.0,
-                 prefix: str = "") -> None:
+                 prefix: str = "", pass_records: int = PASS_RECORDS) -> None:
         self.workflow = workflow
         self.prefix = prefix
+        self.pass_records = pass_records
         self.declared = declarations(workflow)
         # the pipeline's topics under this workflow's naming, mapped back to the canonical names
         self.canonical = {prefix + t: t for t in self.declared}
@@ -276,19 +306,22 @@ class Rebuilder:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def passes(self, consumer: Any, since_ms: int) -> list[list[Span]]:
-        """The window's spans in the order they are read: the side topics', then one pass
-        per partition number of the workflow's topics (one pass when their counts differ)."""
+    def passes(self, consumer: Any, since_ms: int) -> list[Pass]:
+        """The window's passes in the order they are read: the side topics', then one per
+        partition number of the workflow's topics (all of them together when their counts
+        differ), each split into shares of its deliveries past ``pass_records`` records."""
         present = existing_topics(consumer)
         spans = [s for t in self.topics(present) for s in resolve(consumer, t, since_ms=since_ms)]
-        side = [s for s in spans if s.topic in SIDE]
         workflow = [s for s in spans if s.topic not in SIDE]
-        if len({present[s.topic] for s in workflow}) > 1:
-            return [side, workflow]
-        by_partition: dict[int, list[Span]] = {}
+        groups: dict[int, list[Span]] = {}
+        copartitioned = len({present[s.topic] for s in workflow}) <= 1
         for span in workflow:
-            by_partition.setdefault(span.partition, []).append(span)
-        return [side, *(by_partition[p] for p in sorted(by_partition))]
+            groups.setdefault(span.partition if copartitioned else 0, []).append(span)
+        passes = [Pass([s for s in spans if s.topic in SIDE])]
+        for _, group in sorted(groups.items()):
+            shares = max(1, -(-sum(s.size for s in group) // self.pass_records))
+            passes += [Pass(group, share, shares) for share in range(shares)]
+        return passes
 
     def run(self, since_ms: int, report: RebuildReport, progress_total: Callable[[int], None] | None = None,
             progress: Progress | None = None) -> None:
@@ -296,15 +329,16 @@ class Rebuilder:
         consumer = reader()
         try:
             passes = self.passes(consumer, since_ms)
-            self._consumed = self._committed(consumer, {(s.topic, s.partition) for p in passes for s in p})
-            report.records_read = sum(s.size for p in passes for s in p)
+            spans = {s for p in passes for s in p.spans}
+            self._consumed = self._committed(consumer, {(s.topic, s.partition) for s in spans})
+            report.records_read = sum(s.size for s in spans)
             if progress_total is not None:
-                progress_total(report.records_read)
+                progress_total(sum(s.size for p in passes for s in p.spans))  # a share reads it all
             with _timed(report, "pools"):
                 report.pool_members = sum(pool.grow(self.client) for pool in self.pools.values())
-            for spans in passes:
+            for each in passes:
                 with _timed(report, "read"):
-                    for record in read(consumer, spans, progress):
+                    for record in read(consumer, each.spans, progress, accept=each.accept):
                         self._fact(record, self._consumed)
                 self.write(report)
         finally:
@@ -634,7 +668,8 @@ def active_groups(groups: list[str]) -> dict[str, int]:
 
 def rebuild(workflow: Workflow, *, since_ms: int | None = None,
             client: redis.Redis | None = None, progress_total: Callable[[int], None] | None = None,
-            progress: Progress | None = None, force: bool = False, prefix: str = "") -> RebuildReport:
+            progress: Progress | None = None, force: bool = False, prefix: str = "",
+            pass_records: int = PASS_RECORDS) -> RebuildReport:
     """Read the topics from ``since_ms`` (default: a week) and restore Redis, merge-only.
 
     Refuses while a workflow service is consuming (see the procedure above) unless ``force``.
@@ -647,7 +682,7 @@ def rebuild(workflow: Workflow, *, since_ms: int | None = None,
     since = since_ms if since_ms is not None else now_ms() - DEFAULT_WINDOW_S * 1000
     client = client or connect(settings().redis_url, socket_timeout=10)
     layout.claim(client)  # what it writes is this version's layout
-    rebuilder = Rebuilder(workflow, client, prefix=prefix)
+    rebuilder = Rebuilder(workflow, client, prefix=prefix, pass_records=pass_records)
     report = RebuildReport(since_ms=since)
     # a service killed mid-transaction leaves it open until it times out: read only once
     # everything in doubt has committed or aborted, or its effects would be missed
