@@ -36,6 +36,7 @@ H_REPLY_TO = "reply_to"
 H_OWNER = "owner_id"
 MAX_TOPIC_CHARS = 249  # Kafka's own limit on a topic name
 MAX_OWNER_CHARS = 128
+MAX_ID_CHARS = 200  # an id header (event, correlation, causation) is cut to this, not refused
 
 # The highest attempt an envelope may carry. Retry budgets are a few dozen at most; a
 # forged huge attempt would outrank every supervisor token, and past 2**31 it no longer
@@ -159,9 +160,9 @@ class Envelope:
             return Unusable(DeadLetterReason.MISSING_HEADERS, "no event_id / correlation_id headers")
         try:
             envelope = cls(
-                event_id=values[H_EVENT_ID][:200],
-                correlation_id=values[H_CORRELATION_ID][:200],
-                causation_id=values.get(H_CAUSATION_ID, "")[:200],
+                event_id=values[H_EVENT_ID][:MAX_ID_CHARS],
+                correlation_id=values[H_CORRELATION_ID][:MAX_ID_CHARS],
+                causation_id=values.get(H_CAUSATION_ID, "")[:MAX_ID_CHARS],
                 traceparent=values.get(H_TRACEPARENT, "")[:100],
                 attempt=int(values.get(H_ATTEMPT, "1")),
                 deadline_ms=int(values.get(H_DEADLINE, "0")),

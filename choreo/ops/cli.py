@@ -158,6 +158,7 @@ def rebuild_cmd(
         None, "--pass-records", min=1,
         help="records a pass holds at most, about 3 KB each (default 500,000); a bigger partition is read "
              "once per share of its deliveries"),
+    partitioner: str = typer.Option("consistent_random", help="the producers' partitioner"),
     workflow: str = WORKFLOW_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
@@ -172,7 +173,7 @@ def rebuild_cmd(
         with _progress("reading topics", as_json) as (total, advance):
             report = rebuild(_workflow(workflow), since_ms=parse_time(since),
                              progress_total=total, progress=advance, force=force,
-                             pass_records=pass_records or PASS_RECORDS)
+                             pass_records=pass_records or PASS_RECORDS, partitioner=partitioner)
     except RuntimeError as exc:
         _fail(str(exc))
     if as_json:
@@ -186,6 +187,8 @@ def rebuild_cmd(
     out.print(table)
     out.print("seconds: " + ", ".join(f"{phase} {s:.1f}" for phase, s in report.phase_seconds.items()))
     out.print(f"read in {report.passes} passes, at most {report.most_deliveries_held} deliveries held at once")
+    if report.one_group_because:
+        err.print(f"[yellow]not a partition at a time:[/] {report.one_group_because}")
     for conflict in report.booking_conflicts:
         err.print(f"[red]booking conflict:[/] {conflict}")
     if report.booking_conflicts:

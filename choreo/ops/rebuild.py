@@ -55,13 +55,16 @@ window is read and written in passes, one per partition number: every event of a
 is keyed by its id, and the workflow's topics are co-partitioned (``choreo.topology``), so
 partition *p* of each topic holds the same deliveries. The rebuild holds one partition's
 deliveries at once, not the window's; a partition of more than ``PASS_RECORDS`` records is
-read once per share of its deliveries (split by a hash of the key), so what a pass holds is
-bounded whatever the window. What crosses partitions is read first and kept, and it is small: the runtime's shared topics (``recovery``, its dead letters, the compensation
+read once per share of its deliveries (split by a salted hash of the delivery id), so what
+a pass holds is bounded whatever the window. A delivery's facts must all be in one pass
+(a release read after its booking was written would restore a finished delivery's drone),
+so a first read checks that every record lies in its delivery's partition by the producers'
+partitioner; when one does not (partitions added within the window, another partitioner, a
+record keyed by something else than its delivery), or the topics' partition counts differ,
+the workflow's topics are read as one group, still in shares. What crosses partitions is
+read first and kept, and it is small: the runtime's shared topics (``recovery``, its dead letters, the compensation
 log, which is keyed by delivery and step) hold failures only, and a pool keeps each
-member's latest holder and the holds not yet ended. When the workflow's topics do not all
-have one partition count, one pass reads them all. A record keyed against the rule lands
-in another pass than its delivery's others; its facts are written there, merge-only, so
-what the first pass wrote is kept.
+member's latest holder and the holds not yet ended.
 
 **Procedure.** Pause the workflow's services (stop them, or SIGSTOP), run
 ``rebuild-state``, resume them. Between a wipe and the end of the rebuild a running
@@ -74,6 +77,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -88,18 +92,19 @@ from choreo.batch import BatchScript, Item
 from choreo.kafka import wait_transactions_settled
 from choreo.config import settings
 from choreo.dedupe import seen_field, seen_key
-from choreo.envelope import now_ms
+from choreo.envelope import H_CORRELATION_ID, MAX_ID_CHARS, header_value, now_ms
 from choreo.kafka import admin
 from choreo.events import Event
 from choreo.join import FAILED, Join, fanin_fields, result_text
 from choreo.ops.dlq import DeadLetter
-from choreo.ops.records import BodyDecoder, Progress, Rec, Span, existing_topics, read, reader, resolve
+from choreo.ops.records import (BodyDecoder, Progress, Rec, Span, existing_topics, partition_for, read, reader,
+                                resolve)
 from choreo.pool import Pool
 from choreo.record import Record, RebuildRule
 from choreo.redis_client import NodePipelines, connect, raise_first
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
 from choreo.release import awaiting_key, released
-from choreo.runtime_events import CompensationRecord
+from choreo.runtime_events import CompensationRecord, StepReport
 from choreo.state import Source, StateTable, StepStatus, delivery_key
 from choreo.supervision import undo_fields
 from choreo.workflow import Workflow
@@ -115,6 +120,7 @@ PASS_RECORDS = 500_000
 # 8,000 values or more (a hostile writer can give one delivery that many dedupe entries)
 MERGE_PAIRS = 1000
 T = TypeVar("T")
+E = TypeVar("E", bound=Event)
 # KEYS[1] a hash; ARGV: a TTL in seconds (0: none), then field and value pairs, each written
 # only where the field is absent (merge-only): one script item per key and not a command per
 # field, so the rebuild waits for Redis's work rather than for its round trips
@@ -130,25 +136,34 @@ SIDE = SHARED | {dlq_topic(t) for t in SHARED}
 
 @dataclass(frozen=True)
 class Pass:
-    """Spans read together, of which one share of the deliveries is kept (by the key's
-    hash): a partition too big for one pass is read once per share, each read holding only
-    its share's facts."""
+    """Spans read together, of which one share of the deliveries is kept (by a salted hash
+    of the delivery id, so no writer can aim records at one share): a partition too big for
+    one pass is read once per share, each read holding only its share's facts."""
 
     spans: list[Span]
     share: int = 0
     shares: int = 1
+    salt: bytes = b""
 
     @property
     def accept(self) -> Callable[[Message], bool] | None:
         if self.shares == 1:
             return None
-        return lambda message: share_of(message.key() or b"", self.shares) == self.share
+        return lambda message: self.share_of(delivery_of(message.headers(), message.key())) == self.share
+
+    def share_of(self, delivery: str) -> int:
+        digest = hashlib.blake2b(delivery.encode(), digest_size=8, key=self.salt).digest()
+        return int.from_bytes(digest, "big") % self.shares
 
 
-def share_of(key: bytes, shares: int) -> int:
-    """A key's share: a hash of its own, independent of the partitioner's (a partition's
-    keys all have one partitioner hash modulo the partition count)."""
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % shares
+def delivery_of(headers: Any, key: bytes | None) -> str:
+    """The delivery a record is about: its envelope's correlation id, else its key. Read
+    from the raw record, so a share and the stray check decide by what the facts are kept
+    under."""
+    correlation = header_value(headers, H_CORRELATION_ID)
+    if correlation:
+        return correlation[:MAX_ID_CHARS]
+    return key.decode(errors="replace") if key is not None else ""
 
 
 @dataclass(slots=True)
@@ -203,6 +218,7 @@ class RebuildReport:
     awaiting_release: int = 0  # successful deliveries handed back to the release
     passes: int = 0  # reads of a share of the window, each written before the next
     most_deliveries_held: int = 0  # the largest pass's deliveries: what sets the memory
+    one_group_because: str = ""  # why the workflow's topics were not read a partition at a time
     seconds: float = 0.0
     # where the time went (the pipeline waits for the rebuild): waiting for transactions in
     # doubt, reading the topics, and each kind of write
@@ -250,10 +266,11 @@ class Rebuilder:
     """Collects the facts from the topics, then writes them merge-only (see module doc)."""
 
     def __init__(self, workflow: Workflow, client: redis.Redis, grace_s: float = 10.0,
-                 prefix: str = "", pass_records: int = PASS_RECORDS) -> None:
+                 prefix: str = "", pass_records: int = PASS_RECORDS, partitioner: str = "consistent_random") -> None:
         self.workflow = workflow
         self.prefix = prefix
         self.pass_records = pass_records
+        self.partitioner = partitioner  # the producers': a delivery's records are in its partition
         self.declared = declarations(workflow)
         # the pipeline's topics under this workflow's naming, mapped back to the canonical names
         self.canonical = {prefix + t: t for t in self.declared}
@@ -306,43 +323,71 @@ class Rebuilder:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def passes(self, consumer: Any, since_ms: int) -> list[Pass]:
+    def passes(self, consumer: Any, since_ms: int, report: RebuildReport) -> list[Pass]:
         """The window's passes in the order they are read: the side topics', then one per
-        partition number of the workflow's topics (all of them together when their counts
-        differ), each split into shares of its deliveries past ``pass_records`` records."""
+        partition number of the workflow's topics, each split into shares of its deliveries
+        past ``pass_records`` records. The workflow's topics are read as one group instead
+        when a partition number does not hold the same deliveries in each of them (their
+        counts differ, or a record lies outside its delivery's partition: partitions added
+        within the window, another partitioner, a record keyed by something else)."""
         present = existing_topics(consumer)
         spans = [s for t in self.topics(present) for s in resolve(consumer, t, since_ms=since_ms)]
         workflow = [s for s in spans if s.topic not in SIDE]
+        counts = {present[s.topic] for s in workflow}
+        if len(counts) > 1:
+            report.one_group_because = "the workflow's topics have different partition counts"
+        elif len({s.partition for s in workflow}) > 1:
+            report.one_group_because = self._stray(workflow, counts.pop())
         groups: dict[int, list[Span]] = {}
-        copartitioned = len({present[s.topic] for s in workflow}) <= 1
         for span in workflow:
-            groups.setdefault(span.partition if copartitioned else 0, []).append(span)
+            groups.setdefault(0 if report.one_group_because else span.partition, []).append(span)
+        salt = secrets.token_bytes(16)
         passes = [Pass([s for s in spans if s.topic in SIDE])]
         for _, group in sorted(groups.items()):
             shares = max(1, -(-sum(s.size for s in group) // self.pass_records))
-            passes += [Pass(group, share, shares) for share in range(shares)]
+            passes += [Pass(group, share, shares, salt) for share in range(shares)]
         return passes
+
+    def _stray(self, spans: list[Span], partitions: int) -> str:
+        """The first record that lies outside its delivery's partition (by the producers'
+        partitioner), as a sentence, or "": one read of the window, nothing decoded."""
+        def outside(message: Message) -> bool:
+            delivery = delivery_of(message.headers(), message.key()).encode()
+            return partition_for(delivery, partitions, self.partitioner) != message.partition()
+
+        consumer = reader()
+        try:
+            for record in read(consumer, spans, accept=outside):
+                return f"{record.position} lies outside its delivery's partition"
+            return ""
+        finally:
+            consumer.close()
 
     def run(self, since_ms: int, report: RebuildReport, progress_total: Callable[[int], None] | None = None,
             progress: Progress | None = None) -> None:
         """Read and write the window pass by pass (see the module doc), then what the passes kept."""
         consumer = reader()
         try:
-            passes = self.passes(consumer, since_ms)
+            with _timed(report, "plan"):
+                passes = self.passes(consumer, since_ms, report)
             spans = {s for p in passes for s in p.spans}
             self._consumed = self._committed(consumer, {(s.topic, s.partition) for s in spans})
-            report.records_read = sum(s.size for s in spans)
-            if progress_total is not None:
-                progress_total(sum(s.size for p in passes for s in p.spans))  # a share reads it all
-            with _timed(report, "pools"):
-                report.pool_members = sum(pool.grow(self.client) for pool in self.pools.values())
-            for each in passes:
-                with _timed(report, "read"):
-                    for record in read(consumer, each.spans, progress, accept=each.accept):
-                        self._fact(record, self._consumed)
-                self.write(report)
         finally:
             consumer.close()
+        report.records_read = sum(s.size for s in spans)
+        if progress_total is not None:
+            progress_total(sum(s.size for p in passes for s in p.spans))  # a share reads it all
+        with _timed(report, "pools"):
+            report.pool_members = sum(pool.grow(self.client) for pool in self.pools.values())
+        for each in passes:
+            with _timed(report, "read"):
+                consumer = reader()  # its own: nothing of an earlier read's positions
+                try:
+                    for record in read(consumer, each.spans, progress, accept=each.accept):
+                        self._fact(record, self._consumed)
+                finally:
+                    consumer.close()
+            self.write(report)
         for name, part in (("side", self._write_side), ("holds", self._write_holds)):
             with _timed(report, name):
                 part(report)
@@ -365,7 +410,7 @@ class Rebuilder:
 
     def _fact(self, r: Rec, committed: dict[tuple[str, str, int], int]) -> None:
         env = r.envelope
-        delivery = env.correlation_id if env else r.key_text
+        delivery = delivery_of(r.headers, r.key)
         if not delivery:
             return
 
@@ -405,11 +450,10 @@ class Rebuilder:
             self._dead_letter(r)
             return
         body = self.decode(r.topic, r.value)
-        if isinstance(body, dict) and body and r.topic == RECOVERY_TOPIC:
-            error = f"{body['kind']}: {body.get('error', '')}"
-            self.reports.setdefault(delivery, {})[(str(body["step"]), int(body["attempt"]))] = error
-        if isinstance(body, dict) and body and r.topic == CompensationRecord.topic:
-            self.compensation.setdefault(delivery, {})[str(body["step"])] = str(body["status"]).lower()
+        if isinstance(body, dict) and r.topic == RECOVERY_TOPIC and (report := _event(StepReport, body)):
+            self.reports.setdefault(delivery, {})[(report.step, report.attempt)] = f"{report.kind}: {report.error}"
+        if isinstance(body, dict) and r.topic == CompensationRecord.topic and (record := _event(CompensationRecord, body)):
+            self.compensation.setdefault(delivery, {})[record.step] = str(record.status).lower()
         env = r.envelope
         for service, _, _, _ in self.handlers.get(r.topic, ()):
             if env is not None and consumed_by(service):
@@ -641,7 +685,7 @@ def _timed(report: RebuildReport, phase: str) -> Iterator[None]:
         report.phase_seconds[phase] = round(spent, 3)
 
 
-def _event(model: type[Event], body: dict[str, Any]) -> Event | None:
+def _event(model: type[E], body: dict[str, Any]) -> E | None:
     """The event a decoded body holds, or ``None`` when it is not one (a foreign writer)."""
     try:
         return model.from_avro(body)
@@ -669,7 +713,7 @@ def active_groups(groups: list[str]) -> dict[str, int]:
 def rebuild(workflow: Workflow, *, since_ms: int | None = None,
             client: redis.Redis | None = None, progress_total: Callable[[int], None] | None = None,
             progress: Progress | None = None, force: bool = False, prefix: str = "",
-            pass_records: int = PASS_RECORDS) -> RebuildReport:
+            pass_records: int = PASS_RECORDS, partitioner: str = "consistent_random") -> RebuildReport:
     """Read the topics from ``since_ms`` (default: a week) and restore Redis, merge-only.
 
     Refuses while a workflow service is consuming (see the procedure above) unless ``force``.
@@ -682,7 +726,7 @@ def rebuild(workflow: Workflow, *, since_ms: int | None = None,
     since = since_ms if since_ms is not None else now_ms() - DEFAULT_WINDOW_S * 1000
     client = client or connect(settings().redis_url, socket_timeout=10)
     layout.claim(client)  # what it writes is this version's layout
-    rebuilder = Rebuilder(workflow, client, prefix=prefix, pass_records=pass_records)
+    rebuilder = Rebuilder(workflow, client, prefix=prefix, pass_records=pass_records, partitioner=partitioner)
     report = RebuildReport(since_ms=since)
     # a service killed mid-transaction leaves it open until it times out: read only once
     # everything in doubt has committed or aborted, or its effects would be missed

@@ -240,6 +240,7 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
     consumer.assign(assigned)
     consumer.resume(assigned)  # pauses from an earlier read survive unassign/assign
     last_progress = time.monotonic()
+    delivered: set[tuple[str, int]] = set()
     try:
         while todo:
             messages = consumer.consume(batch, BATCH_WAIT_S)
@@ -257,6 +258,7 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
                 offset = message.offset() or 0
                 if span is None or offset >= span.end:
                     continue
+                delivered.add((span.topic, span.partition))
                 counted += 1
                 if accept is None or accept(message):
                     yield Rec.of(message)
@@ -265,8 +267,10 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
             if progress is not None and counted:
                 progress(counted)
             # a span ending in a transaction marker (never delivered) ends with the batch that
-            # took the consumer past it: found now, not after one more wait for nothing
-            _finish_ended(consumer, todo)
+            # took the consumer past it: found now, not after one more wait for nothing. Only
+            # where this read delivered a record: until then a partition read before on this
+            # consumer may still show that read's position
+            _finish_ended(consumer, todo, delivered)
     finally:
         try:
             consumer.unassign()
@@ -274,10 +278,12 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
             pass
 
 
-def _finish_ended(consumer: Consumer, todo: dict[tuple[str, int], Span]) -> None:
-    """Finish the spans the consumer's position has passed the end of."""
-    if todo:
-        for tp in consumer.position([TopicPartition(t, p) for t, p in todo]):
+def _finish_ended(consumer: Consumer, todo: dict[tuple[str, int], Span],
+                  among: set[tuple[str, int]] | None = None) -> None:
+    """Finish the spans (``among`` these partitions) the consumer's position has passed the end of."""
+    checked = [TopicPartition(t, p) for t, p in todo if among is None or (t, p) in among]
+    if checked:
+        for tp in consumer.position(checked):
             span = todo.get((tp.topic, tp.partition))
             if span is not None and tp.offset >= span.end:
                 _finish(consumer, todo, span)

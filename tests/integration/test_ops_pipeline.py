@@ -45,7 +45,7 @@ from choreo.workflow import Workflow
 from consumers.drone_scheduler import fleet
 from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
 from infra.chaos import stuck_evidence
-from schemas.models import ALL_EVENTS, DroneScheduled, PackageReady
+from schemas.models import ALL_EVENTS, DroneReleased, DroneScheduled, PackageReady
 from tests.factories import delivery_request
 from tests.helpers import CLUSTER_URL, ServiceProcess, read_topic, start_group_at_end, wait_for
 from tests.services import ops_pipeline
@@ -218,19 +218,30 @@ def test_rebuild_restores_a_drone_only_to_its_latest_booking(isolated: IsolatedP
     first, second = _book_drone_twice(isolated)
     report = rebuild(isolated.flow, since_ms=started - 5000, client=isolated.client,
                      prefix=isolated.prefix)
-    # the side topics, then each partition the bookings are in (by the producers' partitioner)
-    assert report.passes == 1 + len({partition_for(d.encode(), 3) for d in (first, second)})
+    # the side topics, then the two partitions the bookings are in: the latest holder is
+    # known across passes
+    assert report.passes == 3 and report.most_deliveries_held == 1 and report.one_group_because == ""
     assert report.booking_conflicts == []
     assert (report.bookings_restored, report.bookings_superseded) == (1, 1)
     assert isolated.client.hget(fleet.held_key, "drone-00007") == second.encode()
     assert _bookings(isolated.client).get(first) is None
 
 
+def _ids_in_partitions(count: int, partitions: int = 3) -> list[str]:
+    """Delivery ids that each lie in another partition (by the producers' partitioner): the
+    rebuild reads them in different passes."""
+    found: dict[int, str] = {}
+    while len(found) < count:
+        delivery = str(uuid.uuid4())
+        found.setdefault(partition_for(delivery.encode(), partitions), delivery)
+    return list(found.values())
+
+
 def _book_drone_twice(isolated: IsolatedPipeline) -> tuple[str, str]:
-    """Two deliveries that booked one drone in turn, and a later copy of the first booking
-    (a replay, a redrive): only the second delivery can hold the drone."""
+    """Two deliveries, in different partitions, that booked one drone in turn, and a later
+    copy of the first booking (a replay, a redrive): only the second can hold the drone."""
     publisher = Publisher("test", redis_client=isolated.client)
-    first, second = delivery_request(), delivery_request()
+    first, second = (delivery_request(delivery) for delivery in _ids_in_partitions(2))
     bookings = [(DroneScheduled(delivery_id=request.delivery_id, drone_id="drone-00007",
                                 scheduled_at=datetime.now(UTC)), str(uuid.uuid4()))
                 for request in (first, second)]
@@ -258,10 +269,36 @@ def test_a_rebuild_reads_the_window_in_one_pass_when_its_topics_are_not_co_parti
     report = rebuild(isolated.flow, since_ms=started - 5000, client=isolated.client,
                      prefix=isolated.prefix)
     assert report.passes == 2 and report.most_deliveries_held == report.deliveries == 2
+    assert report.one_group_because == "the workflow's topics have different partition counts"
     assert report.fanin_fields == 3  # both drones and the package
     assert (report.bookings_restored, report.bookings_superseded) == (1, 1)
     assert isolated.client.hget(fleet.held_key, "drone-00007") == second.encode()
     assert _bookings(isolated.client).get(first) is None
+
+
+def test_a_record_outside_its_deliverys_partition_makes_the_rebuild_read_its_topics_together(
+        isolated: IsolatedPipeline) -> None:
+    """A delivery's release lies in another partition than its booking (keyed by something
+    else than its delivery; partitions added within the window or another partitioner do
+    the same). Read a partition at a time, the booking would be restored to a finished
+    delivery; the rebuild finds the record first and reads the topics as one group."""
+    started = int(time.time() * 1000)
+    booked, key = _ids_in_partitions(2)
+    publisher = Publisher("test", redis_client=isolated.client)
+    publisher.publish(DroneScheduled(delivery_id=booked, drone_id="drone-00007", scheduled_at=datetime.now(UTC)),
+                      str(uuid.uuid4()), topic=isolated.prefix + DroneScheduled.topic)
+    release = DroneReleased(delivery_id=key, drone_id="drone-00007", released_at=datetime.now(UTC))
+    envelope = Envelope.first(str(uuid.uuid4()), booked, "DroneReleased", "test")  # about the booked delivery
+    [sent] = publisher.publish_many([Publish(release, envelope.event_id, isolated.prefix + DroneReleased.topic,
+                                             envelope=envelope)])
+    assert not isinstance(sent, Exception)
+    publisher.flush(30)
+    report = rebuild(isolated.flow, since_ms=started - 5000, client=isolated.client,
+                     prefix=isolated.prefix)
+    assert isolated.client.hget(fleet.held_key, "drone-00007") is None
+    assert (report.bookings_restored, report.bookings_superseded) == (0, 0)
+    assert report.one_group_because.endswith("lies outside its delivery's partition")
+    assert report.passes == 2 and report.deliveries == 1
 
 
 def test_rebuild_restores_a_requeued_step_at_its_attempt(isolated: IsolatedPipeline) -> None:
