@@ -355,13 +355,14 @@ class Rebuilder:
             delivery = delivery_of(message.headers(), message.key()).encode()
             return partition_for(delivery, partitions, self.partitioner) != message.partition()
 
-        consumer = reader()
-        try:
-            for record in read(consumer, spans, accept=outside):
-                return f"{record.position} lies outside its delivery's partition"
-            return ""
-        finally:
-            consumer.close()
+        for partition in sorted({s.partition for s in spans}):  # as the passes read: what it buffers
+            consumer = reader()
+            try:
+                for record in read(consumer, [s for s in spans if s.partition == partition], accept=outside):
+                    return f"{record.position} lies outside its delivery's partition"
+            finally:
+                consumer.close()
+        return ""
 
     def run(self, since_ms: int, report: RebuildReport, progress_total: Callable[[int], None] | None = None,
             progress: Progress | None = None) -> None:
