@@ -62,9 +62,9 @@ so a first read checks that every record lies in its delivery's partition by the
 partitioner; when one does not (partitions added within the window, another partitioner, a
 record keyed by something else than its delivery), or the topics' partition counts differ,
 the workflow's topics are read as one group, still in shares. What crosses partitions is
-read first and kept, and it is small: the runtime's shared topics (``recovery``, its dead letters, the compensation
-log, which is keyed by delivery and step) hold failures only, and a pool keeps each
-member's latest holder and the holds not yet ended.
+read first and kept, and it is small: the runtime's shared topics (``recovery``, its dead
+letters, the compensation log, which is keyed by delivery and step) hold failures only,
+and a pool keeps each member's latest holder and the holds not yet ended.
 
 **Procedure.** Pause the workflow's services (stop them, or SIGSTOP), run
 ``rebuild-state``, resume them. Between a wipe and the end of the rebuild a running
@@ -351,9 +351,9 @@ class Rebuilder:
     def _stray(self, spans: list[Span], partitions: int) -> str:
         """The first record that lies outside its delivery's partition (by the producers'
         partitioner), as a sentence, or "": one read of the window, nothing decoded."""
-        def outside(message: Message) -> bool:
+        def outside(message: Message) -> bool:  # a record of no delivery gives no fact
             delivery = delivery_of(message.headers(), message.key()).encode()
-            return partition_for(delivery, partitions, self.partitioner) != message.partition()
+            return bool(delivery) and partition_for(delivery, partitions, self.partitioner) != message.partition()
 
         for partition in sorted({s.partition for s in spans}):  # as the passes read: what it buffers
             consumer = reader()
