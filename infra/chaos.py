@@ -467,9 +467,9 @@ class Submitter(threading.Thread):
         next_at = time.monotonic()
         for n in range(self.plan.deliveries):
             request = self.request(n)
-            now = time.monotonic()
-            if next_at > now:
-                publisher.poll(next_at - now)
+            # a poll returns as soon as it served a delivery report: wait out the interval
+            while (wait := next_at - time.monotonic()) > 0:
+                publisher.poll(wait)
             while True:
                 with self.lock:  # the gate is checked under the lock: a pause waits for us
                     if self.gate.is_set():
