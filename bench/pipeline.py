@@ -86,6 +86,10 @@ SCRIPT_ITEMS = "choreo_redis_script_items_total"
 OUTCOME_TOPICS = ["delivery.shipped", "delivery.failed"]
 # records the services keep of every delivery, by design (business logs, not runtime state)
 BUSINESS_LOGS = (fleet.history_key,)
+# the records a service keeps per delivery past its release (the notifier's ``notified:{id}``,
+# for their own TTL): what a finished delivery leaves besides its tombstone
+KEPT_RECORDS = [record.key for service in WORKFLOW.services for record in service.records
+                if not record.released_with_delivery]
 # admission's in-flight set: a live ingestion instance trims terminal deliveries out of it
 # lazily; the benchmark's driver exits first, so its entries are counted apart
 ADMISSION_SET = inflight_keys(IngestionSettings().inflight_key)[0]
@@ -751,10 +755,12 @@ class Bench:
     def memory_probe(self, n: int) -> dict[str, Any]:
         """Redis bytes per delivery at three moments: accepted but not yet worked (the step
         consumers paused with SIGSTOP for a moment); shipped, with every reaction done but the
-        notifier's, whose group then holds the release back (``choreo.release``): the most a
-        delivery holds; and once released. The business log that grows with every delivery (the
-        fleet's history) is counted apart from the runtime's state; the services' records are
-        keys of the delivery's hash slot and count with it."""
+        notifier's, whose group then holds the release back (``choreo.release``); and once
+        released. The business log that grows with every delivery (the fleet's history) is
+        counted apart from the runtime's state; the services' records released with the
+        delivery count with it, those kept past the release (``KEPT_RECORDS``) apart, once
+        released: the notifier's is written before the release, so the most a delivery holds
+        is the second moment's keys and them (``most_held_per_delivery``)."""
         client = connect(settings().redis_url)
         step_consumers = self._pids("package", "drone-scheduler")
         notifier = self._pids("notifier")
@@ -790,6 +796,7 @@ class Bench:
         logs = self._business_log_bytes(client) - logs_base
         admission = self._bytes_of(client, ADMISSION_SET) - admission_base
         count = max(1, len(ids))
+        kept = self._bytes_of_keys(client, [key(d) for d in ids for key in KEPT_RECORDS])
         return {
             "deliveries": len(ids), "all_terminal": waited, "all_recorded": recorded,
             "all_released": released,
@@ -801,6 +808,7 @@ class Bench:
             "bytes_per_completed_delivery": round((done_mem - base) / count),
             "business_log_bytes_per_completed_delivery": round(logs / count),
             "admission_set_bytes_per_completed_delivery": round(admission / count),
+            "kept_record_bytes_per_completed_delivery": round(kept / count),
             "counted_bytes_per_delivery": {"accepted": counted_accepted, "before_release": counted_held,
                                            "released": counted_done},
             "keys_of_one_delivery_before_release": held_keys,
@@ -825,11 +833,7 @@ class Bench:
         of the shared sets' growth. ``used_memory`` moves by megabytes with client buffers (a
         service's pipelined batch, a consumer's fetch), hundreds of bytes per delivery at this
         count: the key count is the steady figure, ``used_memory`` the one with everything."""
-        pipe = client.pipeline(transaction=False)
-        for d in ids:
-            for key in state_keys(d, WORKFLOW.released_keys):
-                pipe.memory_usage(key, samples=0)
-        own = sum(int(b or 0) for b in pipe.execute())
+        own = self._bytes_of_keys(client, [key for d in ids for key in state_keys(d, WORKFLOW.released_keys)])
         shared = self._shared_bytes(client) - shared_base
         count = max(1, len(ids))
         return {"own": round(own / count), "shared": round(shared / count),
@@ -842,6 +846,13 @@ class Bench:
     @staticmethod
     def _bytes_of(client: redis.Redis, key: str) -> int:
         return int(client.memory_usage(key, samples=0) or 0)
+
+    @staticmethod
+    def _bytes_of_keys(client: redis.Redis, keys: Sequence[str]) -> int:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.memory_usage(key, samples=0)
+        return sum(int(b or 0) for b in pipe.execute())
 
     def _business_log_bytes(self, client: redis.Redis) -> int:
         return sum(self._bytes_of(client, key) for key in BUSINESS_LOGS)
@@ -948,7 +959,8 @@ def evaluate(summary: dict[str, Any]) -> dict[str, Any]:
     retained.update({
         "of_which_runtime_tombstone": summary.get("redis_runtime_bytes_retained_per_completed"),
         "of_which_business_logs": summary.get("redis_business_log_bytes_per_completed"),
-        "of_which_admission_set": summary.get("redis_admission_set_bytes_per_completed")})
+        "of_which_admission_set": summary.get("redis_admission_set_bytes_per_completed"),
+        "of_which_kept_records": summary.get("redis_kept_record_bytes_per_completed")})
     return {
         "ratio_tuned": check(summary.get("ratio_tuned"), TARGETS["ratio_tuned"], True),
         "p50_ms_at_100_offered": check(summary.get("p50_ms_at_100"), TARGETS["p50_ms_at_100"], False),
@@ -1043,12 +1055,23 @@ def _ratio(pipeline: dict[str, Any], ceiling: dict[str, Any]) -> float:
 
 def retained_per_completed(memory: dict[str, Any]) -> int:
     """What a finished delivery leaves in Redis: the larger of ``used_memory``'s growth and
-    the key-by-key count (its own keys, its share of the shared sets, and the business logs).
-    ``used_memory`` alone moves by megabytes with client buffers: one run measured -1,003 B
-    per delivery and would have called that flat, with the 136 B tombstone in place."""
+    the key-by-key count (its own keys, its share of the shared sets, the records kept past
+    its release, and the business logs). ``used_memory`` alone moves by megabytes with client
+    buffers: one run measured -1,003 B per delivery and would have called that flat, with the
+    136 B tombstone in place."""
     counted = int(memory["counted_bytes_per_delivery"]["released"]["total"])
     return max(int(memory["bytes_per_completed_delivery"]),
-               counted + int(memory["business_log_bytes_per_completed_delivery"]))
+               counted + int(memory["kept_record_bytes_per_completed_delivery"])
+               + int(memory["business_log_bytes_per_completed_delivery"]))
+
+
+def most_held_per_delivery(memory: dict[str, Any]) -> int:
+    """The most a delivery holds: its keys just before its release plus the records kept past
+    it, which the notifier (paused for the probe, so that it holds the release back) writes
+    before the release; or ``used_memory``'s growth, if larger."""
+    counted = int(memory["counted_bytes_per_delivery"]["before_release"]["total"])
+    return max(int(memory["bytes_per_inflight_delivery_upper_bound"]),
+               counted + int(memory["kept_record_bytes_per_completed_delivery"]))
 
 
 def summarise(result: dict[str, Any], bench: Bench) -> dict[str, Any]:
@@ -1082,8 +1105,7 @@ def summarise(result: dict[str, Any], bench: Bench) -> dict[str, Any]:
         "max_service_peak_rss_mb": max(services_rss) if services_rss else None,
         "peak_rss_mb": result["peak_rss_mb"],
         # the larger of the two measures (used_memory moves with client buffers; see _counted)
-        "redis_bytes_per_inflight": max(result["memory"]["bytes_per_inflight_delivery_upper_bound"],
-                                        result["memory"]["counted_bytes_per_delivery"]["before_release"]["total"]),
+        "redis_bytes_per_inflight": most_held_per_delivery(result["memory"]),
         "redis_counted_bytes_per_delivery": result["memory"]["counted_bytes_per_delivery"],
         "redis_bytes_per_accepted": result["memory"]["bytes_per_accepted_delivery"],
         "redis_bytes_before_release": result["memory"]["bytes_per_delivery_before_release"],
@@ -1091,6 +1113,7 @@ def summarise(result: dict[str, Any], bench: Bench) -> dict[str, Any]:
         "redis_runtime_bytes_retained_per_completed": result["memory"]["counted_bytes_per_delivery"]["released"]["own"],
         "redis_business_log_bytes_per_completed": result["memory"]["business_log_bytes_per_completed_delivery"],
         "redis_admission_set_bytes_per_completed": result["memory"]["admission_set_bytes_per_completed_delivery"],
+        "redis_kept_record_bytes_per_completed": result["memory"]["kept_record_bytes_per_completed_delivery"],
         "redis_script_items_per_delivery": summarise_repeats(
             [r["pipeline"] for r in runs], ["redis_script_items_per_delivery"])["redis_script_items_per_delivery"]["median"],
         "hops_per_delivery": {"produced": bench.hops.produced, "consumed": bench.hops.consumed},

@@ -14,7 +14,7 @@ from bench.common import (
 from bench.http_load import BadResponse, parse_head, request_bytes
 from bench.ingestion import summarise as summarise_ingestion
 from bench.jfr import collapse
-from bench.pipeline import evaluate, retained_per_completed, script_items
+from bench.pipeline import evaluate, most_held_per_delivery, retained_per_completed, script_items
 from bench.profile import frame_name, summarise
 from bench.transactions import parse_args as parse_transaction_args, phase_figures
 
@@ -308,14 +308,26 @@ def test_the_transaction_benchmark_refuses_nonsense_arguments(argv: list[str]) -
 
 def test_what_a_finished_delivery_keeps_is_the_larger_of_the_two_measures() -> None:
     # used_memory fell during the probe (client buffers freed), while the keys still hold a
-    # tombstone and the business logs grew: those count
+    # tombstone, a record kept past the release, and the business logs grew: those count
     memory = {"bytes_per_completed_delivery": -1003, "business_log_bytes_per_completed_delivery": 245,
+              "kept_record_bytes_per_completed_delivery": 88,
               "counted_bytes_per_delivery": {"released": {"own": 136, "shared": -49, "total": 87}}}
-    assert retained_per_completed(memory) == 87 + 245
+    assert retained_per_completed(memory) == 87 + 88 + 245
     kept = evaluate({"redis_bytes_retained_per_completed": retained_per_completed(memory)})
-    assert kept["redis_bytes_retained_per_completed"]["met"] is False  # 332 B > the 150 B target
+    assert kept["redis_bytes_retained_per_completed"]["met"] is False  # 420 B > the 150 B target
     small = {"bytes_per_completed_delivery": -12, "business_log_bytes_per_completed_delivery": 0,
+             "kept_record_bytes_per_completed_delivery": 0,
              "counted_bytes_per_delivery": {"released": {"own": 136, "shared": 0, "total": 136}}}
     assert evaluate({"redis_bytes_retained_per_completed": retained_per_completed(small)}
                     )["redis_bytes_retained_per_completed"]["met"] is True
     assert evaluate({})["redis_bytes_retained_per_completed"]["met"] is None
+
+
+def test_the_most_a_delivery_holds_counts_the_record_written_before_its_release() -> None:
+    # the probe's second moment has the notifier paused: its record, written before the
+    # release and kept past it, is added to what the delivery's keys held then
+    memory = {"bytes_per_inflight_delivery_upper_bound": 1500, "kept_record_bytes_per_completed_delivery": 88,
+              "counted_bytes_per_delivery": {"before_release": {"own": 1742, "shared": 243, "total": 1985}}}
+    assert most_held_per_delivery(memory) == 1985 + 88
+    noisy = {**memory, "bytes_per_inflight_delivery_upper_bound": 2600}  # used_memory, larger
+    assert most_held_per_delivery(noisy) == 2600
