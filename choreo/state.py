@@ -362,6 +362,29 @@ return 'ok'
 """
 
 
+# A rebuild's restore of one delivery's steps (``StateTable.restore_many``): the open, begin
+# and finish a step went through, in one script item where they took three per step, so the
+# state is what those transitions write. ARGV[1] = now, ARGV[2] = the budget of tries,
+# ARGV[3] = how many steps ended; then (step, attempt, default deadline ms, index member,
+# source, status, error) of each step that ended; then open_steps' quadruples, every step.
+_RESTORE = """
+local function begin(KEYS, ARGV)
+%s
+end
+local function finish(KEYS, ARGV)
+%s
+end
+local now, ended = tonumber(ARGV[1]), tonumber(ARGV[3])
+local at = 4 + 7 * ended
+open_steps(KEYS[1], KEYS[2], ARGV, at, now)
+for i = 4, at - 1, 7 do
+  begin(KEYS, {ARGV[i], ARGV[i + 1], ARGV[1], ARGV[i + 2], ARGV[2], ARGV[i + 3], ARGV[i + 4], '0', '', '', 0, '0'})
+  finish(KEYS, {ARGV[i], ARGV[i + 1], ARGV[1], ARGV[i + 5], ARGV[i + 3], ARGV[i + 6]})
+end
+return 0
+""" % (_BEGIN, _FINISH)
+
+
 # A finish that also applies its attempt's writes and opens the steps its outputs start, when
 # it lets them be published: one script item where there were three, and no round trip of
 # its own for either. The writes (ARGV[7]: how many; each its TTL seconds, 0 for none, its
@@ -503,6 +526,23 @@ class StepState:
     source: str
 
 
+RESTORE_BUDGET = 1 << 30  # a restored step's begin is no try against its budget
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A step as a rebuild restores it: opened at its trigger's attempt, due by
+    ``complete_by_ms``; ``ended`` (its status and error) when its service consumed the
+    trigger, begun from ``source`` (``Source.text``)."""
+
+    step: str
+    attempt: int
+    complete_by_ms: int
+    default_deadline_ms: int
+    source: str
+    ended: tuple[StepStatus, str] | None
+
+
 class StateTable:
     """Conditional step transitions; every call is one atomic script."""
 
@@ -516,6 +556,7 @@ class StateTable:
         self._try_again = client.register_script(_TRY_AGAIN)
         self._finish = StepScript(client, "finish", _FINISH)
         self._finish_opening = StepScript(client, "finish_opening", _FINISH_OPENING)
+        self._restore = StepScript(client, "restore", _RESTORE)
         self._note_dead_letter = client.register_script(_NOTE_DEAD_LETTER)
         self._put = client.register_script(_PUT)
 
@@ -659,6 +700,24 @@ class StateTable:
              [step, attempt, now_ms, status.value, index_member(delivery_id, step), error[:500]])
             for delivery_id, step, attempt, status, error in items])
         return [text(r) for r in answers]
+
+    def restore_many(self, items: Sequence[tuple[str, Sequence[Restored]]], now_ms: int) -> None:
+        """A rebuild's steps, per delivery: each opened at its attempt, and a step whose trigger
+        its service consumed begun and finished as it ended (``Restored.ended``), as the
+        transitions would have written them, in one script item per delivery."""
+        runs: list[Item] = []
+        for delivery_id, steps in items:
+            ended = [step for step in steps if step.ended is not None]
+            args: list[str | int | float] = [now_ms, RESTORE_BUDGET, len(ended)]
+            for step in ended:
+                assert step.ended is not None
+                status, error = step.ended
+                args += [step.step, step.attempt, step.default_deadline_ms, index_member(delivery_id, step.step),
+                         step.source, status.value, error[:500]]
+            for step in steps:
+                args += [step.step, step.complete_by_ms, index_member(delivery_id, step.step), step.attempt]
+            runs.append(([delivery_key(delivery_id), deadline_index(delivery_id)], args))
+        self._restore.run(runs)
 
     def note_dead_letters(self, delivery_ids: Iterable[str]) -> None:
         """Keep these deliveries' state when they finish: a redrive of their letters needs it

@@ -105,7 +105,7 @@ from choreo.redis_client import NodePipelines, connect, raise_first
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
 from choreo.release import awaiting_key, released
 from choreo.runtime_events import CompensationRecord, StepReport
-from choreo.state import Source, StateTable, StepStatus, delivery_key
+from choreo.state import Restored, Source, StateTable, StepStatus, delivery_key
 from choreo.supervision import undo_fields
 from choreo.workflow import Workflow
 
@@ -426,11 +426,11 @@ class Rebuilder:
             facts.dead_letters += 1
             self._dead_letter(r)
             return
-        topic = self.canonical.get(r.topic, "")
-        body = self.decode(r.topic, r.value) if topic else {}
-        declared = self.declared.get(topic)
-        if declared is not None and isinstance(body, dict) and body:
-            self._declared_fact(declared, facts, r, body, consumed_by)
+        declared = self.declared.get(self.canonical.get(r.topic, ""))
+        if declared is not None:  # a body is decoded only where the declarations read one
+            body = self.decode(r.topic, r.value)
+            if isinstance(body, dict) and body:
+                self._declared_fact(declared, facts, r, body, consumed_by)
         for service, step, origin, deadline_ms in self.handlers.get(r.topic, ()):
             if env is not None and consumed_by(service):
                 self.seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))
@@ -547,8 +547,8 @@ class Rebuilder:
         state = StateTable(self.client)
         triggered = [(d, list(f.triggers.values())) for d, f in self._unreleased() if f.triggers]
         now = now_ms()
-        # each transition for a chunk of deliveries' steps in one round trip, in the order a
-        # step goes through them (its own open, begin, finish), as the services' batches do
+        # a chunk of deliveries' steps in one round trip, each delivery's in one script item
+        # that runs the transitions its steps went through (open, begin, finish)
         for deliveries in _chunks(triggered, WRITE_CHUNK):
             pipe = self.client.pipeline(transaction=False)
             for delivery, triggers in deliveries:
@@ -559,18 +559,15 @@ class Rebuilder:
                 continue
             # at the trigger's attempt: a requeue not yet read must not be claimed (and sent)
             # again under the same attempt once the supervisor finds the step past its deadline
-            state.open_many([(delivery, t.step, max(t.timestamp_ms + t.deadline_ms, now + self.grace_ms),
-                              t.attempt) for delivery, t in chunk], now)
+            restored: dict[str, list[Restored]] = {}
+            for delivery, t in chunk:
+                consumed = self._consumed.get((t.service, t.source.topic, t.source.partition), -1) > t.source.offset
+                restored.setdefault(delivery, []).append(Restored(
+                    t.step, t.attempt, max(t.timestamp_ms + t.deadline_ms, now + self.grace_ms), t.deadline_ms,
+                    t.source.text(), self._ended(delivery, t) if consumed else None))
+                report.open_steps += not consumed
+            state.restore_many(list(restored.items()), now)
             report.steps += len(chunk)
-            consumed = [(delivery, t) for delivery, t in chunk
-                        if self._consumed.get((t.service, t.source.topic, t.source.partition), -1) > t.source.offset]
-            report.open_steps += len(chunk) - len(consumed)
-            if not consumed:
-                continue
-            state.begin_many([(delivery, t.step, t.attempt, now, t.deadline_ms, t.source.text())
-                              for delivery, t in consumed], 1 << 30)
-            state.finish_many([(delivery, t.step, t.attempt, *self._ended(delivery, t)) for delivery, t in consumed],
-                              now)
 
     def _ended(self, delivery: str, trigger: Trigger) -> tuple[StepStatus, str]:
         """How a consumed trigger's step ended: failed when its attempt was reported to

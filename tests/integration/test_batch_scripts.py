@@ -18,7 +18,9 @@ from choreo.envelope import Envelope
 from choreo.pool import Pool
 from choreo.redis_client import TRANSIENT, ReplicationLag, connect, is_cluster
 from choreo.service import Context
-from choreo.state import HashWrite, StateTable, StepStatus, deadline_index, delivery_key, index_member
+from choreo.state import (
+    RESTORE_BUDGET, HashWrite, Restored, StateTable, StepStatus, deadline_index, delivery_key, index_member,
+)
 from choreo.supervision import Transitions
 
 pytestmark = pytest.mark.integration
@@ -111,6 +113,35 @@ def test_a_finish_applies_its_attempts_writes_only_when_it_completes_the_step(
     redis_client.hset(record_of[ok], "status", "cancelled")
     assert state.complete_many([(ok, "package", 1)], now + 5, writes=writes[:1]) == ["replay"]
     assert redis_client.hget(record_of[ok], "status") == b"cancelled"
+
+
+def test_a_restored_delivery_holds_what_its_steps_transitions_would_have_written(
+        redis_client: redis.Redis, unique: str) -> None:
+    """The rebuild restores a delivery's steps in one item (``restore_many``): its table and
+    its deadline index entries are those of the open, begin and finish each step went through,
+    for a completed step, a failed one, one still open and one opened at a later attempt."""
+    state = StateTable(redis_client)
+    now, due, source = 5_000, 10**13, "delivery.requested|0|7"
+    shapes = [Restored("package", 1, due, 30_000, source, (StepStatus.COMPLETED, "")),
+              Restored("drone", 2, due + 1, 30_000, source, (StepStatus.FAILED, "dispatch: refused")),
+              Restored("delivery", 1, due + 2, 60_000, "", None),
+              Restored("customs", 3, due + 3, 30_000, source, None)]
+    restored, transitions = f"restored-{unique}", f"transitions-{unique}"
+    state.restore_many([(restored, shapes)], now)
+    state.open_many([(transitions, s.step, s.complete_by_ms, s.attempt) for s in shapes], now)
+    ended = [s for s in shapes if s.ended is not None]
+    state.begin_many([(transitions, s.step, s.attempt, now, s.default_deadline_ms, s.source) for s in ended],
+                     RESTORE_BUDGET)
+    state.finish_many([(transitions, s.step, s.attempt, *s.ended) for s in ended if s.ended is not None], now)
+    assert state.raw(restored) == state.raw(transitions)
+    steps = state.steps(restored)
+    assert [steps[s.step].status for s in shapes] == [
+        StepStatus.COMPLETED, StepStatus.FAILED, StepStatus.PENDING, StepStatus.PENDING]
+    assert steps["customs"].attempt == 3 and steps["drone"].attempt == 2
+    due_by = {d: {member.decode().split("|", 1)[1]: score for member, score
+                  in redis_client.zrange(deadline_index(d), 0, -1, withscores=True)
+                  if member.decode().startswith(d + "|")} for d in (restored, transitions)}
+    assert due_by[restored] == due_by[transitions] == {"drone": now, "delivery": due + 2, "customs": due + 3}
 
 
 def test_an_item_answering_an_error_fails_the_call(redis_client: redis.Redis) -> None:
