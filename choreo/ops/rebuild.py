@@ -23,7 +23,8 @@ What is rebuilt, and why each piece matters for exactly-once after a wipe:
   when the service handles their release again it finds no hold and does nothing. A
   restore never takes a member someone else holds (reported as a conflict).
 * **State table** (``dl:{id}`` steps + ``deadlines``), replayed through the state table's
-  own transitions (``open`` / ``begin`` / ``finish``): a step whose latest trigger the
+  own transitions (``open`` / ``begin`` / ``finish``, a delivery's steps in one script item:
+  ``StateTable.restore_many``): a step whose latest trigger the
   service has committed is completed (failed when it was reported to ``recovery`` or
   dead-lettered), otherwise pending with a deadline, so the supervisor watches it again.
   Compensation states come from the supervisor's ``compensation.log``.
@@ -46,8 +47,8 @@ says it was released (``choreo.release``) is left as it is; a decided delivery's
 state expires as the delivery service's does; a delivery with dead letters gets its
 ``dead_letters`` mark back, so it is not released before a redrive.
 
-The writes go by the chunk (``WRITE_CHUNK`` items per call: each transition for many steps,
-a key's fields in one script item): the pipeline waits for the rebuild, and a round trip per
+The writes go by the chunk (``WRITE_CHUNK`` items per call: many deliveries' steps, a key's
+fields in one script item): the pipeline waits for the rebuild, and a round trip per
 transition or a command per field would make it wait for Redis's round trips, not its work.
 
 **A partition at a time.** The facts of a delivery are held until they are written, so the
