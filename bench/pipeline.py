@@ -753,17 +753,17 @@ class Bench:
     # -- Redis memory ------------------------------------------------------------------------
 
     def memory_probe(self, n: int) -> dict[str, Any]:
-        """Redis bytes per delivery at three moments: accepted but not yet worked (the step
+        """Redis bytes per delivery at four moments: accepted but not yet worked (the step
         consumers paused with SIGSTOP for a moment); shipped, with every reaction done but the
-        notifier's, whose group then holds the release back (``choreo.release``); and once
-        released. The business log that grows with every delivery (the fleet's history) is
-        counted apart from the runtime's state; the services' records released with the
-        delivery count with it, those kept past the release (``KEPT_RECORDS``) apart, once
-        released: the notifier's is written before the release, so the most a delivery holds
-        is the second moment's keys and them (``most_held_per_delivery``)."""
+        notifier's, whose group then holds the release back (``choreo.release``); notified too,
+        with the supervisor, which releases, paused: the most a delivery holds
+        (``most_held_per_delivery``); and once released. The business log that grows with
+        every delivery (the fleet's history) is counted apart from the runtime's state; the
+        services' records released with the delivery count with it, those kept past the
+        release (``KEPT_RECORDS``) apart."""
         client = connect(settings().redis_url)
         step_consumers = self._pids("package", "drone-scheduler")
-        notifier = self._pids("notifier")
+        notifier, releaser = self._pids("notifier"), self._pids("supervisor")
         base = used_memory(client)
         logs_base = self._business_log_bytes(client)
         admission_base = self._bytes_of(client, ADMISSION_SET)
@@ -785,9 +785,22 @@ class Bench:
             recorded = _wait(lambda: self._awaiting_release(client) >= len(ids), self.args.timeout)
             held_mem = used_memory(client)
             counted_held = self._counted(client, ids, shared_base)
-            held_keys = self._keys_of(client, ids[0]) if ids else {}
+            # the notifier's turn with the release held by its doer: every key a delivery
+            # has at once, the notifier's entries and its record among them
+            for pid in releaser:
+                os.kill(pid, signal.SIGSTOP)
         finally:
             for pid in notifier:
+                os.kill(pid, signal.SIGCONT)
+        try:
+            notified = _wait(lambda: self._count_existing(client, ids, KEPT_RECORDS) == len(ids) * len(KEPT_RECORDS),
+                             self.args.timeout)
+            most_mem = used_memory(client)
+            counted_most = self._counted(client, ids, shared_base)
+            kept_most = self._bytes_of_keys(client, [key(d) for d in ids for key in KEPT_RECORDS])
+            held_keys = self._keys_of(client, ids[0]) if ids else {}
+        finally:
+            for pid in releaser:
                 os.kill(pid, signal.SIGCONT)
         released = _wait(lambda: self._awaiting_release(client) == 0, self.args.timeout)
         time.sleep(1.0)
@@ -799,19 +812,21 @@ class Bench:
         kept = self._bytes_of_keys(client, [key(d) for d in ids for key in KEPT_RECORDS])
         return {
             "deliveries": len(ids), "all_terminal": waited, "all_recorded": recorded,
-            "all_released": released,
+            "all_notified": notified, "all_released": released,
             "used_memory_base": base, "used_memory_accepted": accepted_mem,
-            "used_memory_before_release": held_mem, "used_memory_released": done_mem,
+            "used_memory_before_release": held_mem, "used_memory_at_most": most_mem,
+            "used_memory_released": done_mem,
             "bytes_per_accepted_delivery": round((accepted_mem - base) / count),
             "bytes_per_delivery_before_release": round((held_mem - base) / count),
-            "bytes_per_inflight_delivery_upper_bound": round((max(accepted_mem, held_mem) - base) / count),
+            "bytes_per_inflight_delivery_upper_bound": round((max(accepted_mem, held_mem, most_mem) - base) / count),
             "bytes_per_completed_delivery": round((done_mem - base) / count),
             "business_log_bytes_per_completed_delivery": round(logs / count),
             "admission_set_bytes_per_completed_delivery": round(admission / count),
             "kept_record_bytes_per_completed_delivery": round(kept / count),
             "counted_bytes_per_delivery": {"accepted": counted_accepted, "before_release": counted_held,
-                                           "released": counted_done},
-            "keys_of_one_delivery_before_release": held_keys,
+                                           "at_most": counted_most, "released": counted_done},
+            "kept_record_bytes_per_delivery_at_most": round(kept_most / count),
+            "keys_of_one_delivery_at_most": held_keys,
             "keys_of_one_delivery_released": self._keys_of(client, ids[0]) if ids else {},
             "keys_total_after": int(client.dbsize()),
         }
@@ -846,6 +861,14 @@ class Bench:
     @staticmethod
     def _bytes_of(client: redis.Redis, key: str) -> int:
         return int(client.memory_usage(key, samples=0) or 0)
+
+    @staticmethod
+    def _count_existing(client: redis.Redis, ids: Sequence[str], records: Sequence[Callable[[str], str]]) -> int:
+        pipe = client.pipeline(transaction=False)
+        for d in ids:
+            for key in records:
+                pipe.exists(key(d))
+        return sum(int(n) for n in pipe.execute())
 
     @staticmethod
     def _bytes_of_keys(client: redis.Redis, keys: Sequence[str]) -> int:
@@ -1066,12 +1089,12 @@ def retained_per_completed(memory: dict[str, Any]) -> int:
 
 
 def most_held_per_delivery(memory: dict[str, Any]) -> int:
-    """The most a delivery holds: its keys just before its release plus the records kept past
-    it, which the notifier (paused for the probe, so that it holds the release back) writes
-    before the release; or ``used_memory``'s growth, if larger."""
-    counted = int(memory["counted_bytes_per_delivery"]["before_release"]["total"])
+    """The most a delivery holds: its keys once every reader has done its part and the
+    release has not run, with the records it keeps past the release (written by then);
+    or ``used_memory``'s growth, if larger."""
+    counted = int(memory["counted_bytes_per_delivery"]["at_most"]["total"])
     return max(int(memory["bytes_per_inflight_delivery_upper_bound"]),
-               counted + int(memory["kept_record_bytes_per_completed_delivery"]))
+               counted + int(memory["kept_record_bytes_per_delivery_at_most"]))
 
 
 def summarise(result: dict[str, Any], bench: Bench) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from choreo.ops.rebuild import Rebuilder
 from choreo.ops.records import existing_topics, reader, resolve as spans_of
 from choreo.redis_client import connect
 from consumers.workflow import WORKFLOW
-from registry.leader import LEASE_PREFIX
+from registry.leader import is_lease_key
 
 _EPOCH_MS = re.compile(rb"\d{12,}")
 REBUILD_TIMEOUT_S = 900
@@ -79,7 +79,7 @@ def keyspace(client: redis.Redis) -> dict[str, Any]:
     fields: Counter[str] = Counter()
     digest = hashlib.sha256()
     digests: dict[str, Any] = {}  # by kind: which kinds differ when the whole does
-    names = sorted(k for k in client.scan_iter(count=5000) if not k.startswith(LEASE_PREFIX.encode()))
+    names = sorted(k for k in client.scan_iter(count=5000) if not is_lease_key(k))
     for start in range(0, len(names), 1000):
         chunk = names[start:start + 1000]
         pipe = client.pipeline(transaction=False)

@@ -365,8 +365,9 @@ return 'ok'
 # A rebuild's restore of one delivery's steps (``StateTable.restore_many``): the open, begin
 # and finish a step went through, in one script item where they took three per step, so the
 # state is what those transitions write. ARGV[1] = now, ARGV[2] = the budget of tries,
-# ARGV[3] = how many steps ended; then (step, attempt, default deadline ms, index member,
-# source, status, error) of each step that ended; then open_steps' quadruples, every step.
+# ARGV[3] = how many steps ended; then (step, attempt, index member, source, status, error)
+# of each step that ended; then open_steps' quadruples, every step. The begin gets no
+# dedupe hash (KEYS[3]) and no default deadline: the open just made its step.
 _RESTORE = """
 local function begin(KEYS, ARGV)
 %s
@@ -374,12 +375,12 @@ end
 local function finish(KEYS, ARGV)
 %s
 end
-local now, ended = tonumber(ARGV[1]), tonumber(ARGV[3])
-local at = 4 + 7 * ended
+local now, ended, own = tonumber(ARGV[1]), tonumber(ARGV[3]), {KEYS[1], KEYS[2]}
+local at = 4 + 6 * ended
 open_steps(KEYS[1], KEYS[2], ARGV, at, now)
-for i = 4, at - 1, 7 do
-  begin(KEYS, {ARGV[i], ARGV[i + 1], ARGV[1], ARGV[i + 2], ARGV[2], ARGV[i + 3], ARGV[i + 4], '0', '', '', 0, '0'})
-  finish(KEYS, {ARGV[i], ARGV[i + 1], ARGV[1], ARGV[i + 5], ARGV[i + 3], ARGV[i + 6]})
+for i = 4, at - 1, 6 do
+  begin(own, {ARGV[i], ARGV[i + 1], ARGV[1], 0, ARGV[2], ARGV[i + 2], ARGV[i + 3], '0', '', '', 0, '0'})
+  finish(own, {ARGV[i], ARGV[i + 1], ARGV[1], ARGV[i + 4], ARGV[i + 2], ARGV[i + 5]})
 end
 return 0
 """ % (_BEGIN, _FINISH)
@@ -526,7 +527,9 @@ class StepState:
     source: str
 
 
-RESTORE_BUDGET = 1 << 30  # a restored step's begin is no try against its budget
+MAX_ERROR_CHARS = 500  # of a failed step's error in its record
+# a restored step's begin counts its one try against a budget no restore runs out of
+RESTORE_BUDGET = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -538,7 +541,6 @@ class Restored:
     step: str
     attempt: int
     complete_by_ms: int
-    default_deadline_ms: int
     source: str
     ended: tuple[StepStatus, str] | None
 
@@ -697,23 +699,25 @@ class StateTable:
         """``finish`` for many (delivery, step, attempt, status, error) in one round trip."""
         answers = self._finish.run([
             ([delivery_key(delivery_id), deadline_index(delivery_id)],
-             [step, attempt, now_ms, status.value, index_member(delivery_id, step), error[:500]])
+             [step, attempt, now_ms, status.value, index_member(delivery_id, step), error[:MAX_ERROR_CHARS]])
             for delivery_id, step, attempt, status, error in items])
         return [text(r) for r in answers]
 
     def restore_many(self, items: Sequence[tuple[str, Sequence[Restored]]], now_ms: int) -> None:
         """A rebuild's steps, per delivery: each opened at its attempt, and a step whose trigger
         its service consumed begun and finished as it ended (``Restored.ended``), as the
-        transitions would have written them, in one script item per delivery."""
+        transitions would have written them, in one script item per delivery. A delivery
+        names each step once (its steps are the workflow's: a few, far below Lua's limit of
+        about 8,000 values an item)."""
         runs: list[Item] = []
         for delivery_id, steps in items:
-            ended = [step for step in steps if step.ended is not None]
+            if len({step.step for step in steps}) < len(steps):  # each begun and finished in turn
+                raise ValueError(f"a step restored twice for one delivery: {[step.step for step in steps]}")
+            ended = [(step, step.ended) for step in steps if step.ended is not None]
             args: list[str | int | float] = [now_ms, RESTORE_BUDGET, len(ended)]
-            for step in ended:
-                assert step.ended is not None
-                status, error = step.ended
-                args += [step.step, step.attempt, step.default_deadline_ms, index_member(delivery_id, step.step),
-                         step.source, status.value, error[:500]]
+            for step, (status, error) in ended:
+                args += [step.step, step.attempt, index_member(delivery_id, step.step), step.source, status.value,
+                         error[:MAX_ERROR_CHARS]]
             for step in steps:
                 args += [step.step, step.complete_by_ms, index_member(delivery_id, step.step), step.attempt]
             runs.append(([delivery_key(delivery_id), deadline_index(delivery_id)], args))

@@ -56,8 +56,8 @@ from choreo import keys
 from choreo.effects import OnceEffect
 from choreo.redis_client import NodePipelines, write_waited
 from choreo.runtime_events import CompensationRecord
-from choreo.state import (deadline_index, deadline_shard, deadline_shards, delivery_key, index_member,
-                          with_steps)
+from choreo.state import (MAX_ERROR_CHARS, deadline_index, deadline_shard, deadline_shards, delivery_key,
+                          index_member, with_steps)
 
 # -- metrics (operators see detection delay, load and every decision) -----------------------
 
@@ -471,7 +471,7 @@ class Transitions:
         The record waits for a replica (``write_waited``): the report's offset is committed
         on it, and a failover that lost it would leave the step to its deadline, late."""
         keys = [delivery_key(delivery_id), deadline_index(delivery_id)]
-        args: list[str | int] = [step, attempt, kind, now_ms, index_member(delivery_id, step), error[:500]]
+        args: list[str | int] = [step, attempt, kind, now_ms, index_member(delivery_id, step), error[:MAX_ERROR_CHARS]]
         result = write_waited(self.client, keys[0],
                               lambda pipe: self._record_report(keys=keys, args=args, client=pipe))
         return result.decode() if isinstance(result, bytes) else str(result)

@@ -79,7 +79,7 @@ from choreo.state import text
 from choreo.workflow import Workflow
 from infra.kafka import KafkaCluster
 from infra.process import ManagedProcess, StackError, port_in_use, stop_all
-from registry.leader import LEASE_PREFIX
+from registry.leader import is_lease_key
 
 HOST = "127.0.0.1"
 COPY_HEADER = "chaos.copy"
@@ -786,7 +786,7 @@ class Chaos:
         self.stack.redis.start(timeout_s=30)
         # the registry, still running, takes its lease again at once: any other key is data
         # that survived the loss
-        survived = [k for k in client.scan_iter(count=1000) if not k.startswith(LEASE_PREFIX.encode())]
+        survived = [k for k in client.scan_iter(count=1000) if not is_lease_key(k)]
         assert not survived, f"redis came back with data: {survived[:5]}"
         self.faults.note(self._now(), "redis restarted empty; rebuild-state")
         for attempt in range(1, 4):  # merge-only, so a rebuild cut short is simply run again

@@ -74,6 +74,12 @@ class Lease:
 LEASE_PREFIX = "registry:leader:"  # the only keys the registry keeps in Redis
 
 
+def is_lease_key(name: bytes) -> bool:
+    """Whether a key of the shared Redis is the registry's (its lease or term counter), not
+    the pipeline's: a walk of the pipeline's keys leaves these out."""
+    return name.startswith(LEASE_PREFIX.encode())
+
+
 def lease_key(topic: str) -> str:
     """``registry:leader:{<topic>}``: the lease and its term counter (``:token``) share a
     hash slot, since one script takes both (on a Redis Cluster too)."""

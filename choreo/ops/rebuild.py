@@ -564,9 +564,10 @@ class Rebuilder:
             for delivery, t in chunk:
                 consumed = self._consumed.get((t.service, t.source.topic, t.source.partition), -1) > t.source.offset
                 restored.setdefault(delivery, []).append(Restored(
-                    t.step, t.attempt, max(t.timestamp_ms + t.deadline_ms, now + self.grace_ms), t.deadline_ms,
-                    t.source.text(), self._ended(delivery, t) if consumed else None))
-                report.open_steps += not consumed
+                    step=t.step, attempt=t.attempt,
+                    complete_by_ms=max(t.timestamp_ms + t.deadline_ms, now + self.grace_ms),
+                    source=t.source.text(), ended=self._ended(delivery, t) if consumed else None))
+                report.open_steps += int(not consumed)
             state.restore_many(list(restored.items()), now)
             report.steps += len(chunk)
 

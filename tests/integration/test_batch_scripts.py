@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import cast
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -119,29 +120,35 @@ def test_a_restored_delivery_holds_what_its_steps_transitions_would_have_written
         redis_client: redis.Redis, unique: str) -> None:
     """The rebuild restores a delivery's steps in one item (``restore_many``): its table and
     its deadline index entries are those of the open, begin and finish each step went through,
-    for a completed step, a failed one, one still open and one opened at a later attempt."""
+    for a completed step, a failed one, one still open and one opened at a later attempt, and
+    each delivery of a call gets its own."""
     state = StateTable(redis_client)
     now, due, source = 5_000, 10**13, "delivery.requested|0|7"
-    shapes = [Restored("package", 1, due, 30_000, source, (StepStatus.COMPLETED, "")),
-              Restored("drone", 2, due + 1, 30_000, source, (StepStatus.FAILED, "dispatch: refused")),
-              Restored("delivery", 1, due + 2, 60_000, "", None),
-              Restored("customs", 3, due + 3, 30_000, source, None)]
-    restored, transitions = f"restored-{unique}", f"transitions-{unique}"
-    state.restore_many([(restored, shapes)], now)
+    shapes = [Restored("package", 1, due, source, (StepStatus.COMPLETED, "")),
+              Restored("drone", 2, due + 1, source, (StepStatus.FAILED, "dispatch: refused")),
+              Restored("delivery", 1, due + 2, "", None),
+              Restored("customs", 3, due + 3, source, None)]
+    restored, other, transitions = (f"{name}-{unique}" for name in ("restored", "other", "transitions"))
+    state.restore_many([(restored, shapes), (other, shapes[:1])], now)
     state.open_many([(transitions, s.step, s.complete_by_ms, s.attempt) for s in shapes], now)
-    ended = [s for s in shapes if s.ended is not None]
-    state.begin_many([(transitions, s.step, s.attempt, now, s.default_deadline_ms, s.source) for s in ended],
-                     RESTORE_BUDGET)
-    state.finish_many([(transitions, s.step, s.attempt, *s.ended) for s in ended if s.ended is not None], now)
+    ended = [(s, s.ended) for s in shapes if s.ended is not None]
+    state.begin_many([(transitions, s.step, s.attempt, now, 30_000, s.source) for s, _ in ended], RESTORE_BUDGET)
+    state.finish_many([(transitions, s.step, s.attempt, status, error) for s, (status, error) in ended], now)
     assert state.raw(restored) == state.raw(transitions)
     steps = state.steps(restored)
     assert [steps[s.step].status for s in shapes] == [
         StepStatus.COMPLETED, StepStatus.FAILED, StepStatus.PENDING, StepStatus.PENDING]
     assert steps["customs"].attempt == 3 and steps["drone"].attempt == 2
-    due_by = {d: {member.decode().split("|", 1)[1]: score for member, score
-                  in redis_client.zrange(deadline_index(d), 0, -1, withscores=True)
-                  if member.decode().startswith(d + "|")} for d in (restored, transitions)}
-    assert due_by[restored] == due_by[transitions] == {"drone": now, "delivery": due + 2, "customs": due + 3}
+    assert set(state.steps(other)) == {"package"} and state.steps(other)["package"].status == StepStatus.COMPLETED
+
+    def due_by(delivery: str) -> dict[str, float]:
+        entries = cast(list[tuple[bytes, float]], redis_client.zrange(deadline_index(delivery), 0, -1, withscores=True))
+        return {member.split("|", 1)[1]: score for member, score in ((m.decode(), sc) for m, sc in entries)
+                if member.startswith(delivery + "|")}
+
+    assert due_by(restored) == due_by(transitions) == {"drone": now, "delivery": due + 2, "customs": due + 3}
+    with pytest.raises(ValueError, match="restored twice"):  # its second begin would be a replay
+        state.restore_many([(f"twice-{unique}", [shapes[0], shapes[0]])], now)
 
 
 def test_an_item_answering_an_error_fails_the_call(redis_client: redis.Redis) -> None:

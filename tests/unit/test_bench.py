@@ -324,10 +324,11 @@ def test_what_a_finished_delivery_keeps_is_the_larger_of_the_two_measures() -> N
 
 
 def test_the_most_a_delivery_holds_counts_the_record_written_before_its_release() -> None:
-    # the probe's second moment has the notifier paused: its record, written before the
-    # release and kept past it, is added to what the delivery's keys held then
-    memory = {"bytes_per_inflight_delivery_upper_bound": 1500, "kept_record_bytes_per_completed_delivery": 88,
-              "counted_bytes_per_delivery": {"before_release": {"own": 1742, "shared": 243, "total": 1985}}}
-    assert most_held_per_delivery(memory) == 1985 + 88
+    # with every reader done and the release held, the delivery's keys and the record it
+    # keeps past the release (counted apart) are all there
+    memory = {"bytes_per_inflight_delivery_upper_bound": 1500, "kept_record_bytes_per_delivery_at_most": 136,
+              "counted_bytes_per_delivery": {"before_release": {"own": 1742, "shared": 243, "total": 1985},
+                                             "at_most": {"own": 1851, "shared": 257, "total": 2108}}}
+    assert most_held_per_delivery(memory) == 2108 + 136
     noisy = {**memory, "bytes_per_inflight_delivery_upper_bound": 2600}  # used_memory, larger
     assert most_held_per_delivery(noisy) == 2600
