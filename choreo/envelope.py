@@ -203,7 +203,11 @@ def pairs(headers: Headers | None) -> Sequence[tuple[str, bytes | str | None]]:
 
 
 def header_value(headers: Headers | None, name: str) -> str | None:
+    """The last value of header ``name``, as the envelope (``parse``) and Kafka's
+    ``lastHeader`` read it: the runtime appends its headers after a record's own (a dead
+    letter's ``dlq.*``), so one a producer put first never stands for the runtime's."""
+    found: bytes | str | None = None
     for key, raw in pairs(headers):
         if key == name and raw is not None:
-            return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-    return None
+            found = raw
+    return found.decode(errors="replace") if isinstance(found, bytes) else found

@@ -158,9 +158,9 @@ class Pass:
 
 
 def delivery_of(headers: Any, key: bytes | None) -> str:
-    """The delivery a record is about: its envelope's correlation id, else its key. Read
-    from the raw record, so a share and the stray check decide by what the facts are kept
-    under."""
+    """The delivery a record is about: its envelope's correlation id (the last, as the
+    services read it), else its key. Read from the raw record, so a share and the stray
+    check decide by what the facts are kept under."""
     correlation = header_value(headers, H_CORRELATION_ID)
     if correlation:
         return correlation[:MAX_ID_CHARS]

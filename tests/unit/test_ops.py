@@ -8,10 +8,12 @@ from datetime import UTC, datetime
 
 import pytest
 
-from choreo.envelope import Envelope
+from choreo.envelope import H_CORRELATION_ID, Envelope, header_value
 from choreo.ops import flowdoc, topocheck
+from choreo.ops.rebuild import delivery_of
 from choreo.ops.records import Rec, murmur2, parse_time, partition_for
 from choreo.ops.trace import causal_order
+from choreo.runner import H_DLQ_REASON
 from choreo.service import Context, Service
 from choreo.workflow import Workflow
 from consumers.workflow import WORKFLOW
@@ -40,6 +42,21 @@ def test_parse_time_forms() -> None:
     assert parse_time("1700000000000") == 1_700_000_000_000
     assert parse_time("2026-11-29T10:00") == int(datetime(2026, 11, 29, 10, tzinfo=UTC).timestamp() * 1000)
     assert parse_time("2026-11-29T10:00+01:00") == int(datetime(2026, 11, 29, 9, tzinfo=UTC).timestamp() * 1000)
+
+
+def test_a_header_given_twice_reads_as_its_last_as_the_services_read_it() -> None:
+    # a producer's own copy of a runtime header comes first; the runtime's (its envelope, a
+    # dead letter's dlq.* appended on dead-lettering) last. The ops tools and the rebuild
+    # read the value the services keyed their state by, never the producer's
+    env = Envelope.first("e1", "d-runtime", "DeliveryRequested", "ingestion")
+    headers = [(H_CORRELATION_ID, b"d-forged"), (H_DLQ_REASON, b"forged"),
+               *((k, v if isinstance(v, bytes) else str(v).encode()) for k, v in env.to_headers()),
+               (H_DLQ_REASON, b"handler_error")]
+    parsed = Envelope.from_headers(headers)
+    assert parsed is not None and parsed.correlation_id == "d-runtime"
+    assert header_value(headers, H_CORRELATION_ID) == delivery_of(headers, b"key") == "d-runtime"
+    assert Rec("t.dlq", 0, 0, 0, b"key", b"", headers).header(H_DLQ_REASON) == "handler_error"
+    assert header_value(headers, "absent") is None and delivery_of([], b"key") == "key"
 
 
 def _rec(topic: str, env: Envelope, ts: int) -> Rec:
