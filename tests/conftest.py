@@ -36,9 +36,14 @@ SESSION_SUFFIXES: set[str] = set()
 
 @pytest.fixture(scope="session")
 def stack() -> Iterator[None]:
+    from choreo import topology
+    from consumers.workflow import WORKFLOW
     from infra import stack as local_stack
 
     local_stack.start()
+    # the workflow's own topics, as a deploy creates them first: a test's prefixed flow names
+    # its outputs by model (unprefixed), and would otherwise create them with its own count
+    topology.create(WORKFLOW)
     yield
     delete_session_topics()
 
