@@ -51,7 +51,8 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ from bench.common import (
 from choreo.config import REPO_ROOT, settings
 from choreo.redis_client import connect, is_cluster
 from choreo.release import state_keys
-from choreo.state import deadline_index, deadline_shards
+from choreo.state import deadline_index, deadline_shards, text
 from consumers.drone_scheduler import fleet
 from consumers.workflow import WORKFLOW
 from infra.redis_cluster import BUS_OFFSET, MASTERS, REPLICAS_PER_MASTER, RedisCluster
@@ -769,40 +770,32 @@ class Bench:
         admission_base = self._bytes_of(client, ADMISSION_SET)
         shared_base = self._shared_bytes(client)
         observer = Observer(OUTCOME_TOPICS)
-        for pid in step_consumers + notifier:
-            os.kill(pid, signal.SIGSTOP)
+        release_held = ExitStack()
         try:
-            driven = run_drivers(pipeline_driver_argvs(n, 0, 1, 99), self.work, "memory")
-            accepted_mem = used_memory(client)
-            counted_accepted = self._counted(client, [i for i, _, _ in driven["accepted"]], shared_base)
-        finally:
-            for pid in step_consumers:
-                os.kill(pid, signal.SIGCONT)
-        ids = [i for i, _, _ in driven["accepted"]]
-        try:
-            waited = observer.wait_for(ids, self.args.timeout)
-            observer.close()
-            recorded = _wait(lambda: self._awaiting_release(client) >= len(ids), self.args.timeout)
-            held_mem = used_memory(client)
-            counted_held = self._counted(client, ids, shared_base)
-            # the notifier's turn with the release held by its doer: every key a delivery
-            # has at once, the notifier's entries and its record among them
-            for pid in releaser:
-                os.kill(pid, signal.SIGSTOP)
-        finally:
-            for pid in notifier:
-                os.kill(pid, signal.SIGCONT)
-        try:
-            notified = _wait(lambda: self._count_existing(client, ids, KEPT_RECORDS) == len(ids) * len(KEPT_RECORDS),
-                             self.args.timeout)
+            with paused(notifier):
+                with paused(step_consumers):
+                    driven = run_drivers(pipeline_driver_argvs(n, 0, 1, 99), self.work, "memory")
+                    accepted_mem = used_memory(client)
+                    counted_accepted = self._counted(client, [i for i, _, _ in driven["accepted"]], shared_base)
+                ids = [i for i, _, _ in driven["accepted"]]
+                waited = observer.wait_for(ids, self.args.timeout)
+                observer.close()
+                # only a shipment is recorded for release, and only it is notified
+                shipped = {d for d in ids if observer.seen.get(d, (0.0, ""))[1] == TERMINAL_TOPIC}
+                recorded = _wait(lambda: shipped <= self._awaiting_release(client), self.args.timeout)
+                held_mem = used_memory(client)
+                counted_held = self._counted(client, ids, shared_base)
+                if recorded:  # the notifier's turn with the release held by its doer
+                    release_held.enter_context(paused(releaser))
+            notified = _wait(lambda: self._count_existing(client, sorted(shipped), KEPT_RECORDS)
+                             == len(shipped) * len(KEPT_RECORDS), self.args.timeout)
             most_mem = used_memory(client)
             counted_most = self._counted(client, ids, shared_base)
             kept_most = self._bytes_of_keys(client, [key(d) for d in ids for key in KEPT_RECORDS])
             held_keys = self._keys_of(client, ids[0]) if ids else {}
         finally:
-            for pid in releaser:
-                os.kill(pid, signal.SIGCONT)
-        released = _wait(lambda: self._awaiting_release(client) == 0, self.args.timeout)
+            release_held.close()
+        released = _wait(lambda: not shipped & self._awaiting_release(client), self.args.timeout)
         time.sleep(1.0)
         done_mem = used_memory(client)
         counted_done = self._counted(client, ids, shared_base)
@@ -855,8 +848,10 @@ class Bench:
                 "total": round((own + shared) / count)}
 
     @staticmethod
-    def _awaiting_release(client: redis.Redis) -> int:
-        return sum(int(client.zcard(key)) for key in client.scan_iter(match="release:*", count=1000))
+    def _awaiting_release(client: redis.Redis) -> set[str]:
+        """The deliveries whose terminal the supervisor recorded and the release has not taken."""
+        return {text(member) for key in client.scan_iter(match="release:*", count=1000)
+                for member in client.zrange(key, 0, -1)}
 
     @staticmethod
     def _bytes_of(client: redis.Redis, key: str) -> int:
@@ -896,6 +891,25 @@ class Bench:
 
 
 # -- the whole run ----------------------------------------------------------------------------
+
+
+@contextmanager
+def paused(pids: Sequence[int]) -> Iterator[None]:
+    """The processes stopped (SIGSTOP) while the block runs, and let go after it whatever
+    happens; one that died meanwhile is skipped."""
+    _signal(pids, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        _signal(pids, signal.SIGCONT)
+
+
+def _signal(pids: Sequence[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _wait(predicate: Callable[[], bool], timeout_s: float, period_s: float = 0.2) -> bool:
