@@ -204,8 +204,8 @@ def pairs(headers: Headers | None) -> Sequence[tuple[str, bytes | str | None]]:
 
 def header_value(headers: Headers | None, name: str) -> str | None:
     """The last value of header ``name``, as the envelope (``parse``) and Kafka's
-    ``lastHeader`` read it: the runtime appends its headers after a record's own (a dead
-    letter's ``dlq.*``), so one a producer put first never stands for the runtime's."""
+    ``lastHeader`` read it: a record that carries a header twice reads the same to the
+    services and to the tools that look at it."""
     found: bytes | str | None = None
     for key, raw in pairs(headers):
         if key == name and raw is not None:

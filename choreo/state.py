@@ -363,8 +363,8 @@ return 'ok'
 
 
 # A rebuild's restore of one delivery's steps (``StateTable.restore_many``): the open, begin
-# and finish a step went through, in one script item where they took three per step, so the
-# state is what those transitions write. ARGV[1] = now, ARGV[2] = the budget of tries,
+# and finish each step went through, all in one script item (not three calls' items a
+# step), so the state is what those transitions write. ARGV[1] = now, ARGV[2] = the budget of tries,
 # ARGV[3] = how many steps ended; then (step, attempt, index member, source, status, error)
 # of each step that ended; then open_steps' quadruples, every step. The begin gets no
 # dedupe hash (KEYS[3]) and no default deadline: the open just made its step.

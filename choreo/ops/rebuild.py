@@ -428,7 +428,9 @@ class Rebuilder:
             self._dead_letter(r)
             return
         declared = self.declared.get(self.canonical.get(r.topic, ""))
-        if declared is not None:  # a body is decoded only where the declarations read one
+        # a body is decoded only where the declarations read one, and only from a record the
+        # services took: one whose envelope they refuse, they dead-letter unread
+        if declared is not None and env is not None:
             body = self.decode(r.topic, r.value)
             if isinstance(body, dict) and body:
                 self._declared_fact(declared, facts, r, body, consumed_by)

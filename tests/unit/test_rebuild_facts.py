@@ -1,0 +1,40 @@
+"""What the rebuild takes from one record (``Rebuilder._fact``), without a broker: the
+decoder is replaced by the body the record would decode to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from choreo.envelope import H_CORRELATION_ID, Envelope
+from choreo.ops.rebuild import Rebuilder
+from choreo.ops.records import Rec
+from consumers.workflow import WORKFLOW
+
+SHIPPED = {"delivery_id": "d-1", "drone_id": "drone-00007", "package_id": "p-1", "shipped_at": "2026-12-05T00:00:00+00:00"}
+
+
+def _rebuilder(body: dict[str, Any]) -> Rebuilder:
+    rebuilder = Rebuilder(WORKFLOW, redis.Redis())  # no call reaches Redis in _fact
+    rebuilder.decode = lambda topic, value: body  # type: ignore[assignment]
+    return rebuilder
+
+
+def _shipment(headers: list[tuple[str, bytes]]) -> Rec:
+    return Rec("delivery.shipped", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body", headers)
+
+
+def test_a_shipment_the_services_took_gives_its_outcome() -> None:
+    envelope = Envelope.first("e-1", "d-1", "DeliveryShipped", "delivery")
+    headers = [(k, v if isinstance(v, bytes) else str(v).encode()) for k, v in envelope.to_headers()]
+    rebuilder = _rebuilder(SHIPPED)
+    rebuilder._fact(_shipment(headers), {})
+    assert rebuilder.facts["d-1"].outcome == "shipped"
+
+
+def test_a_shipment_whose_envelope_the_services_refuse_gives_no_fact() -> None:
+    # no event id: every service dead-letters it unread, so it changed no delivery's state
+    rebuilder = _rebuilder(SHIPPED)
+    rebuilder._fact(_shipment([(H_CORRELATION_ID, b"d-1")]), {})
+    assert not rebuilder.facts["d-1"].outcome and not rebuilder.facts["d-1"].holds
