@@ -54,7 +54,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import redis
@@ -231,6 +231,22 @@ def redis_info(client: redis.Redis, section: str) -> list[dict[str, Any]]:
 
 def used_memory(client: redis.Redis) -> int:
     return sum(int(info["used_memory"]) for info in redis_info(client, "memory"))
+
+
+def kept_records_of(ids: Sequence[str]) -> list[str]:
+    """The keys of ``KEPT_RECORDS`` of these deliveries."""
+    return [key(d) for d in ids for key in KEPT_RECORDS]
+
+
+def _sum_over_keys(client: redis.Redis, command: Literal["exists", "memory_usage"], keys: Sequence[str]) -> int:
+    """One command per key in one pipeline, its answers summed: how many exist, or their bytes."""
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        if command == "exists":
+            pipe.exists(key)
+        else:
+            pipe.memory_usage(key, samples=0)
+    return sum(int(answer or 0) for answer in pipe.execute())
 
 
 def command_stats(client: redis.Redis) -> dict[str, dict[str, float]]:
@@ -787,11 +803,11 @@ class Bench:
                 counted_held = self._counted(client, ids, shared_base)
                 if recorded:  # the notifier's turn with the release held by its doer
                     release_held.enter_context(paused(releaser))
-            notified = _wait(lambda: self._count_existing(client, sorted(shipped), KEPT_RECORDS)
+            notified = _wait(lambda: _sum_over_keys(client, "exists", kept_records_of(sorted(shipped)))
                              == len(shipped) * len(KEPT_RECORDS), self.args.timeout)
             most_mem = used_memory(client)
             counted_most = self._counted(client, ids, shared_base)
-            kept_most = self._bytes_of_keys(client, [key(d) for d in ids for key in KEPT_RECORDS])
+            kept_most = _sum_over_keys(client, "memory_usage", kept_records_of(ids))
             held_keys = self._keys_of(client, ids[0]) if ids else {}
         finally:
             release_held.close()
@@ -802,7 +818,7 @@ class Bench:
         logs = self._business_log_bytes(client) - logs_base
         admission = self._bytes_of(client, ADMISSION_SET) - admission_base
         count = max(1, len(ids))
-        kept = self._bytes_of_keys(client, [key(d) for d in ids for key in KEPT_RECORDS])
+        kept = _sum_over_keys(client, "memory_usage", kept_records_of(ids))
         return {
             "deliveries": len(ids), "all_terminal": waited, "all_recorded": recorded,
             "all_notified": notified, "all_released": released,
@@ -841,7 +857,8 @@ class Bench:
         of the shared sets' growth. ``used_memory`` moves by megabytes with client buffers (a
         service's pipelined batch, a consumer's fetch), hundreds of bytes per delivery at this
         count: the key count is the steady figure, ``used_memory`` the one with everything."""
-        own = self._bytes_of_keys(client, [key for d in ids for key in state_keys(d, WORKFLOW.released_keys)])
+        own = _sum_over_keys(client, "memory_usage",
+                             [key for d in ids for key in state_keys(d, WORKFLOW.released_keys)])
         shared = self._shared_bytes(client) - shared_base
         count = max(1, len(ids))
         return {"own": round(own / count), "shared": round(shared / count),
@@ -856,21 +873,6 @@ class Bench:
     @staticmethod
     def _bytes_of(client: redis.Redis, key: str) -> int:
         return int(client.memory_usage(key, samples=0) or 0)
-
-    @staticmethod
-    def _count_existing(client: redis.Redis, ids: Sequence[str], records: Sequence[Callable[[str], str]]) -> int:
-        pipe = client.pipeline(transaction=False)
-        for d in ids:
-            for key in records:
-                pipe.exists(key(d))
-        return sum(int(n) for n in pipe.execute())
-
-    @staticmethod
-    def _bytes_of_keys(client: redis.Redis, keys: Sequence[str]) -> int:
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.memory_usage(key, samples=0)
-        return sum(int(b or 0) for b in pipe.execute())
 
     def _business_log_bytes(self, client: redis.Redis) -> int:
         return sum(self._bytes_of(client, key) for key in BUSINESS_LOGS)

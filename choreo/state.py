@@ -201,6 +201,12 @@ def index_member(delivery_id: str, step: str) -> str:
     return f"{delivery_id}|{step}"
 
 
+def _opening(delivery_id: str, step: str, complete_by_ms: int, attempt: int) -> tuple[str, int, str, int]:
+    """A step to open as ``open_steps`` reads it: (step, complete-by ms, deadline index member,
+    attempt), the one form every script that opens steps takes."""
+    return step, complete_by_ms, index_member(delivery_id, step), attempt
+
+
 # one delivery's steps: ARGV[1] = now, then open_steps' quadruples
 _OPEN = """
 return open_steps(KEYS[1], KEYS[2], ARGV, 2, tonumber(ARGV[1]))
@@ -364,10 +370,10 @@ return 'ok'
 
 # A rebuild's restore of one delivery's steps (``StateTable.restore_many``): the open, begin
 # and finish each step went through, all in one script item (not three calls' items a
-# step), so the state is what those transitions write. ARGV[1] = now, ARGV[2] = the budget of tries,
-# ARGV[3] = how many steps ended; then (step, attempt, index member, source, status, error)
-# of each step that ended; then open_steps' quadruples, every step. The begin gets no
-# dedupe hash (KEYS[3]) and no default deadline: the open just made its step.
+# step), so the state is what those transitions write. ARGV[1] = now, ARGV[2] = the budget
+# of tries, ARGV[3] = how many steps ended; then (step, attempt, index member, source,
+# status, error) of each step that ended; then open_steps' quadruples, every step. The
+# begin gets no dedupe hash (KEYS[3]) and no default deadline: the open just made its step.
 _RESTORE = """
 local function begin(KEYS, ARGV)
 %s
@@ -578,8 +584,7 @@ class StateTable:
         """One script item per delivery, opening all of its steps."""
         opens: dict[str, list[str | int]] = {}
         for delivery_id, step, complete_by_ms, attempt in items:
-            opens.setdefault(delivery_id, [now_ms]).extend(
-                (step, complete_by_ms, index_member(delivery_id, step), attempt))
+            opens.setdefault(delivery_id, [now_ms]).extend(_opening(delivery_id, step, complete_by_ms, attempt))
         return [([delivery_key(delivery_id), deadline_index(delivery_id)], args)
                 for delivery_id, args in opens.items()]
 
@@ -672,7 +677,7 @@ class StateTable:
              [step, attempt, now_ms, StepStatus.COMPLETED.value, index_member(delivery_id, step), "",
               len(its_writes), *(arg for w in its_writes for arg in w.args()),
               *(value for name, complete_by, opened_attempt in opens
-                for value in (name, complete_by, index_member(delivery_id, name), opened_attempt))])
+                for value in _opening(delivery_id, name, complete_by, opened_attempt))])
             for (delivery_id, step, attempt), opens, its_writes
             in zip(items, openings, applied, strict=True)]
         runs: list[tuple[BatchScript, Sequence[Item]]] = [(self._finish_opening, finishes)]
@@ -719,7 +724,7 @@ class StateTable:
                 args += [step.step, step.attempt, index_member(delivery_id, step.step), step.source, status.value,
                          error[:MAX_ERROR_CHARS]]
             for step in steps:
-                args += [step.step, step.complete_by_ms, index_member(delivery_id, step.step), step.attempt]
+                args += _opening(delivery_id, step.step, step.complete_by_ms, step.attempt)
             runs.append(([delivery_key(delivery_id), deadline_index(delivery_id)], args))
         self._restore.run(runs)
 
