@@ -422,11 +422,11 @@ class Rebuilder:
         if r.topic in SIDE:
             self._side_fact(r, delivery, consumed_by)
             return
-        facts = self.facts.setdefault(delivery, DeliveryFacts())
         if r.topic.endswith(".dlq"):
-            facts.dead_letters += 1
-            self._dead_letter(r)
+            if self._dead_letter(r):
+                self.facts.setdefault(delivery, DeliveryFacts()).dead_letters += 1
             return
+        facts = self.facts.setdefault(delivery, DeliveryFacts())
         declared = self.declared.get(self.canonical.get(r.topic, ""))
         # a body is decoded only where the declarations read one, and only from a record the
         # services took: one whose envelope they refuse, they dead-letter unread
@@ -450,8 +450,8 @@ class Rebuilder:
     def _side_fact(self, r: Rec, delivery: str, consumed_by: Callable[[str], bool]) -> None:
         """A side topic's record (``SIDE``): kept until the passes that need it have run."""
         if r.topic.endswith(".dlq"):
-            self.side_dead_letters[delivery] = self.side_dead_letters.get(delivery, 0) + 1
-            self._dead_letter(r)
+            if self._dead_letter(r):
+                self.side_dead_letters[delivery] = self.side_dead_letters.get(delivery, 0) + 1
             return
         body = self.decode(r.topic, r.value)
         if isinstance(body, dict) and r.topic == RECOVERY_TOPIC and (report := _event(StepReport, body)):
@@ -463,11 +463,16 @@ class Rebuilder:
             if env is not None and consumed_by(service):
                 self.side_seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))
 
-    def _dead_letter(self, r: Rec) -> None:
+    def _dead_letter(self, r: Rec) -> bool:
+        """Note where a dead letter's event lay; whether it keeps its delivery's state for a
+        redrive. The runtime keeps it only under the delivery of a usable envelope: one it
+        could not read names none (a redrive of it is dead-lettered again), so a letter
+        without one, whatever its correlation header says, keeps no delivery's state."""
         letter = DeadLetter.of(r, set())  # read as redrive reads it: only the runtime's headers
         if not letter.problem:
             self.dead_lettered.add((letter.service, f"{letter.source_topic}|{letter.source_partition}|"
                                                     f"{letter.source_offset}"))
+        return r.envelope is not None
 
     def _declared_fact(self, declared: Declared, facts: DeliveryFacts, r: Rec, body: dict[str, Any],
                        consumed_by: Callable[[str], bool]) -> None:
