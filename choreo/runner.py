@@ -844,8 +844,11 @@ class Runner:
         ]
         # retry topics share their origin's dead-letter topic: one place to look per event type
         origin = self.service.handlers[topic].topic if topic in self.service.handlers else topic
-        envelope = Envelope.from_headers(message.headers())
-        if envelope is not None and envelope.correlation_id:
+        # the delivery whose state waits for a redrive: the one the letter's own envelope names,
+        # as the redrive sends it again and rebuild-state reads it (not the incoming record's,
+        # which a malformed dlq.* header alone, dropped above, made unusable)
+        envelope = Envelope.from_headers(headers)
+        if envelope is not None:
             self._dead_lettered.add(envelope.correlation_id)
         self.producer.produce(dlq_topic(origin), key=message.key(), value=message.value(),
                               headers=headers)

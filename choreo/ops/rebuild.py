@@ -93,7 +93,7 @@ from choreo.batch import BatchScript, Item
 from choreo.kafka import wait_transactions_settled
 from choreo.config import settings
 from choreo.dedupe import seen_field, seen_key
-from choreo.envelope import H_CORRELATION_ID, MAX_ID_CHARS, header_value, now_ms
+from choreo.envelope import H_CORRELATION_ID, MAX_ID_CHARS, Envelope, header_value, now_ms
 from choreo.kafka import admin
 from choreo.events import Event
 from choreo.join import FAILED, Join, fanin_fields, result_text
@@ -420,10 +420,11 @@ class Rebuilder:
             return committed.get((service, r.topic, r.partition), -1) > r.offset
 
         if r.topic in SIDE:
-            self._side_fact(r, delivery, consumed_by)
+            self._side_fact(r, delivery, env, consumed_by)
             return
         if r.topic.endswith(".dlq"):
-            if self._dead_letter(r):
+            self._dead_letter(r)
+            if env is not None:  # see _dead_letter
                 self.facts.setdefault(delivery, DeliveryFacts()).dead_letters += 1
             return
         facts = self.facts.setdefault(delivery, DeliveryFacts())
@@ -447,10 +448,11 @@ class Rebuilder:
                                                r.timestamp_ms, env.attempt, deadline_ms,
                                                env.event_id)
 
-    def _side_fact(self, r: Rec, delivery: str, consumed_by: Callable[[str], bool]) -> None:
+    def _side_fact(self, r: Rec, delivery: str, env: Envelope | None, consumed_by: Callable[[str], bool]) -> None:
         """A side topic's record (``SIDE``): kept until the passes that need it have run."""
         if r.topic.endswith(".dlq"):
-            if self._dead_letter(r):
+            self._dead_letter(r)
+            if env is not None:  # see _dead_letter
                 self.side_dead_letters[delivery] = self.side_dead_letters.get(delivery, 0) + 1
             return
         body = self.decode(r.topic, r.value)
@@ -458,21 +460,19 @@ class Rebuilder:
             self.reports.setdefault(delivery, {})[(report.step, report.attempt)] = f"{report.kind}: {report.error}"
         if isinstance(body, dict) and r.topic == CompensationRecord.topic and (record := _event(CompensationRecord, body)):
             self.compensation.setdefault(delivery, {})[record.step] = str(record.status).lower()
-        env = r.envelope
         for service, _, _, _ in self.handlers.get(r.topic, ()):
             if env is not None and consumed_by(service):
                 self.side_seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))
 
-    def _dead_letter(self, r: Rec) -> bool:
-        """Note where a dead letter's event lay; whether it keeps its delivery's state for a
-        redrive. The runtime keeps it only under the delivery of a usable envelope: one it
-        could not read names none (a redrive of it is dead-lettered again), so a letter
-        without one, whatever its correlation header says, keeps no delivery's state."""
+    def _dead_letter(self, r: Rec) -> None:
+        """Note where a dead letter's event lay. Its delivery's state is kept for a redrive
+        only when the letter's envelope is usable, as the runtime keeps it: a letter without
+        one names no delivery, whatever its correlation header or key say (a redrive would
+        only dead-letter it again)."""
         letter = DeadLetter.of(r, set())  # read as redrive reads it: only the runtime's headers
         if not letter.problem:
             self.dead_lettered.add((letter.service, f"{letter.source_topic}|{letter.source_partition}|"
                                                     f"{letter.source_offset}"))
-        return r.envelope is not None
 
     def _declared_fact(self, declared: Declared, facts: DeliveryFacts, r: Rec, body: dict[str, Any],
                        consumed_by: Callable[[str], bool]) -> None:

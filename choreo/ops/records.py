@@ -123,9 +123,12 @@ class Rec:
     @classmethod
     def of(cls, message: Message) -> Rec:
         _, ts = message.timestamp()
+        # a header without a value is left out: the services' envelope reads it as absent, and
+        # an empty value in its place would be a header's last value (``header_value``)
         return cls(message.topic() or "", message.partition() or 0, message.offset() or 0, ts,
                    message.key(), message.value(),
-                   [(k, v if isinstance(v, bytes) else (v or "").encode()) for k, v in pairs(message.headers())])
+                   [(k, v if isinstance(v, bytes) else v.encode()) for k, v in pairs(message.headers())
+                    if v is not None])
 
     @property
     def envelope(self) -> Envelope | None:

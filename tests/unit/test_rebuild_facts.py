@@ -10,10 +10,6 @@ import redis
 from choreo.envelope import H_CORRELATION_ID, Envelope
 from choreo.ops.rebuild import Rebuilder
 from choreo.ops.records import Rec
-from choreo.runner import (
-    H_DLQ_REASON, H_DLQ_SERVICE, H_DLQ_SOURCE_OFFSET, H_DLQ_SOURCE_PARTITION, H_DLQ_SOURCE_TOPIC, RECOVERY_TOPIC,
-    dlq_topic,
-)
 from consumers.workflow import WORKFLOW
 
 SHIPPED = {"delivery_id": "d-1", "drone_id": "drone-00007", "package_id": "p-1", "shipped_at": "2026-12-05T00:00:00+00:00"}
@@ -43,26 +39,3 @@ def test_a_shipment_whose_envelope_the_services_refuse_gives_no_fact() -> None:
     rebuilder._fact(_shipment([(H_CORRELATION_ID, b"d-1")]), {})
     assert not rebuilder.facts["d-1"].outcome and not rebuilder.facts["d-1"].holds
 
-
-def _dead_letter(headers: list[tuple[str, bytes]], source: str = "delivery.shipped") -> Rec:
-    letter = [*headers, (H_DLQ_REASON, b"MISSING_HEADERS"), (H_DLQ_SERVICE, b"notifier"),
-              (H_DLQ_SOURCE_TOPIC, source.encode()), (H_DLQ_SOURCE_PARTITION, b"0"),
-              (H_DLQ_SOURCE_OFFSET, b"5")]
-    return Rec(dlq_topic(source), 0, 1, 1_800_000_000_000, b"d-1", b"\x00body", letter)
-
-
-def test_a_dead_letter_keeps_the_state_of_the_delivery_its_envelope_names() -> None:
-    envelope = Envelope.first("e-1", "d-1", "DeliveryShipped", "delivery")
-    headers = [(k, v if isinstance(v, bytes) else str(v).encode()) for k, v in envelope.to_headers()]
-    rebuilder = _rebuilder(SHIPPED)
-    rebuilder._fact(_dead_letter(headers), {})
-    rebuilder._fact(_dead_letter(headers, source=RECOVERY_TOPIC), {})
-    assert rebuilder.facts["d-1"].dead_letters == 1 and rebuilder.side_dead_letters["d-1"] == 1
-
-
-def test_a_dead_letter_without_a_usable_envelope_keeps_no_delivery_s_state() -> None:
-    # the runtime notes it under no delivery: a correlation header alone names none
-    rebuilder = _rebuilder(SHIPPED)
-    rebuilder._fact(_dead_letter([(H_CORRELATION_ID, b"d-1")]), {})
-    rebuilder._fact(_dead_letter([(H_CORRELATION_ID, b"d-1")], source=RECOVERY_TOPIC), {})  # a runtime topic's
-    assert "d-1" not in rebuilder.facts and "d-1" not in rebuilder.side_dead_letters
