@@ -423,8 +423,7 @@ class Rebuilder:
             self._side_fact(r, delivery, env, consumed_by)
             return
         if r.topic.endswith(".dlq"):
-            self._dead_letter(r)
-            if env is not None:  # see _dead_letter
+            if self._dead_letter(r):
                 self.facts.setdefault(delivery, DeliveryFacts()).dead_letters += 1
             return
         facts = self.facts.setdefault(delivery, DeliveryFacts())
@@ -451,8 +450,7 @@ class Rebuilder:
     def _side_fact(self, r: Rec, delivery: str, env: Envelope | None, consumed_by: Callable[[str], bool]) -> None:
         """A side topic's record (``SIDE``): kept until the passes that need it have run."""
         if r.topic.endswith(".dlq"):
-            self._dead_letter(r)
-            if env is not None:  # see _dead_letter
+            if self._dead_letter(r):
                 self.side_dead_letters[delivery] = self.side_dead_letters.get(delivery, 0) + 1
             return
         body = self.decode(r.topic, r.value)
@@ -464,15 +462,18 @@ class Rebuilder:
             if env is not None and consumed_by(service):
                 self.side_seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))
 
-    def _dead_letter(self, r: Rec) -> None:
-        """Note where a dead letter's event lay. Its delivery's state is kept for a redrive
-        only when the letter's envelope is usable, as the runtime keeps it: a letter without
-        one names no delivery, whatever its correlation header or key say (a redrive would
-        only dead-letter it again)."""
+    def _dead_letter(self, r: Rec) -> bool:
+        """Note where a dead letter's event lay; whether its delivery's state is kept for a
+        redrive. It is for a letter the redrive would send again, as the runtime keeps it:
+        one the runtime wrote (its ``dlq.*`` headers are the runtime's one set) with a usable
+        envelope. A letter without one names no delivery, whatever its correlation header or
+        key say, and one written to the topic by anyone else was never the runtime's."""
         letter = DeadLetter.of(r, set())  # read as redrive reads it: only the runtime's headers
-        if not letter.problem:
-            self.dead_lettered.add((letter.service, f"{letter.source_topic}|{letter.source_partition}|"
-                                                    f"{letter.source_offset}"))
+        if letter.problem:
+            return False
+        self.dead_lettered.add((letter.service, f"{letter.source_topic}|{letter.source_partition}|"
+                                                f"{letter.source_offset}"))
+        return bool(letter.event_id)
 
     def _declared_fact(self, declared: Declared, facts: DeliveryFacts, r: Rec, body: dict[str, Any],
                        consumed_by: Callable[[str], bool]) -> None:

@@ -16,7 +16,7 @@ from choreo.envelope import H_CORRELATION_ID, H_EVENT_ID, Envelope
 from choreo.errors import DeadLetterReason
 from choreo.ops.rebuild import Rebuilder
 from choreo.ops.records import Rec
-from choreo.runner import RECOVERY_TOPIC, Runner
+from choreo.runner import RECOVERY_TOPIC, Runner, dlq_topic
 from consumers.workflow import WORKFLOW
 
 Headers = list[tuple[str, bytes | None]]
@@ -98,3 +98,11 @@ def test_the_runtime_and_the_rebuild_keep_the_same_delivery_for_a_dead_letter(ca
     assert counted == kept
     # whoever it is kept for, the rebuild knows the letter's event was dead-lettered
     assert rebuilder.dead_lettered == {("notifier", f"{topic}|0|5")}
+
+
+def test_a_letter_the_runtime_did_not_write_keeps_no_delivery_s_state() -> None:
+    # a usable envelope written straight to a dead-letter topic, without the runtime's dlq.*
+    # headers: the redrive refuses it as untrusted, so nothing waits for it
+    rebuilder = Rebuilder(WORKFLOW, redis.Redis())
+    rebuilder._fact(Rec.of(_Message(dlq_topic("delivery.shipped"), _usable())), {})  # type: ignore[arg-type]
+    assert not rebuilder.facts and not rebuilder.side_dead_letters and not rebuilder.dead_lettered

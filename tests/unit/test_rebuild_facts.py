@@ -38,4 +38,3 @@ def test_a_shipment_whose_envelope_the_services_refuse_gives_no_fact() -> None:
     rebuilder = _rebuilder(SHIPPED)
     rebuilder._fact(_shipment([(H_CORRELATION_ID, b"d-1")]), {})
     assert not rebuilder.facts["d-1"].outcome and not rebuilder.facts["d-1"].holds
-
