@@ -783,7 +783,7 @@ class Bench:
         notifier, releaser = self._pids("notifier"), self._pids("supervisor")
         base = used_memory(client)
         logs_base = self._business_log_bytes(client)
-        admission_base = self._bytes_of(client, ADMISSION_SET)
+        admission_base = _sum_over_keys(client, "memory_usage", [ADMISSION_SET])
         shared_base = self._shared_bytes(client)
         observer = Observer(OUTCOME_TOPICS)
         release_held = ExitStack()
@@ -816,7 +816,7 @@ class Bench:
         done_mem = used_memory(client)
         counted_done = self._counted(client, ids, shared_base)
         logs = self._business_log_bytes(client) - logs_base
-        admission = self._bytes_of(client, ADMISSION_SET) - admission_base
+        admission = _sum_over_keys(client, "memory_usage", [ADMISSION_SET]) - admission_base
         count = max(1, len(ids))
         kept = _sum_over_keys(client, "memory_usage", kept_records_of(ids))
         return {
@@ -850,7 +850,7 @@ class Bench:
         return [ADMISSION_SET, *deadline_shards(), *(k.decode() for k in client.scan_iter(match="release:*"))]
 
     def _shared_bytes(self, client: redis.Redis) -> int:
-        return sum(self._bytes_of(client, key) for key in self._shared_keys(client))
+        return _sum_over_keys(client, "memory_usage", self._shared_keys(client))
 
     def _counted(self, client: redis.Redis, ids: Sequence[str], shared_base: int) -> dict[str, int]:
         """Bytes per delivery counted key by key (MEMORY USAGE): its own keys, and its share
@@ -870,12 +870,8 @@ class Bench:
         return {text(member) for key in client.scan_iter(match="release:*", count=1000)
                 for member in client.zrange(key, 0, -1)}
 
-    @staticmethod
-    def _bytes_of(client: redis.Redis, key: str) -> int:
-        return int(client.memory_usage(key, samples=0) or 0)
-
     def _business_log_bytes(self, client: redis.Redis) -> int:
-        return sum(self._bytes_of(client, key) for key in BUSINESS_LOGS)
+        return _sum_over_keys(client, "memory_usage", BUSINESS_LOGS)
 
     def _keys_of(self, client: redis.Redis, delivery_id: str) -> dict[str, Any]:
         found: dict[str, Any] = {}
