@@ -819,18 +819,32 @@ def died_on_their_own(services: list[ManagedProcess]) -> list[str]:
     for proc in services:
         if proc.running():
             continue
-        how = "ended"
-        if proc.started_pid:
-            try:
-                reaped, status = os.waitpid(proc.started_pid, os.WNOHANG)
-            except ChildProcessError:  # already collected, or not our child
-                reaped, status = 0, 0
-            if reaped and os.WIFSIGNALED(status):
-                how = f"killed by signal {os.WTERMSIG(status)}"
-            elif reaped:
-                how = f"exit {os.WEXITSTATUS(status)}"
+        status = _exit_status(proc.started_pid) if proc.started_pid else None
+        if status is None:
+            how = "ended"
+        elif os.WIFSIGNALED(status):
+            how = f"killed by signal {os.WTERMSIG(status)}"
+        else:
+            how = f"exit {os.WEXITSTATUS(status)}"
         died.append(f"{proc.name}: {how}")
     return died
+
+
+def _exit_status(pid: int, wait_s: float = 2.0) -> int | None:
+    """Our child's wait status, waited for a moment: a dying process drops its argv (and so
+    reads as not running) before the kernel has its status ready, longer when it dumps core.
+    None when it is not our child or was already collected."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            reaped, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if reaped:
+            return status
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
 
 
 def _resume(proc: ManagedProcess) -> None:
