@@ -78,7 +78,7 @@ from choreo.serde import forget_registry_clients
 from choreo.state import text
 from choreo.workflow import Workflow
 from infra.kafka import KafkaCluster
-from infra.process import ManagedProcess, StackError, port_in_use, stop_all
+from infra.process import ManagedProcess, StackError, exit_status, port_in_use, stop_all
 from registry.leader import is_lease_key
 
 HOST = "127.0.0.1"
@@ -819,7 +819,7 @@ def died_on_their_own(services: list[ManagedProcess]) -> list[str]:
     for proc in services:
         if proc.running():
             continue
-        status = _exit_status(proc.started_pid) if proc.started_pid else None
+        status = exit_status(proc.started_pid) if proc.started_pid else None
         if status is None:
             how = "ended"
         elif os.WIFSIGNALED(status):
@@ -828,23 +828,6 @@ def died_on_their_own(services: list[ManagedProcess]) -> list[str]:
             how = f"exit {os.WEXITSTATUS(status)}"
         died.append(f"{proc.name}: {how}")
     return died
-
-
-def _exit_status(pid: int, wait_s: float = 2.0) -> int | None:
-    """Our child's wait status, waited for a moment: a dying process drops its argv (and so
-    reads as not running) before the kernel has its status ready, longer when it dumps core.
-    None when it is not our child or was already collected."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            reaped, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return None
-        if reaped:
-            return status
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.02)
 
 
 def _resume(proc: ManagedProcess) -> None:

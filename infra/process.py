@@ -259,6 +259,23 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
     return True
 
 
+def exit_status(pid: int, wait_s: float = 2.0) -> int | None:
+    """Our child's wait status, reaped here; None when it is not our child or was reaped
+    already. Waited for a moment: a dying process drops its argv, and so reads as not
+    running, before the kernel has its status ready (longer when it dumps core)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            reaped, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if reaped:
+            return status
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)
+
+
 def _reap(pid: int) -> None:
     """Collect our own child's exit status so it does not linger as a zombie."""
     try:

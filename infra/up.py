@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from choreo.config import REPO_ROOT, settings
-from infra.process import ManagedProcess, StackError, pid_alive, stop_all
+from infra.process import ManagedProcess, StackError, exit_status, pid_alive, stop_all
 from infra.services import ServiceSpec, ingestion_process, service_process
 
 DEFAULT_CONFIG = REPO_ROOT / "deploy" / "drone.toml"
@@ -331,21 +331,9 @@ class Supervisor:
 
 def _exit_of(pid: int | None) -> str:
     """How our child ``pid`` ended, read once (it is reaped here)."""
-    if pid is None:
+    status = exit_status(pid, wait_s=1.0) if pid is not None else None
+    if status is None:  # not our child (adopted from an earlier ``up``), or reaped already
         return "exited"
-    # seen dead as it exits: the kernel may not have made it a zombie to reap yet, so ask
-    # again for a moment rather than lose its exit code
-    deadline = time.monotonic() + 1.0
-    while True:
-        try:
-            reaped, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:  # not our child (adopted from an earlier ``up``), or reaped already
-            return "exited"
-        if reaped != 0:
-            break
-        if time.monotonic() > deadline:
-            return "exited"
-        time.sleep(0.01)
     code = os.waitstatus_to_exitcode(status)
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
