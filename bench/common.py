@@ -270,6 +270,11 @@ def metric_sum(samples: Mapping[str, float], name: str, **labels: str) -> float:
     return total
 
 
+def metric_growth(before: Mapping[str, float], after: Mapping[str, float], name: str, **labels: str) -> float:
+    """How much ``metric_sum`` grew from one scrape to the next."""
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+
 def metric_by_label(samples: Mapping[str, float], name: str, label: str) -> dict[str, float]:
     """The sum of ``name``'s samples per value of ``label``."""
     totals: dict[str, float] = {}
@@ -282,22 +287,19 @@ def metric_by_label(samples: Mapping[str, float], name: str, label: str) -> dict
 
 
 def batch_figures(before: Mapping[str, float], after: Mapping[str, float], service: str,
-                  seconds: float) -> dict[str, float | dict[str, float]]:
-    """Transactions (batches), their mean size and rate, aborts, and the mean time of each
-    phase of a batch, between two scrapes."""
-    count = (metric_sum(after, "choreo_batch_size_count", service=service)
-             - metric_sum(before, "choreo_batch_size_count", service=service))
-    total = (metric_sum(after, "choreo_batch_size_sum", service=service)
-             - metric_sum(before, "choreo_batch_size_sum", service=service))
-    aborts = (metric_sum(after, "choreo_transaction_aborts_total", service=service)
-              - metric_sum(before, "choreo_transaction_aborts_total", service=service))
+                  seconds: float, deliveries: int) -> dict[str, float | dict[str, float]]:
+    """Transactions (batches), their mean size and rate, aborts, and each phase of a batch
+    between two scrapes: its mean time, and its CPU per delivery."""
+    count = metric_growth(before, after, "choreo_batch_size_count", service=service)
+    total = metric_growth(before, after, "choreo_batch_size_sum", service=service)
     return {
         "transactions": count,
         "events_in_batches": total,
         "mean_batch": round(total / count, 1) if count else 0.0,
         "transactions_per_s": round(count / seconds, 1) if seconds > 0 else 0.0,
-        "aborts": aborts,
+        "aborts": metric_growth(before, after, "choreo_transaction_aborts_total", service=service),
         "mean_ms_by_phase": phase_means(before, after, service),
+        "cpu_us_per_delivery_by_phase": phase_cpu(before, after, service, deliveries),
     }
 
 
@@ -310,13 +312,25 @@ def phase_means(before: Mapping[str, float], after: Mapping[str, float],
     between two scrapes: where a hop's latency goes."""
     means: dict[str, float] = {}
     for phase in BATCH_PHASES:
-        seconds, count = (
-            metric_sum(after, f"choreo_batch_phase_seconds_{part}", service=service, phase=phase)
-            - metric_sum(before, f"choreo_batch_phase_seconds_{part}", service=service, phase=phase)
-            for part in ("sum", "count"))
+        seconds, count = (metric_growth(before, after, f"choreo_batch_phase_seconds_{part}",
+                                        service=service, phase=phase) for part in ("sum", "count"))
         if count:
             means[phase] = round(seconds / count * 1000, 1)
     return means
+
+
+def phase_cpu(before: Mapping[str, float], after: Mapping[str, float], service: str,
+              deliveries: int) -> dict[str, float]:
+    """CPU microseconds of the runner's batch loop per delivery in each phase
+    (``choreo_batch_phase_cpu_seconds``) between two scrapes: what a phase costs the machine,
+    where ``phase_means`` also counts its waits."""
+    cpu: dict[str, float] = {}
+    for phase in BATCH_PHASES:
+        seconds = metric_growth(before, after, "choreo_batch_phase_cpu_seconds_total",
+                                service=service, phase=phase)
+        if seconds and deliveries > 0:
+            cpu[phase] = round(seconds / deliveries * 1e6, 1)
+    return cpu
 
 
 # -- misc -----------------------------------------------------------------------------------

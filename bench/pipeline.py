@@ -63,7 +63,7 @@ from confluent_kafka import Consumer, TopicPartition
 from bench.ceiling import Record, save_samples
 from bench.common import (
     HAPPY_PATH, SOURCE_TOPIC, TERMINAL_TOPIC, Hops, ProcSample, Stage, batch_figures,
-    compiler_seconds, free_port, hop_count, latency_summary, load_average, metric_by_label, metric_sum, parse_metrics, rate, sample_process,
+    compiler_seconds, free_port, hop_count, latency_summary, load_average, metric_by_label, metric_growth, parse_metrics, rate, sample_process,
     run_header, summarise_repeats, thread_cpu, write_figures,
 )
 from choreo.config import REPO_ROOT, settings
@@ -589,12 +589,12 @@ class Bench:
             "mode": "closed" if rate_per_s <= 0 else "open", "offered_per_s": rate_per_s,
             "processes": procs,
             "cpu": cpu_budget(procs, figures["terminal"], seconds, self.idle_pct),
-            "batches": {s: batch_figures(before, after, s, seconds) for s in SERVICES},
+            "batches": {s: batch_figures(before, after, s, seconds, figures["terminal"]) for s in SERVICES},
             "redis_used_memory_before": mem_before, "redis_used_memory_after": mem_after,
             "redis_bytes_retained_per_delivery": round((mem_after - mem_before) / max(1, len(ids))),
             "redis_commands_per_delivery": commands,
             "redis_script_items_per_delivery": round(
-                (metric_sum(after, SCRIPT_ITEMS) - metric_sum(before, SCRIPT_ITEMS)) / max(1, figures["terminal"]), 1),
+                metric_growth(before, after, SCRIPT_ITEMS) / max(1, figures["terminal"]), 1),
             "redis_script_items_by_script": script_items(before, after, figures["terminal"]),
             "load_average": load_average(),
         })

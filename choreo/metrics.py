@@ -37,6 +37,11 @@ EFFECTS_PER_ROUND_TRIP = Histogram("choreo_effects_per_round_trip", "Handler eff
 BATCH_PHASE_SECONDS = Histogram("choreo_batch_phase_seconds", "Seconds per batch in each phase",
                                 ["service", "phase"],
                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
+# the same phases in the batch loop's CPU time: the wall time above also holds the waits on
+# Redis, on Kafka and, on a busy machine, on a core; this is what each phase costs the machine
+BATCH_PHASE_CPU_SECONDS = Counter("choreo_batch_phase_cpu_seconds",
+                                  "CPU seconds of the batch loop's thread in each phase",
+                                  ["service", "phase"])
 # every item of the runtime's batched scripts (``choreo.batch``): what a delivery costs Redis
 # in script runs, whatever the round trips carrying them (bench/README.md)
 SCRIPT_ITEMS = Counter("choreo_redis_script_items_total", "Items run by the runtime's batched Redis scripts",

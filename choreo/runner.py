@@ -327,10 +327,10 @@ class Runner:
         wait for a full batch or its whole timeout (bench/README.md, "The batch loop")."""
         messages = self.consumer.consume(1, self.options.poll_timeout_s)
         if messages and self.service.batch_size > 1:
-            started, revocations = time.perf_counter(), self._revocations  # an idle poll is no wait
+            revocations = self._revocations
+            clock = PhaseClock(self.service.name)  # an idle poll is no wait
             messages += self.consumer.consume(self.service.batch_size - 1, self.cfg.batch_gather_ms / 1000)
-            metrics.child(metrics.BATCH_PHASE_SECONDS, self.service.name, "consume").observe(
-                time.perf_counter() - started)
+            clock.lap("consume")
             if self._revocations != revocations:
                 # librdkafka drops a revoked partition's records within one consume call only:
                 # the first record may belong to a partition another member now owns
@@ -874,17 +874,19 @@ class Runner:
 
 
 class PhaseClock:
-    """Times the phases of one batch into ``choreo_batch_phase_seconds``: each ``lap`` is
-    the time since the previous one."""
+    """Times the phases of one batch into ``choreo_batch_phase_seconds`` and the loop's CPU
+    time into ``choreo_batch_phase_cpu_seconds``: each ``lap`` is the time since the
+    previous one."""
 
     def __init__(self, service: str) -> None:
         self.service = service
-        self.last = time.perf_counter()
+        self.last, self.last_cpu = time.perf_counter(), time.thread_time()
 
     def lap(self, phase: str) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         metrics.child(metrics.BATCH_PHASE_SECONDS, self.service, phase).observe(now - self.last)
-        self.last = now
+        metrics.child(metrics.BATCH_PHASE_CPU_SECONDS, self.service, phase).inc(cpu - self.last_cpu)
+        self.last, self.last_cpu = now, cpu
 
 
 def _as_events(result: Event | Iterable[Event] | None) -> list[Event]:

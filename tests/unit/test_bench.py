@@ -130,6 +130,7 @@ choreo_batch_size_sum{service="package"} 1000.0
 choreo_transaction_aborts_total{service="package"} 1.0
 choreo_batch_phase_seconds_sum{phase="commit",service="package"} 1.0
 choreo_batch_phase_seconds_count{phase="commit",service="package"} 10.0
+choreo_batch_phase_cpu_seconds_total{phase="finish",service="package"} 0.25
 """
 METRICS_AFTER = """
 # TYPE choreo_batch_size histogram
@@ -141,15 +142,22 @@ choreo_batch_phase_seconds_sum{phase="commit",service="package"} 1.5
 choreo_batch_phase_seconds_count{phase="commit",service="package"} 30.0
 choreo_batch_phase_seconds_sum{phase="commit",service="delivery"} 9.0
 choreo_batch_phase_seconds_count{phase="commit",service="delivery"} 7.0
+choreo_batch_phase_cpu_seconds_total{phase="finish",service="package"} 0.45
+choreo_batch_phase_cpu_seconds_total{phase="decode",service="package"} 0.1
+choreo_batch_phase_cpu_seconds_total{phase="decode",service="delivery"} 3.0
 """
 
 
 def test_batch_figures_from_two_scrapes() -> None:
     before, after = parse_metrics(METRICS_BEFORE), parse_metrics(METRICS_AFTER)
-    figures = batch_figures(before, after, "package", seconds=10.0)
+    figures = batch_figures(before, after, "package", seconds=10.0, deliveries=1000)
     assert figures == {"transactions": 20.0, "events_in_batches": 4000.0, "mean_batch": 200.0,
                        "transactions_per_s": 2.0, "aborts": 0.0,
-                       "mean_ms_by_phase": {"commit": 25.0}}  # 0.5 s over 20 commits
+                       "mean_ms_by_phase": {"commit": 25.0},  # 0.5 s over 20 commits
+                       # 0.2 s and 0.1 s of CPU over 1,000 deliveries; the delivery service's not
+                       "cpu_us_per_delivery_by_phase": {"decode": 100.0, "finish": 200.0}}
+    assert batch_figures(before, after, "package", seconds=10.0, deliveries=0)[
+        "cpu_us_per_delivery_by_phase"] == {}
 
 
 def test_script_items_per_delivery_by_script() -> None:
