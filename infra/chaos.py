@@ -78,7 +78,7 @@ from choreo.serde import forget_registry_clients
 from choreo.state import text
 from choreo.workflow import Workflow
 from infra.kafka import KafkaCluster
-from infra.process import ManagedProcess, StackError, exit_status, port_in_use, stop_all
+from infra.process import ManagedProcess, StackError, describe_exit, port_in_use, stop_all
 from registry.leader import is_lease_key
 
 HOST = "127.0.0.1"
@@ -814,19 +814,12 @@ class Chaos:
 
 def died_on_their_own(services: list[ManagedProcess]) -> list[str]:
     """The instances that are not running, each with how it ended when this process started
-    it (a signal number tells a crash, such as 11, from an exit)."""
+    it (a signal, such as SIGSEGV, tells a crash from an exit)."""
     died = []
     for proc in services:
         if proc.running():
             continue
-        status = exit_status(proc.started_pid) if proc.started_pid else None
-        if status is None:
-            how = "ended"
-        elif os.WIFSIGNALED(status):
-            how = f"killed by signal {os.WTERMSIG(status)}"
-        else:
-            how = f"exit {os.WEXITSTATUS(status)}"
-        died.append(f"{proc.name}: {how}")
+        died.append(f"{proc.name}: {describe_exit(proc.exit_code())}")
     return died
 
 

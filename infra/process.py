@@ -97,8 +97,9 @@ class ManagedProcess:
     marker: str
     env: dict[str, str] = field(default_factory=dict)
     install_hint: str = ""  # how to get ``argv[0]`` when it is missing, for the error sentence
-    # the last process this object started: still our child, so how it ended can be read
-    started_pid: int = field(default=0, init=False)
+    # the last process this object started, kept: a dropped ``Popen`` of a running child is
+    # reaped by the next ``Popen`` anyone makes, and how the child ended is lost with it
+    started: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def pid_file(self) -> Path:
@@ -163,7 +164,7 @@ class ManagedProcess:
             ) from None
         _await_exec(proc, self.marker)
         self.pid_file.write_text(str(proc.pid))
-        self.started_pid = proc.pid
+        self.started = proc
         try:
             self._wait_ready(timeout_s, proc)
         except StackError:
@@ -211,19 +212,40 @@ class ManagedProcess:
 
     def _reap_stopped(self, pid: int, timeout_s: float) -> None:
         """Wait for a signalled ``pid`` to go, SIGKILL it past ``timeout_s``, drop the pid file."""
-        if not _wait_gone(pid, timeout_s):
+        if not _wait_gone(pid, timeout_s, self._collect):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            _wait_gone(pid, 10.0)
+            _wait_gone(pid, 10.0, self._collect)
         self.pid_file.unlink(missing_ok=True)
 
     def kill(self) -> None:
         """kill -9, for chaos tests: no shutdown hooks run (the pid file stays, as after a crash)."""
         pid = self.terminate(signal.SIGKILL)
         if pid is not None:
-            _wait_gone(pid, 10.0)
+            _wait_gone(pid, 10.0, self._collect)
+
+    def exit_code(self, wait_s: float = 2.0) -> int | None:
+        """The return code of the process this object last started (a signal's number
+        negated), waited for up to ``wait_s``: a dying process drops its argv, and so reads
+        as not running, before the kernel has its status (longer when it dumps core). None
+        when this object started none, the process still runs, or it was reaped already
+        by another way than this object's."""
+        if self.started is None:
+            return None
+        try:
+            return self.started.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _collect(self, pid: int) -> None:
+        """Collect ``pid``'s status: through its ``Popen`` when this object started it, which
+        then keeps it (``exit_code``), else straight from the kernel."""
+        if self.started is not None and self.started.pid == pid:
+            self.started.poll()
+        else:
+            _reap(pid)
 
 
 def stop_all(procs: Iterable[ManagedProcess], timeout_s: float = 30.0) -> list[str]:
@@ -248,32 +270,28 @@ def _await_exec(proc: subprocess.Popen[bytes], marker: str, timeout_s: float = 5
         time.sleep(0.01)
 
 
-def _wait_gone(pid: int, timeout_s: float) -> bool:
+def _wait_gone(pid: int, timeout_s: float, reap: Callable[[int], None]) -> bool:
     deadline = time.monotonic() + timeout_s
     while pid_alive(pid):
-        _reap(pid)
+        reap(pid)
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
-    _reap(pid)
+    reap(pid)
     return True
 
 
-def exit_status(pid: int, wait_s: float = 2.0) -> int | None:
-    """Our child's wait status, reaped here; None when it is not our child or was reaped
-    already. Waited for a moment: a dying process drops its argv, and so reads as not
-    running, before the kernel has its status ready (longer when it dumps core)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            reaped, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return None
-        if reaped:
-            return status
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.01)
+def describe_exit(code: int | None) -> str:
+    """A return code as a person reads it: ``exit code 1``, ``killed by SIGSEGV``, or that it
+    is not known."""
+    if code is None:
+        return "ended, how unknown"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:  # a real-time signal has no name
+        return f"killed by signal {-code}"
 
 
 def _reap(pid: int) -> None:

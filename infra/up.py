@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from choreo.config import REPO_ROOT, settings
-from infra.process import ManagedProcess, StackError, exit_status, pid_alive, stop_all
+from infra.process import ManagedProcess, StackError, describe_exit, pid_alive, stop_all
 from infra.services import ServiceSpec, ingestion_process, service_process
 
 DEFAULT_CONFIG = REPO_ROOT / "deploy" / "drone.toml"
@@ -279,7 +279,7 @@ class Supervisor:
             if self.stopping.is_set():
                 return
             if member.state == "running" and member.proc.pid() is None:
-                member.last_exit = _exit_of(member.pid)
+                member.last_exit = _exit_of(member.proc)
                 self.say(f"{member.proc.name} exited ({member.last_exit})")
                 self._back_off(member, now)
             elif member.state in ("starting", "backoff") and now >= member.due:
@@ -329,13 +329,10 @@ class Supervisor:
         partial.replace(self.state_file)
 
 
-def _exit_of(pid: int | None) -> str:
-    """How our child ``pid`` ended, read once (it is reaped here)."""
-    status = exit_status(pid, wait_s=1.0) if pid is not None else None
-    if status is None:  # not our child (adopted from an earlier ``up``), or reaped already
-        return "exited"
-    code = os.waitstatus_to_exitcode(status)
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+def _exit_of(proc: ManagedProcess) -> str:
+    """How the member's process ended: known when this ``up`` started it, not when it adopted
+    one an earlier ``up`` left running."""
+    return describe_exit(proc.exit_code(wait_s=1.0))
 
 
 def read_pid(pid_file: Path) -> int | None:

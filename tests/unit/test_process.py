@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.process import ManagedProcess, StackError, cmdline_has, port_in_use, stop_all
+from infra.process import ManagedProcess, StackError, cmdline_has, describe_exit, port_in_use, stop_all
 
 SLEEPER = "import time; time.sleep(300)"
 
@@ -161,7 +161,30 @@ def test_the_chaos_run_tells_a_crash_from_a_running_instance(tmp_path: Path) -> 
         deadline = time.monotonic() + 5
         while (crashed.running() or exited.running()) and time.monotonic() < deadline:
             time.sleep(0.05)
+        # any new child reaps the dropped Popen objects of children that have ended
+        subprocess.run(["true"], check=True)
         assert died_on_their_own([alive, crashed, exited]) == [
-            "crashed: killed by signal 11", "exited: killed by signal 15"]
+            "crashed: killed by SIGSEGV", "exited: killed by SIGTERM"]
     finally:
         stop_all([alive, crashed, exited], timeout_s=5)
+
+
+def test_how_a_process_ended_is_known_only_for_one_started_here(tmp_path: Path) -> None:
+    """The return code of the process this object started; none for a running one, for one
+    it did not start, and none made up for one it stopped and reaped itself."""
+    proc, never = sleeper(tmp_path, "proc"), sleeper(tmp_path, "never")
+    assert proc.exit_code(wait_s=0) is None and never.exit_code(wait_s=0) is None
+    proc.start(timeout_s=5)
+    try:
+        assert proc.exit_code(wait_s=0.1) is None  # still running
+        proc.stop(timeout_s=5)
+        assert proc.exit_code(wait_s=0) == -signal.SIGTERM
+    finally:
+        stop_all([proc], timeout_s=5)
+
+
+@pytest.mark.parametrize(("code", "said"), [
+    (None, "ended, how unknown"), (0, "exit code 0"), (3, "exit code 3"),
+    (-signal.SIGKILL, "killed by SIGKILL"), (-(signal.SIGRTMIN + 2), f"killed by signal {signal.SIGRTMIN + 2}")])
+def test_a_return_code_is_told_as_a_person_reads_it(code: int | None, said: str) -> None:
+    assert describe_exit(code) == said
