@@ -9,7 +9,7 @@ the broker. Their cost depends on how soon a transaction follows the previous co
 the broker has written the previous transaction's markers it refuses ``AddPartitionsToTxn``
 and ``AddOffsetsToTxn`` with ``CONCURRENT_TRANSACTIONS``, and librdkafka retries after
 ``retry.backoff.ms``. So a consume loop that takes its next batch sooner (a shorter linger)
-moves its wait into the transaction rather than removing it (bench/README.md, session 9).
+moves its wait into the transaction rather than removing it (bench/README.md).
 
 Starts a private stack (as ``bench.pipeline``). Per gap and repeat, in turns:
 

@@ -192,7 +192,7 @@ def ensure_topics(
 def _wait_for_leaders(client: AdminClient, topics: list[str], timeout_s: float) -> None:
     """Creation returns before the new partitions are served, and metadata can name a leader
     a moment before that leader serves the partition: a client that asked for watermarks in
-    between got NOT_LEADER_FOR_PARTITION (a test run, session 9). So wait until every
+    between got NOT_LEADER_FOR_PARTITION (seen in a test run). So wait until every
     partition has a leader and that leader answers a ListOffsets."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -93,7 +93,7 @@ SHORT_DELIVERIES = 2_000
 STUCK_EVIDENCE = 5  # deliveries that never ended, described in the result
 DRONES_BACK_S = 30.0  # how long the drones of ended deliveries may take to come back
 # the cluster's leader.imbalance.check.interval.seconds (Kafka's default); --leader-rebalance 20
-# makes every run move leaders and coordinators (RELIABILITY.md, session 10)
+# makes every run move leaders and coordinators (RELIABILITY.md)
 LEADER_REBALANCE_S = 300
 # the services' failure injection: permanent failures exercise compensation, transient ones
 # the retries; compensation itself only fails transiently (a permanent undo failure is an
@@ -329,7 +329,7 @@ def wait_for_groups(groups: list[str], timeout_s: float) -> None:
         except Exception as exc:  # a group that does not exist yet fails its future
             last = f"{type(exc).__name__}: {str(exc)[:200]}"
             # a client that keeps hearing NOT_COORDINATOR kept asking the coordinator it had
-            # cached for 90 s in one run (session 11): a new client looks the coordinator up
+            # cached for 90 s in one run: a new client looks the coordinator up
             client = admin()
             time.sleep(0.5)
             continue

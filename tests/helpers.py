@@ -135,7 +135,7 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float = 60.0, interval_s: 
 # Test servers listen below the kernel's ephemeral range (net.ipv4.ip_local_port_range,
 # 32768-60999 on Debian): a port from that range can become the local end of any outgoing
 # connection the moment a test's server on it dies, and its restart on the same port then
-# finds it taken (a clean-clone run, session 13). No fixed port of the stacks lies in here.
+# finds it taken (seen in a clean-clone run). No fixed port of the stacks lies in here.
 SERVER_PORTS = range(30000, 32768)
 _handed_out: set[int] = set()
 
