@@ -49,6 +49,14 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+# The processes this process started, by pid, kept: CPython hands a dropped ``Popen`` of a
+# running child to the next ``Popen`` anyone makes, which reaps it, and how it ended is lost.
+# A ``ManagedProcess`` is often made afresh for the same process (a cluster's nodes), so the
+# record is kept here, not on the object. An entry goes when the object that started it
+# starts the next process: a run keeps at most one per start.
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -97,9 +105,9 @@ class ManagedProcess:
     marker: str
     env: dict[str, str] = field(default_factory=dict)
     install_hint: str = ""  # how to get ``argv[0]`` when it is missing, for the error sentence
-    # the last process this object started, kept: a dropped ``Popen`` of a running child is
-    # reaped by the next ``Popen`` anyone makes, and how the child ended is lost with it
-    started: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False, compare=False)
+    # the process this object runs, started or adopted: how it ended is known when it is one
+    # of ``_CHILDREN``
+    run_pid: int = field(default=0, init=False, compare=False)
 
     @property
     def pid_file(self) -> Path:
@@ -143,7 +151,12 @@ class ManagedProcess:
         error is raised, so a failed start leaves nothing half-running behind.
         """
         self.workdir.mkdir(parents=True, exist_ok=True)
-        if self.pid() is not None:
+        running = self.pid()
+        if running is not None:
+            known = _CHILDREN.get(running)
+            if known is not None and known.poll() is not None:  # a pid ours once, now another's
+                del _CHILDREN[running]
+            self.run_pid = running
             self._wait_ready(timeout_s)
             return False
         self.check_ports()
@@ -164,7 +177,9 @@ class ManagedProcess:
             ) from None
         _await_exec(proc, self.marker)
         self.pid_file.write_text(str(proc.pid))
-        self.started = proc
+        _CHILDREN.pop(self.run_pid, None)  # ended and collected: nothing reads it any more
+        _CHILDREN[proc.pid] = proc
+        self.run_pid = proc.pid
         try:
             self._wait_ready(timeout_s, proc)
         except StackError:
@@ -212,40 +227,32 @@ class ManagedProcess:
 
     def _reap_stopped(self, pid: int, timeout_s: float) -> None:
         """Wait for a signalled ``pid`` to go, SIGKILL it past ``timeout_s``, drop the pid file."""
-        if not _wait_gone(pid, timeout_s, self._collect):
+        if not _wait_gone(pid, timeout_s):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            _wait_gone(pid, 10.0, self._collect)
+            _wait_gone(pid, 10.0)
         self.pid_file.unlink(missing_ok=True)
 
     def kill(self) -> None:
         """kill -9, for chaos tests: no shutdown hooks run (the pid file stays, as after a crash)."""
         pid = self.terminate(signal.SIGKILL)
         if pid is not None:
-            _wait_gone(pid, 10.0, self._collect)
+            _wait_gone(pid, 10.0)
 
     def exit_code(self, wait_s: float = 2.0) -> int | None:
-        """The return code of the process this object last started (a signal's number
-        negated), waited for up to ``wait_s``: a dying process drops its argv, and so reads
-        as not running, before the kernel has its status (longer when it dumps core). None
-        when this object started none, the process still runs, or it was reaped already
-        by another way than this object's."""
-        if self.started is None:
+        """The return code of the process this object runs (a signal's number negated),
+        waited for up to ``wait_s``: a dying process drops its argv, and so reads as not
+        running, before the kernel has its status (longer when it dumps core). None when it
+        still runs, or is not a child of this process (adopted from an earlier run)."""
+        child = _CHILDREN.get(self.run_pid)
+        if child is None:
             return None
         try:
-            return self.started.wait(timeout=wait_s)
+            return child.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             return None
-
-    def _collect(self, pid: int) -> None:
-        """Collect ``pid``'s status: through its ``Popen`` when this object started it, which
-        then keeps it (``exit_code``), else straight from the kernel."""
-        if self.started is not None and self.started.pid == pid:
-            self.started.poll()
-        else:
-            _reap(pid)
 
 
 def stop_all(procs: Iterable[ManagedProcess], timeout_s: float = 30.0) -> list[str]:
@@ -270,14 +277,14 @@ def _await_exec(proc: subprocess.Popen[bytes], marker: str, timeout_s: float = 5
         time.sleep(0.01)
 
 
-def _wait_gone(pid: int, timeout_s: float, reap: Callable[[int], None]) -> bool:
+def _wait_gone(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while pid_alive(pid):
-        reap(pid)
+        _reap(pid)
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
-    reap(pid)
+    _reap(pid)
     return True
 
 
@@ -285,7 +292,7 @@ def describe_exit(code: int | None) -> str:
     """A return code as a person reads it: ``exit code 1``, ``killed by SIGSEGV``, or that it
     is not known."""
     if code is None:
-        return "ended, how unknown"
+        return "how unknown"
     if code >= 0:
         return f"exit code {code}"
     try:
@@ -295,7 +302,12 @@ def describe_exit(code: int | None) -> str:
 
 
 def _reap(pid: int) -> None:
-    """Collect our own child's exit status so it does not linger as a zombie."""
+    """Collect our own child's exit status so it does not linger as a zombie: through its
+    ``Popen``, which keeps it (``ManagedProcess.exit_code``), when we started it."""
+    child = _CHILDREN.get(pid)
+    if child is not None:
+        child.poll()
+        return
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:

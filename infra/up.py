@@ -280,7 +280,7 @@ class Supervisor:
                 return
             if member.state == "running" and member.proc.pid() is None:
                 member.last_exit = _exit_of(member.proc)
-                self.say(f"{member.proc.name} exited ({member.last_exit})")
+                self.say(f"{member.proc.name} ended ({member.last_exit})")
                 self._back_off(member, now)
             elif member.state in ("starting", "backoff") and now >= member.due:
                 self._start(member, now)

@@ -150,41 +150,44 @@ def test_the_chaos_run_tells_a_crash_from_a_running_instance(tmp_path: Path) -> 
     ended (both supervisors once died of SIGSEGV and the run only showed stuck deliveries)."""
     from infra.chaos import died_on_their_own
 
-    alive, crashed, exited = (sleeper(tmp_path, name) for name in ("alive", "crashed", "exited"))
-    for proc in (alive, crashed, exited):
+    alive, crashed, stopped = (sleeper(tmp_path, name) for name in ("alive", "crashed", "stopped"))
+    for proc in (alive, crashed, stopped):
         proc.start(timeout_s=5)
     try:
-        for proc, sig in ((crashed, signal.SIGSEGV), (exited, signal.SIGTERM)):
+        for proc, sig in ((crashed, signal.SIGSEGV), (stopped, signal.SIGTERM)):
             pid = proc.pid()
             assert pid is not None
             os.kill(pid, sig)
         deadline = time.monotonic() + 5
-        while (crashed.running() or exited.running()) and time.monotonic() < deadline:
+        while (crashed.running() or stopped.running()) and time.monotonic() < deadline:
             time.sleep(0.05)
         # any new child reaps the dropped Popen objects of children that have ended
         subprocess.run(["true"], check=True)
-        assert died_on_their_own([alive, crashed, exited]) == [
-            "crashed: killed by SIGSEGV", "exited: killed by SIGTERM"]
+        assert died_on_their_own([alive, crashed, stopped]) == [
+            "crashed: killed by SIGSEGV", "stopped: killed by SIGTERM"]
     finally:
-        stop_all([alive, crashed, exited], timeout_s=5)
+        stop_all([alive, crashed, stopped], timeout_s=5)
 
 
-def test_how_a_process_ended_is_known_only_for_one_started_here(tmp_path: Path) -> None:
-    """The return code of the process this object started; none for a running one, for one
-    it did not start, and none made up for one it stopped and reaped itself."""
-    proc, never = sleeper(tmp_path, "proc"), sleeper(tmp_path, "never")
+def test_how_a_process_ended_is_known_for_one_this_process_started(tmp_path: Path) -> None:
+    """The return code of a process started here, whichever object for it stopped and reaped
+    it (a cluster's nodes are made afresh for each call); none while it runs, and none for an
+    object that runs nothing."""
+    proc, twin, never = sleeper(tmp_path, "proc"), sleeper(tmp_path, "proc"), sleeper(tmp_path, "never")
     assert proc.exit_code(wait_s=0) is None and never.exit_code(wait_s=0) is None
     proc.start(timeout_s=5)
     try:
         assert proc.exit_code(wait_s=0.1) is None  # still running
-        proc.stop(timeout_s=5)
+        assert twin.start(timeout_s=5) is False  # the same process, adopted
+        twin.stop(timeout_s=5)
         assert proc.exit_code(wait_s=0) == -signal.SIGTERM
+        assert twin.exit_code(wait_s=0) == -signal.SIGTERM
     finally:
         stop_all([proc], timeout_s=5)
 
 
 @pytest.mark.parametrize(("code", "said"), [
-    (None, "ended, how unknown"), (0, "exit code 0"), (3, "exit code 3"),
+    (None, "how unknown"), (0, "exit code 0"), (3, "exit code 3"),
     (-signal.SIGKILL, "killed by SIGKILL"), (-(signal.SIGRTMIN + 2), f"killed by signal {signal.SIGRTMIN + 2}")])
 def test_a_return_code_is_told_as_a_person_reads_it(code: int | None, said: str) -> None:
     assert describe_exit(code) == said
