@@ -322,8 +322,8 @@ def phase_means(before: Mapping[str, float], after: Mapping[str, float],
 def phase_cpu(before: Mapping[str, float], after: Mapping[str, float], service: str,
               deliveries: int) -> dict[str, float]:
     """CPU microseconds of the runner's batch loop per delivery in each phase
-    (``choreo_batch_phase_cpu_seconds``) between two scrapes: what a phase costs the machine,
-    where ``phase_means`` also counts its waits."""
+    (``choreo_batch_phase_cpu_seconds``) between two scrapes: what a phase costs the loop
+    itself, where ``phase_means`` also counts its waits."""
     cpu: dict[str, float] = {}
     for phase in BATCH_PHASES:
         seconds = metric_growth(before, after, "choreo_batch_phase_cpu_seconds_total",

@@ -38,7 +38,8 @@ BATCH_PHASE_SECONDS = Histogram("choreo_batch_phase_seconds", "Seconds per batch
                                 ["service", "phase"],
                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
 # the same phases in the batch loop's CPU time: the wall time above also holds the waits on
-# Redis, on Kafka and, on a busy machine, on a core; this is what each phase costs the machine
+# Redis, on Kafka and, on a busy machine, on a core; this is what each phase costs the loop
+# itself (not the work it causes in Redis, the broker or librdkafka's threads)
 BATCH_PHASE_CPU_SECONDS = Counter("choreo_batch_phase_cpu_seconds",
                                   "CPU seconds of the batch loop's thread in each phase",
                                   ["service", "phase"])

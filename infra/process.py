@@ -52,9 +52,26 @@ def port_in_use(host: str, port: int) -> bool:
 # The processes this process started, by pid, kept: CPython hands a dropped ``Popen`` of a
 # running child to the next ``Popen`` anyone makes, which reaps it, and how it ended is lost.
 # A ``ManagedProcess`` is often made afresh for the same process (a cluster's nodes), so the
-# record is kept here, not on the object. An entry goes when the object that started it
-# starts the next process: a run keeps at most one per start.
+# record is kept here, not on the object.
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+KEPT_CHILDREN = 256  # records kept at most: past it, the oldest of the ended processes' go
+
+
+def _keep(proc: subprocess.Popen[bytes]) -> None:
+    """Record a process started here, within ``KEPT_CHILDREN`` (a ``choreo up`` restarting a
+    crashing member for days, a cluster's nodes made afresh at each restart)."""
+    _CHILDREN[proc.pid] = proc
+    excess = len(_CHILDREN) - KEPT_CHILDREN
+    if excess > 0:
+        for pid in [pid for pid, child in _CHILDREN.items() if child.poll() is not None][:excess]:
+            del _CHILDREN[pid]
+
+
+def _forget_ended(pid: int) -> None:
+    """Drop the record of ``pid`` when its process has ended: the pid may be another's now."""
+    child = _CHILDREN.get(pid)
+    if child is not None and child.poll() is not None:
+        del _CHILDREN[pid]
 
 
 def pid_alive(pid: int) -> bool:
@@ -129,6 +146,8 @@ class ManagedProcess:
             return None
         if pid_alive(pid) and cmdline_has(pid, self.marker):
             return pid
+        if pid in _CHILDREN:  # our child, a zombie now: its status goes to its Popen
+            _CHILDREN[pid].poll()
         self.pid_file.unlink(missing_ok=True)
         return None
 
@@ -153,9 +172,7 @@ class ManagedProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         running = self.pid()
         if running is not None:
-            known = _CHILDREN.get(running)
-            if known is not None and known.poll() is not None:  # a pid ours once, now another's
-                del _CHILDREN[running]
+            _forget_ended(running)
             self.run_pid = running
             self._wait_ready(timeout_s)
             return False
@@ -177,8 +194,8 @@ class ManagedProcess:
             ) from None
         _await_exec(proc, self.marker)
         self.pid_file.write_text(str(proc.pid))
-        _CHILDREN.pop(self.run_pid, None)  # ended and collected: nothing reads it any more
-        _CHILDREN[proc.pid] = proc
+        _forget_ended(self.run_pid)  # the one this object ran before, read or not by now
+        _keep(proc)
         self.run_pid = proc.pid
         try:
             self._wait_ready(timeout_s, proc)
@@ -297,7 +314,7 @@ def describe_exit(code: int | None) -> str:
         return f"exit code {code}"
     try:
         return f"killed by {signal.Signals(-code).name}"
-    except ValueError:  # a real-time signal has no name
+    except ValueError:  # the real-time signals between SIGRTMIN and SIGRTMAX have no name
         return f"killed by signal {-code}"
 
 

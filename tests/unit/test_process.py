@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from infra import process
 from infra.process import ManagedProcess, StackError, cmdline_has, describe_exit, port_in_use, stop_all
 
 SLEEPER = "import time; time.sleep(300)"
@@ -191,3 +192,22 @@ def test_how_a_process_ended_is_known_for_one_this_process_started(tmp_path: Pat
     (-signal.SIGKILL, "killed by SIGKILL"), (-(signal.SIGRTMIN + 2), f"killed by signal {signal.SIGRTMIN + 2}")])
 def test_a_return_code_is_told_as_a_person_reads_it(code: int | None, said: str) -> None:
     assert describe_exit(code) == said
+
+
+def test_the_record_of_processes_started_here_is_bounded(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``KEPT_CHILDREN`` records, the oldest ended processes' go; a running one's stays."""
+    monkeypatch.setattr(process, "KEPT_CHILDREN", 2)
+    monkeypatch.setattr(process, "_CHILDREN", {})
+    alive = sleeper(tmp_path, "alive")
+    alive.start(timeout_s=5)
+    try:
+        for n in range(3):
+            quick = sleeper(tmp_path, f"quick{n}")
+            quick.start(timeout_s=5)
+            quick.stop(timeout_s=5)
+        assert set(process._CHILDREN) == {alive.run_pid, quick.run_pid}
+        assert quick.exit_code(wait_s=0) == -signal.SIGTERM
+        assert alive.exit_code(wait_s=0.1) is None
+    finally:
+        stop_all([alive], timeout_s=5)
