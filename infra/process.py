@@ -146,8 +146,7 @@ class ManagedProcess:
             return None
         if pid_alive(pid) and cmdline_has(pid, self.marker):
             return pid
-        if pid in _CHILDREN:  # our child, a zombie now: its status goes to its Popen
-            _CHILDREN[pid].poll()
+        _collect_own(pid)  # not a bare waitpid: the pid may be some other code's child
         self.pid_file.unlink(missing_ok=True)
         return None
 
@@ -318,12 +317,18 @@ def describe_exit(code: int | None) -> str:
         return f"killed by signal {-code}"
 
 
-def _reap(pid: int) -> None:
-    """Collect our own child's exit status so it does not linger as a zombie: through its
-    ``Popen``, which keeps it (``ManagedProcess.exit_code``), when we started it."""
+def _collect_own(pid: int) -> bool:
+    """Collect the status of a dead process started here through its ``Popen``, which keeps
+    it (``ManagedProcess.exit_code``); False when ``pid`` was not started here."""
     child = _CHILDREN.get(pid)
     if child is not None:
         child.poll()
+    return child is not None
+
+
+def _reap(pid: int) -> None:
+    """Collect our own child's exit status so it does not linger as a zombie."""
+    if _collect_own(pid):
         return
     try:
         os.waitpid(pid, os.WNOHANG)

@@ -279,7 +279,8 @@ class Supervisor:
             if self.stopping.is_set():
                 return
             if member.state == "running" and member.proc.pid() is None:
-                member.last_exit = _exit_of(member.proc)
+                # known when this ``up`` started it, not when it adopted an earlier one's
+                member.last_exit = describe_exit(member.proc.exit_code(wait_s=1.0))
                 self.say(f"{member.proc.name} ended ({member.last_exit})")
                 self._back_off(member, now)
             elif member.state in ("starting", "backoff") and now >= member.due:
@@ -327,12 +328,6 @@ class Supervisor:
         partial = self.state_file.with_suffix(".partial")
         partial.write_text(json.dumps(body))
         partial.replace(self.state_file)
-
-
-def _exit_of(proc: ManagedProcess) -> str:
-    """How the member's process ended: known when this ``up`` started it, not when it adopted
-    one an earlier ``up`` left running."""
-    return describe_exit(proc.exit_code(wait_s=1.0))
 
 
 def read_pid(pid_file: Path) -> int | None:
