@@ -197,7 +197,7 @@ def test_committed_offsets_are_read_across_a_coordinator_move(cluster: KafkaClus
     done = subprocess.run(
         [sys.executable, "-m", "tests.services.coordinator_move", cluster.bootstrap_servers, group,
          TOPIC, str(partition)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"exit {done.returncode}; stderr tail:\n{done.stderr[-2000:]}"
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["coordinator_was"] == leader and seen["coordinator_now"] == preferred
