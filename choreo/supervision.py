@@ -293,15 +293,20 @@ if tries >= tonumber(ARGV[5]) then
     return cjson.encode({a = 'comp_failed', target = target, before = before, attempt = attempt,
       tries = tries, detail = detail, told = told, undone = get('undo.order') or ''})
   end
-  -- fail the delivery: steps that may have side effects, the abandoned ones first, then
-  -- the completed ones newest first (reverse order of completion). A step of them still
-  -- pending must not begin for a failed delivery (its trigger may still be queued, or its
-  -- requeue on the way): closed here, with a new token
-  local done, abandoned, closed = {}, {}, {}
+  -- fail the delivery: steps that may have side effects, the abandoned ones first (left
+  -- processing), then the completed ones newest first (reverse order of completion), then
+  -- the ones that failed after trying: they may have done part of their work (the drone step
+  -- holds its drone before it asks dispatch), but the undos of completed work do not wait
+  -- behind theirs (an undo failed for good ends the chain). A step of them still pending must
+  -- not begin for a failed delivery (its trigger may still be queued, or its requeue on the
+  -- way): closed here, with a new token
+  local done, abandoned, tried, closed = {}, {}, {}, {}
   for name in string.gmatch(ARGV[12], '[^,]+') do
     local st = of(name, 'status')
     if st == 'completed' then
       table.insert(done, {name, of(name, 'completed_at') or 0})
+    elseif st == 'failed' then
+      table.insert(tried, name)
     elseif st == 'processing' then
       table.insert(abandoned, name)
     elseif st == 'pending' and name ~= step then
@@ -313,6 +318,7 @@ if tries >= tonumber(ARGV[5]) then
   end
   table.sort(done, function(x, y) return x[2] > y[2] end)
   for _, item in ipairs(done) do table.insert(abandoned, item[1]) end
+  for _, name in ipairs(tried) do table.insert(abandoned, name) end
   local compensate = table.concat(abandoned, ',')
   local reason = 'RETRY_BUDGET_SPENT'
   if status ~= 'failed' then reason = 'DEADLINE_MISSED' end
