@@ -405,6 +405,13 @@ def test_compensate_lists_completed_steps_in_reverse_order_and_abandoned_first(
                                            "drone.source": "x|x|0|0"})
     client.zrem(deadline_index(d2), index_member(d2, "package"))
     assert _scan(client, lease, 1_002_000)[(d2, "drone")].data["compensate"] == "drone,package"
+    # requeued, and its service never took the requeue: tried before, so undone, last
+    d3 = _new(client, "package", "drone")
+    StateTable(client).put(d3, {"package.status": "completed", "package.completed_at": 10,
+                                "drone.status": "pending", "drone.attempt": 3, "drone.tries": BUDGET,
+                                "drone.source": "x|x|0|0"})
+    client.zrem(deadline_index(d3), index_member(d3, "package"))
+    assert _scan(client, lease, 1_004_000)[(d3, "drone")].data["compensate"] == "package,drone"
 
 
 def test_a_failed_delivery_closes_its_pending_steps_so_no_queued_trigger_begins_them(
@@ -412,14 +419,15 @@ def test_a_failed_delivery_closes_its_pending_steps_so_no_queued_trigger_begins_
     """A step with side effects still pending when the supervisor fails the delivery (never
     begun, its trigger queued; or claimed, its requeue on the way) is closed with a new
     token: neither trigger starts anything for a failed delivery later (a drone booked then
-    was held for good). What an attempt given away did before it stalled is not undone."""
+    was held for good). One that was begun before (claimed from an attempt that stalled) is
+    undone too, after the completed ones: that attempt may have held a drone."""
     d = _new(client, "package", "drone", "delivery")
     StateTable(client).put(d, {"package.status": "pending", "package.attempt": 2, "package.source": "x|x|0|0",
                                "delivery.status": "failed", "delivery.tries": BUDGET,
                                "delivery.source": "y|y|0|0"})
     client.zadd(deadline_index(d), {index_member(d, "delivery"): 0})
     fail = _scan(client, lease, 1_000_000)[(d, "delivery")]
-    assert fail.kind == "fail" and fail.data["compensate"] == "" and fail.data["closed"] == "package,drone"
+    assert fail.kind == "fail" and fail.data["compensate"] == "package" and fail.data["closed"] == "package,drone"
     f = _fields(client, d)
     assert (f["package.status"], f["package.attempt"]) == ("failed", "3")
     assert (f["drone.status"], f["drone.attempt"]) == ("failed", "2")
