@@ -29,8 +29,7 @@ The transitions, for a step found due (deadline passed, or failed and re-indexed
   before the Kafka transaction commits; if that commit is lost, the step simply expires
   again and is claimed again: a requeue can be late, never lost;
 * past the retry budget: a forward step fails the delivery (``outcome`` = failed, only if
-  nobody decided first) with the list of steps to compensate (abandoned, completed newest
-  first, then tried without success: ``RELIABILITY.md``); a compensation step ends
+  nobody decided first) with the list of steps to compensate; a compensation step ends
   ``compensation_failed`` on the step it was undoing, with an alert.
 
 One end-to-end retry budget per step: the runner's ``<step>.tries`` already counts every
@@ -294,34 +293,26 @@ if tries >= tonumber(ARGV[5]) then
     return cjson.encode({a = 'comp_failed', target = target, before = before, attempt = attempt,
       tries = tries, detail = detail, told = told, undone = get('undo.order') or ''})
   end
-  -- fail the delivery: steps that may have side effects, the abandoned ones first (left
-  -- processing), then the completed ones newest first (reverse order of completion), then
-  -- the ones tried without success (failed, or given to a new attempt and pending again):
-  -- they may have done part of their work (the drone step holds its drone before it asks
-  -- dispatch), but the undos of completed work do not wait behind theirs (an undo failed
-  -- for good ends the chain). A step of them still pending must not begin for a failed
-  -- delivery (its trigger may still be queued, or its requeue on the way): closed here,
-  -- with a new token
-  local done, abandoned, tried, closed = {}, {}, {}, {}
+  -- fail the delivery: steps that may have side effects, the abandoned ones first, then
+  -- the completed ones newest first (reverse order of completion). A step of them still
+  -- pending must not begin for a failed delivery (its trigger may still be queued, or its
+  -- requeue on the way): closed here, with a new token
+  local done, abandoned, closed = {}, {}, {}
   for name in string.gmatch(ARGV[12], '[^,]+') do
     local st = of(name, 'status')
     if st == 'completed' then
       table.insert(done, {name, of(name, 'completed_at') or 0})
     elseif st == 'processing' then
       table.insert(abandoned, name)
-    elseif st == 'failed' or st == 'pending' then
-      if st == 'failed' or (of(name, 'source') or '') ~= '' then table.insert(tried, name) end
-      if st == 'pending' and name ~= step then
-        step_set(KEYS[1], name, {status = 'failed', attempt = (of(name, 'attempt') or 1) + 1, updated = now,
-                 error = 'closed: its delivery failed first'})
-        redis.call('ZREM', KEYS[2], string.sub(member, 1, #member - #step) .. name)
-        table.insert(closed, name)
-      end
+    elseif st == 'pending' and name ~= step then
+      step_set(KEYS[1], name, {status = 'failed', attempt = (of(name, 'attempt') or 1) + 1, updated = now,
+               error = 'closed: its delivery failed first'})
+      redis.call('ZREM', KEYS[2], string.sub(member, 1, #member - #step) .. name)
+      table.insert(closed, name)
     end
   end
   table.sort(done, function(x, y) return x[2] > y[2] end)
   for _, item in ipairs(done) do table.insert(abandoned, item[1]) end
-  for _, name in ipairs(tried) do table.insert(abandoned, name) end
   local compensate = table.concat(abandoned, ',')
   local reason = 'RETRY_BUDGET_SPENT'
   if status ~= 'failed' then reason = 'DEADLINE_MISSED' end
@@ -387,7 +378,7 @@ end
 
 # Recording facts seen on topics: safe on any instance (not fenced), remembered per event id
 # so an aborted-and-replayed batch is told the same answer and writes the same log records.
-# ARGV: now, delivery, the failed step, the reason, then the steps to undo, in order.
+# ARGV: now, delivery, the failed step, the reason, then the steps to undo, newest first.
 MARK_COMPENSATING = OnceEffect("mark_compensating", with_steps(_SETTLE + _NEXT_UNDO + """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   -- its state is gone (past its retention): nothing is left to undo it from

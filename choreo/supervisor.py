@@ -14,7 +14,7 @@ It knows the workflow it supervises (``SUPERVISOR_WORKFLOW``, which ``choreo run
 ``--workflow``; else the workflow that lists it) only by its declarations: which step undoes which and what proves it
 (``Service.undo``), the join that decides a delivery and the events that publish its
 outcome (``Service.join``). The failure outcome event carries ``delivery_id``, ``reason``,
-``detail``, ``failed_step``, ``compensate`` (the steps to undo, in order) and
+``detail``, ``failed_step``, ``compensate`` (the steps to undo, newest first) and
 ``failed_at``: the supervisor reads the steps to undo from it, and publishes one when it
 fails a delivery itself. The transitions live in ``choreo.supervision``.
 """

@@ -41,10 +41,13 @@ fleet.rebuilt_from(DroneScheduled, member=lambda scheduled: scheduled.drone_id,
 
 
 @service.on("delivery.requested", step="drone", deadline_s=30,
-            produces=[DroneScheduled, DroneFailed], first_op_in_begin=True)
+            produces=[DroneScheduled, DroneFailed])
 def reserve(request: DeliveryRequested, ctx: Context) -> Effects[DroneScheduled | DroneFailed]:
-    # the drone is held before dispatch is asked (the hold rides in the step's begin); a
-    # refusal gives it back, and dispatch answers a call id the same way on every replay
+    try:
+        dispatch.call("reserve", ctx.call_id, ctx.try_label)
+    except PermanentFailure as refusal:
+        return DroneFailed(delivery_id=request.delivery_id, reason="DISPATCH_REFUSED",
+                           detail=str(refusal), failed_at=datetime.now(UTC))
     booking = yield fleet.reserve(request.delivery_id, request.weight_kg)
     if not booking.fits:
         return DroneFailed(delivery_id=request.delivery_id, reason=NO_DRONE_FITS,
@@ -52,12 +55,6 @@ def reserve(request: DeliveryRequested, ctx: Context) -> Effects[DroneScheduled 
                            failed_at=datetime.now(UTC))
     if booking.member is None:
         raise Retryable("no drone free right now")
-    try:
-        dispatch.call("reserve", ctx.call_id, ctx.try_label)
-    except PermanentFailure as refusal:
-        yield fleet.release(request.delivery_id)
-        return DroneFailed(delivery_id=request.delivery_id, reason="DISPATCH_REFUSED",
-                           detail=str(refusal), failed_at=datetime.now(UTC))
     return DroneScheduled(delivery_id=request.delivery_id, drone_id=booking.member,
                           scheduled_at=datetime.now(UTC))
 

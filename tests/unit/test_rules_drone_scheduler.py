@@ -72,23 +72,11 @@ def test_the_pools_own_answers_decode_to_the_same_rules(raw: str | None, expecte
     assert outcome.effects[0].answer == Reservation(raw if raw != "NO_FIT" else None, fits=raw != "NO_FIT")
 
 
-def test_a_dispatch_refusal_gives_the_held_drone_back_and_fails_the_drone_step(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dispatch_refusal_fails_the_drone_step_without_booking(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(drones, "dispatch", Agent("dispatch", permanent_rate=1.0))
-    outcome = run(drones.service, delivery_request("d-5"),
-                  answers={"pool_reserve": Reservation("drone-7"), "pool_release": "drone-7"})
+    outcome = run(drones.service, delivery_request("d-5"))
     assert outcome.only(DroneFailed).reason == "DISPATCH_REFUSED"
-    reserve, release = outcome.effects
-    assert reserve.matches(drones.fleet.reserve("d-5", 1.0))
-    assert release.matches(drones.fleet.release("d-5"))
-
-
-def test_dispatch_is_not_asked_without_a_drone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(drones, "dispatch", Agent("dispatch", permanent_rate=1.0))
-    outcome = run(drones.service, delivery_request("d-11", weight_kg=40.0),
-                  answers={"pool_reserve": Reservation(None, fits=False)})
-    assert outcome.only(DroneFailed).reason == drones.NO_DRONE_FITS  # not DISPATCH_REFUSED
-    assert len(outcome.effects) == 1
+    assert outcome.effects == []
 
 
 def test_a_requeued_request_books_through_the_same_rule() -> None:
