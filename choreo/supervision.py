@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -401,7 +401,7 @@ for i = 5, #ARGV do
     table.insert(marked, {step = s, before = st, attempt = step_get(KEYS[1], s, 'attempt') or 1})
   end
 end
-local answer = {next = next_undo(KEYS[1]), told = settle(KEYS[1])}
+local answer = {next = next_undo(KEYS[1]), told = settle(KEYS[1]), outcome = redis.call('HGET', KEYS[1], 'outcome')}
 if #marked > 0 then answer.marked = marked end
 return cjson.encode(answer)
 """))
@@ -660,17 +660,28 @@ def undo_fields(order: Iterable[str], reason: str) -> dict[str, str]:
 @dataclass(frozen=True)
 class Marked:
     """MARK_COMPENSATING's answer: the steps it marked (step, status before, attempt) and
-    the step whose undo to ask for now ('' when none is due), and the outcome the delivery's
-    submitter is told when its compensation ended already ('' when not)."""
+    the step whose undo to ask for now ('' when none is due), the outcome the delivery's
+    submitter is told when its compensation ended already ('' when not), and the delivery's
+    outcome ('' when its state is gone, or in an answer remembered by a version before)."""
 
     steps: list[dict[str, Any]]
     next: str
     told: str = ""
+    outcome: str = ""
+
+    def undone_with_holds(self, undone: Sequence[str]) -> list[str]:
+        """The steps of ``undone`` whose undo gives back what they hold: all but those marked
+        here from another status than ``completed`` (an abandoned attempt, still running,
+        took what it holds before its service's undo could be asked, and an undo refused for
+        good earlier in the chain would keep it)."""
+        unfinished = {str(m["step"]) for m in self.steps if m.get("before") != "completed"}
+        return [step for step in undone if step not in unfinished]
 
 
 def parse_marked(raw: str | None) -> Marked:
     value = json.loads(raw or "{}")
-    return Marked(list(value.get("marked") or []), str(value.get("next") or ""), str(value.get("told") or ""))
+    return Marked(list(value.get("marked") or []), str(value.get("next") or ""), str(value.get("told") or ""),
+                  str(value.get("outcome") or ""))
 
 
 def split_list(raw: str) -> list[str]:

@@ -198,10 +198,13 @@ def on_report(report: StepReport, ctx: Context) -> None:
                      reported_attempt=report.attempt, verdict=verdict, by=report.service)
 
 
-def on_delivery_failed(failure: Any, ctx: Context) -> None:
+def on_delivery_failed(failure: Any, ctx: Context) -> Effects[None]:
     """Whoever failed the delivery (the delivery service or us), the steps to undo are now
     ``compensating``, the compensation log says so, and the newest completed one is asked
-    to undo its work (the others follow, one confirmation at a time)."""
+    to undo its work (the others follow, one confirmation at a time). What a failed
+    delivery holds in a pool comes back now, unless an undo will give it back: a step that
+    failed (or was closed) after taking a member has no undo, and an abandoned one's undo
+    may never be asked (``Marked.undone_with_holds``, ``Workflow.pools_not_undone``)."""
     reason = f"{failure.reason}: {failure.detail}"[:500]
     undone = undoes(failure.compensate, watched().flow)
     raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), deadline_index(failure.delivery_id)],
@@ -218,6 +221,10 @@ def on_delivery_failed(failure: Any, ctx: Context) -> None:
         status = "COMPENSATED" if marked.told == COMPENSATED else "COMPENSATION_FAILED"
         _record(ctx, failure.delivery_id, undone[0], status, 1, reason, marked.told, undone)
         ctx.log.warning("compensation.ended_before_its_request", told=marked.told)
+    if marked.outcome not in ("", FAILED):
+        return  # a failure event for a delivery that shipped (a redrive, one written by hand)
+    for pool in watched().flow.pools_not_undone(marked.undone_with_holds(undone)):
+        yield pool.release(failure.delivery_id, "failed")
 
 
 def _ask_undo(ctx: Context, delivery_id: str, step: str, reason: str) -> None:

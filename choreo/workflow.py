@@ -60,6 +60,14 @@ class Workflow:
         """The pools whose members a delivery holds until the supervisor reads its success."""
         return [pool for s in self.services for pool in s.pools if pool.returned_on_success]
 
+    def pools_not_undone(self, undone: Iterable[str]) -> list[Pool]:
+        """The pools of the services none of whose steps ``undone`` names: what a failed
+        delivery holds there (taken by a step that then failed, or by an attempt the
+        supervisor gave away) no undo gives back, so the supervisor does."""
+        steps = set(undone)
+        return [pool for s in self.services for pool in s.pools
+                if not any(spec.name in steps for spec in s.steps())]
+
     def step(self, name: str) -> StepSpec:
         return next(s for s in self.steps if s.name == name)
 

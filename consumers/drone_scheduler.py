@@ -41,13 +41,11 @@ fleet.rebuilt_from(DroneScheduled, member=lambda scheduled: scheduled.drone_id,
 
 
 @service.on("delivery.requested", step="drone", deadline_s=30,
-            produces=[DroneScheduled, DroneFailed])
+            produces=[DroneScheduled, DroneFailed], first_op_in_begin=True)
 def reserve(request: DeliveryRequested, ctx: Context) -> Effects[DroneScheduled | DroneFailed]:
-    try:
-        dispatch.call("reserve", ctx.call_id, ctx.try_label)
-    except PermanentFailure as refusal:
-        return DroneFailed(delivery_id=request.delivery_id, reason="DISPATCH_REFUSED",
-                           detail=str(refusal), failed_at=datetime.now(UTC))
+    # the drone is held before dispatch is asked (the hold rides in the step's begin), through
+    # dispatch's retries, and after a refusal until the delivery fails: the supervisor gives
+    # back a failed delivery's drone when no undo of this step will
     booking = yield fleet.reserve(request.delivery_id, request.weight_kg)
     if not booking.fits:
         return DroneFailed(delivery_id=request.delivery_id, reason=NO_DRONE_FITS,
@@ -55,6 +53,11 @@ def reserve(request: DeliveryRequested, ctx: Context) -> Effects[DroneScheduled 
                            failed_at=datetime.now(UTC))
     if booking.member is None:
         raise Retryable("no drone free right now")
+    try:
+        dispatch.call("reserve", ctx.call_id, ctx.try_label)
+    except PermanentFailure as refusal:
+        return DroneFailed(delivery_id=request.delivery_id, reason="DISPATCH_REFUSED",
+                           detail=str(refusal), failed_at=datetime.now(UTC))
     return DroneScheduled(delivery_id=request.delivery_id, drone_id=booking.member,
                           scheduled_at=datetime.now(UTC))
 

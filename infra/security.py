@@ -422,7 +422,8 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
     * the outcome webhooks: the runtime's keys only (they declare no state);
     * the supervisor: also its lease (``choreo.lease``), the release queue
       (``choreo.release``), the records that go with a finished delivery, which it deletes,
-      and the pools a shipped delivery's member goes back to (``returned_on_success``);
+      and the workflow's pools (a shipped delivery's member goes back to a pool
+      ``returned_on_success``, a failed one's to a pool whose service has no step to undo);
     * ingestion: the step table, the deadline index and the layout version (it opens a
       delivery's first step), its in-flight places, owner records and idempotency keys
       (``producers``);
@@ -452,8 +453,9 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
     if supervisor is not None:
         supervisor |= {_prefix(lease_key(one)), _prefix(awaiting_key(one, 0))}
         supervisor |= {_prefix(key) for key in workflow.released_keys(one)}
-        # its record of a success gives back what the delivery holds of such pools
-        supervisor |= {_prefix(key) for pool in workflow.pools_returned_on_success for key in pool.give_back_keys}
+        # its record of a success gives back what the delivery holds of pools returned on
+        # success, its reading of a failure what it holds of pools no undo gives back
+        supervisor |= {_prefix(key) for s in workflow.services for pool in s.pools for key in pool.keys}
     ingestion_keys = {_prefix(IngestionSettings().inflight_key), _prefix(owner_redis_key(one)),
                       _prefix(idempotency_redis_key(one, one))}
     for producer in set(workflow.extra_producers.values()):

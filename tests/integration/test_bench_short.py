@@ -82,14 +82,15 @@ def test_the_benchmark_measures_every_figure_on_its_own_stack(tmp_path: Path) ->
     assert summary["redis_script_items_per_delivery"] == items >= result["hops"]["consumed"]
     assert summary["targets_met"]["redis_script_items_per_delivery"] is (items <= 10)
     # and where they go: each input's begin (with the first operation of a handler that does
-    # nothing before it: a join's record, the notification, the record awaiting release), the
-    # finishes, the fleet's reservation; the drone comes back in the supervisor's record of
+    # nothing before it: a join's record, the notification, the record awaiting release, the
+    # fleet's reservation), the finishes; the drone comes back in the supervisor's record of
     # the shipment; per script they add up
     by_script = closed["redis_script_items_by_script"]
-    riding = {"begin+join_record", "begin+record_set_once", "begin+await_release"}
-    assert {"begin", "finish_opening", "effect:pool_reserve"} | riding <= set(by_script)
+    riding = {"begin+join_record", "begin+record_set_once", "begin+await_release", "begin+pool_reserve"}
+    assert {"begin", "finish_opening"} | riding <= set(by_script)
     assert not {"effect:join_record", "effect:record_set_once", "effect:await_release", "begin+pool_release",
                 "effect:pool_release"} & set(by_script)
+    assert by_script.get("effect:pool_reserve", 0) < 0.05  # asked apart only by a retried try
     assert sum(by_script[name] for name in {"begin"} | riding) >= result["hops"]["consumed"] - 1
     assert sum(by_script.values()) == pytest.approx(items, abs=0.1 + 0.01 * len(by_script))
     assert set(summary["targets_met"]) == {

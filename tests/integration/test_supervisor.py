@@ -305,14 +305,15 @@ def test_late_answer_of_an_old_attempt_changes_nothing(world: World) -> None:
     world.start("package")
     world.start("delivery")
     world.supervisor()
-    drone = world.start("drone", SUP_SLOW_FIRST_DRONE_MS="3000")  # attempt 1 resumes after its deadline
+    # attempt 1 takes its drone in its begin, then stalls past its deadline
+    drone = world.start("drone", SUP_SLOW_FIRST_DRONE_MS="3000")
     ids = world.publish(1)
     _shipped_once(world, ids)
-    # attempt 1's reservation came after the supervisor gave the step to attempt 2: refused,
-    # not run, and attempt 1 dropped (choreo.effects)
-    wait_for(lambda: {e["delivery_id"] for e in _logged(world.log(drone), "step.dropped_meanwhile")
+    # attempt 2 (the supervisor's requeue) was answered the same drone and shipped; attempt
+    # 1's answer, after the step went to attempt 2, is refused at its finish and dropped
+    wait_for(lambda: {e["delivery_id"] for e in _logged(world.log(drone), "step.late_answer_dropped")
                       if e.get("why") == "stale" and e.get("attempt") == 1} >= set(ids),
-             timeout_s=20, what="the old attempt dropped at its reservation")
+             timeout_s=20, what="the old attempt's answer dropped at its finish")
     for d in ids:
         state = world.state(d)
         assert state["drone.status"] == "completed" and int(state["drone.attempt"]) >= 2
@@ -320,6 +321,17 @@ def test_late_answer_of_an_old_attempt_changes_nothing(world: World) -> None:
     reserved = Counter(f[b"delivery"].decode() for _, f in world.redis.xrange(fleet.history_key)
                        if f[b"action"] == b"reserve")
     assert all(reserved[d] == 1 for d in ids)  # the requeue did not book a second drone
+
+
+def _drones_back(world: World, ids: list[str], how: str) -> None:
+    """Each delivery's drone, booked once, is free again, given back ``how`` (the history's
+    action: ``failed`` by the supervisor reading the failure, ``release`` by the undo)."""
+    wait_for(lambda: not any(world.redis.hget(fleet.booking_key, d) for d in ids), timeout_s=20,
+             what="every drone booked free again")
+    actions: dict[str, list[str]] = {}
+    for _, f in world.redis.xrange(fleet.history_key):
+        actions.setdefault(f[b"delivery"].decode(), []).append(f[b"action"].decode())
+    assert all(actions.get(d) == ["reserve", how] for d in ids), {d: actions.get(d) for d in ids}
 
 
 @pytest.mark.parametrize("failing", ["drone", "package"])
@@ -365,8 +377,9 @@ def test_failing_step_is_requeued_with_growing_delays_then_compensated(world: Wo
             rec.value).status for rec in log[d]]
         assert statuses == ["COMPENSATING", "COMPENSATED"]
         assert {rec.key for rec in log[d]} == {f"{d}|{done}".encode()}
-    if failing == "package":  # the released drones are free again
-        assert world.redis.hlen(fleet.booking_key) == 0
+    # the drone held through dispatch's retries comes back with the failure (its step has no
+    # undo to give it back); the one of a completed drone step comes back with its undo
+    _drones_back(world, ids, "failed" if failing == "drone" else "release")
     wait_for(lambda: indexed(world.redis) == 0, timeout_s=20, what="an empty index")
 
 
@@ -392,6 +405,9 @@ def test_compensation_that_keeps_failing_ends_compensation_failed_with_an_alert(
     alerts = [line for line in world.log(supervisor).splitlines() if "alert.compensation_failed" in line]
     assert {d for d in ids if any(d in line for line in alerts)} == set(ids)
     assert all('"level": "error"' in line for line in alerts)
+    # the drone held when dispatch refused comes back with the failure, though the chain of
+    # undos stopped at the package's
+    _drones_back(world, ids, "failed")
 
 
 def test_two_supervisors_act_once_and_the_survivor_takes_over_after_kill_9(world: World) -> None:
@@ -425,5 +441,6 @@ def test_two_supervisors_act_once_and_the_survivor_takes_over_after_kill_9(world
         assert len(log[d]) == 2  # one COMPENSATING, one COMPENSATED: never twice
     cancelled = world.by_delivery("package.cancelled")
     assert all(len({r.header("event_id") for r in cancelled[d]}) == 1 for d in ids)
+    _drones_back(world, ids, "failed")  # held through dispatch's retries
     wait_for(lambda: indexed(world.redis) == 0, timeout_s=20,
              what="nothing left behind in the deadline index")

@@ -81,7 +81,7 @@ def build(prefix: str, batch: int = 500) -> dict[str, Service]:
                  prefix=prefix)(routed(rules.cancel, UndoRequested, prefix))
     drone = Service(t("drone-scheduler"), batch_size=batch)
     drone.pool(drone_rules.fleet)
-    drone.on(t("delivery.requested"), step="drone", deadline_s=30,
+    drone.on(t("delivery.requested"), step="drone", deadline_s=30, first_op_in_begin=True,
              produces=[DroneScheduled, DroneFailed])(routed(drone_rules.reserve, DeliveryRequested, prefix,
                                                               _fail_first("drone")))
     drone.undo("drone", step="release_drone", confirmed_by=DroneReleased,

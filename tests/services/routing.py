@@ -17,12 +17,16 @@ from choreo.workflow import Workflow
 
 
 def routed(fn: Callable[[Any, Context], HandlerOutput], model: type[Event], prefix: str,
-           before: Callable[[Any, Context], None] | None = None) -> Callable[[Any, Context], Effects[None]]:
+           before: Callable[[Any, Context], None] | None = None,
+           after_first_op: Callable[[Any, Context], None] | None = None) -> Callable[[Any, Context], Effects[None]]:
+    """``before`` runs before the rule; ``after_first_op`` once the rule's first operation is
+    answered (a rule declared ``first_op_in_begin`` must do nothing before it)."""
     def handler(event: Any, ctx: Context) -> Effects[None]:
         if before is not None:
             before(event, ctx)
         called = fn(event, ctx)
-        result: HandlerResult = (yield from called) if isinstance(called, GeneratorType) else called
+        result: HandlerResult = (yield from _hooked(called, event, ctx, after_first_op)) \
+            if isinstance(called, GeneratorType) else called
         for out in [] if result is None else [result] if isinstance(result, Event) else list(result):
             ctx.emit(out)
         for emitted in ctx.emitted:
@@ -32,6 +36,24 @@ def routed(fn: Callable[[Any, Context], HandlerOutput], model: type[Event], pref
     handler.__annotations__ = {"event": model, "ctx": Context, "return": None}
     handler.__name__ = getattr(fn, "__name__", "handler")
     return handler
+
+
+def _hooked(rule: Any, event: Any, ctx: Context, after_first_op: Callable[[Any, Context], None] | None) -> Any:
+    """The rule's run, with ``after_first_op`` called when its first operation is answered."""
+    if after_first_op is None:
+        return (yield from rule)
+    try:
+        op = next(rule)
+    except StopIteration as done:
+        return done.value
+    answer = yield op
+    after_first_op(event, ctx)
+    while True:
+        try:
+            op = rule.send(answer)
+        except StopIteration as done:
+            return done.value
+        answer = yield op
 
 
 def private_workflow(name: str, module: str, roles: tuple[str, ...], prefix: str,

@@ -9,7 +9,8 @@ prefixed topics too. Knobs (environment):
 * ``SUP_DEADLINE_S`` (every step), ``SUP_BUDGET`` (each service's retry budget),
   ``SUP_IN_PROCESS_RETRIES``;
 * ``SUP_SLOW_FIRST_<ROLE>_MS``: the first attempt of that role's forward step sleeps this
-  long before working (a late answer after the supervisor gave the step away).
+  long before working (a late answer after the supervisor gave the step away); the drone's
+  once its drone is held (its reservation rides in the begin, as in ``consumers``).
   Failures come from the agents' own knobs (``AGENT_<NAME>_TRANSIENT_RATE``...).
 """
 
@@ -58,8 +59,8 @@ def build(prefix: str, deadline_s: float, budget: int, in_process: int) -> dict[
 
     drone = Service(t("drone-scheduler"), **opts)
     drone.pool(drone_rules.fleet)
-    drone.on(t("delivery.requested"), step="drone", deadline_s=deadline_s)(
-        routed(drone_rules.reserve, DeliveryRequested, prefix, _slow_first("drone")))
+    drone.on(t("delivery.requested"), step="drone", deadline_s=deadline_s, first_op_in_begin=True)(
+        routed(drone_rules.reserve, DeliveryRequested, prefix, after_first_op=_slow_first("drone")))
     drone.undo("drone", step="release_drone", deadline_s=deadline_s, confirmed_by=DroneReleased,
                prefix=prefix)(routed(drone_rules.release, UndoRequested, prefix))
 

@@ -72,11 +72,22 @@ def test_the_pools_own_answers_decode_to_the_same_rules(raw: str | None, expecte
     assert outcome.effects[0].answer == Reservation(raw if raw != "NO_FIT" else None, fits=raw != "NO_FIT")
 
 
-def test_a_dispatch_refusal_fails_the_drone_step_without_booking(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dispatch_refusal_fails_the_drone_step_with_the_drone_still_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drone goes back when the delivery fails (the supervisor's part), not here: a try of
+    this step, replayed, is answered the same drone whatever dispatch says then."""
     monkeypatch.setattr(drones, "dispatch", Agent("dispatch", permanent_rate=1.0))
-    outcome = run(drones.service, delivery_request("d-5"))
+    outcome = run(drones.service, delivery_request("d-5"), answers={"pool_reserve": Reservation("drone-7")})
     assert outcome.only(DroneFailed).reason == "DISPATCH_REFUSED"
-    assert outcome.effects == []
+    [reserve] = outcome.effects
+    assert reserve.matches(drones.fleet.reserve("d-5", 1.0))
+
+
+def test_dispatch_is_not_asked_without_a_drone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(drones, "dispatch", Agent("dispatch", permanent_rate=1.0))
+    outcome = run(drones.service, delivery_request("d-11", weight_kg=40.0),
+                  answers={"pool_reserve": Reservation(None, fits=False)})
+    assert outcome.only(DroneFailed).reason == drones.NO_DRONE_FITS  # not DISPATCH_REFUSED
+    assert len(outcome.effects) == 1
 
 
 def test_a_requeued_request_books_through_the_same_rule() -> None:

@@ -86,6 +86,47 @@ def test_a_failed_delivery_marks_its_steps_logs_them_and_asks_the_newest_to_undo
                                   derived_id("d-1", "undo", "drone"))]
 
 
+def test_a_failure_that_undoes_no_drone_step_gives_the_drone_back_itself() -> None:
+    """The drone step holds its drone before dispatch answers: failed, closed or refused by
+    dispatch, it is not in the list, and no undo would give the drone back."""
+    outcome = run(supervisor.service, failure("RETRY_BUDGET_SPENT", "drone", ["package"]),
+                  topic=supervisor.watched().failed_topic,
+                  answers={"mark_compensating": '{"next": "package", "outcome": "failed"}',
+                           "pool_release": "drone-7"})
+    mark, give_back = outcome.effects
+    assert mark.name == "mark_compensating"
+    assert give_back.matches(fleet.release("d-1", "failed"))
+    assert [step for _, step, _, _ in undos_of(outcome)] == ["package"]
+
+
+def test_a_failure_that_undoes_a_completed_drone_step_leaves_its_drone_to_the_undo() -> None:
+    marked = json.dumps({"next": "drone", "outcome": "failed",
+                         "marked": [{"step": "drone", "before": "completed", "attempt": 1}]})
+    outcome = run(supervisor.service, failure("FLIGHT_REFUSED", "delivery", ["drone", "package"]),
+                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": marked})
+    assert [effect.name for effect in outcome.effects] == ["mark_compensating"]
+
+
+def test_an_abandoned_drone_step_has_its_drone_given_back_before_its_undo() -> None:
+    """Its attempt took the drone and still runs; its undo waits behind the package's, which
+    may fail for good."""
+    marked = json.dumps({"next": "package", "outcome": "failed",
+                         "marked": [{"step": "package", "before": "processing", "attempt": 1},
+                                    {"step": "drone", "before": "processing", "attempt": 1}]})
+    outcome = run(supervisor.service, failure("DEADLINE_MISSED", "package", ["package", "drone"]),
+                  topic=supervisor.watched().failed_topic,
+                  answers={"mark_compensating": marked, "pool_release": "drone-7"})
+    assert outcome.effects[1].matches(fleet.release("d-1", "failed"))
+    assert [step for _, step, _, _ in undos_of(outcome)] == ["package"]
+
+
+def test_a_failure_of_a_delivery_that_shipped_gives_nothing_back() -> None:
+    outcome = run(supervisor.service, failure("X", "drone", ["package"]),
+                  topic=supervisor.watched().failed_topic,
+                  answers={"mark_compensating": '{"outcome": "shipped"}'})
+    assert [effect.name for effect in outcome.effects] == ["mark_compensating"]
+
+
 def test_only_declared_compensations_are_marked() -> None:
     outcome = run(supervisor.service, failure("X", "delivery", ["delivery", "drone", "unknown"]),
                   topic=supervisor.watched().failed_topic, answers={"mark_compensating": "{}"})
@@ -95,13 +136,15 @@ def test_only_declared_compensations_are_marked() -> None:
 @pytest.mark.parametrize("answer", ["{}", '{"next": ""}'])
 def test_nothing_marked_and_nothing_due_emits_nothing(answer: str) -> None:
     outcome = run(supervisor.service, failure("NO_DRONE_FITS", "drone", ["package"]),
-                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": answer})
+                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": answer,
+                                                                    "pool_release": ""})
     assert outcome.emitted == []
 
 
 def test_a_failure_seen_again_asks_again_for_the_undo_still_due() -> None:
     outcome = run(supervisor.service, failure("NO_DRONE_FITS", "drone", ["package"]),
-                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": '{"next": "package"}'})
+                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": '{"next": "package"}',
+                                                                    "pool_release": ""})
     assert log_of(outcome) == []
     assert [step for _, step, _, _ in undos_of(outcome)] == ["package"]
 
@@ -142,7 +185,8 @@ def test_the_undo_that_ends_the_compensation_tells_the_outcome_on_its_record() -
 @pytest.mark.parametrize("ended, status", [("compensated", "COMPENSATED"), ("failed", "COMPENSATION_FAILED")])
 def test_a_failure_read_after_its_compensation_ended_tells_the_outcome(ended: str, status: str) -> None:
     outcome = run(supervisor.service, failure("NO_DRONE_FITS", "drone", ["package"]),
-                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": json.dumps({"told": ended})})
+                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": json.dumps({"told": ended}),
+                                                                    "pool_release": ""})
     [record] = [e.event for e in outcome.emitted if isinstance(e.event, CompensationRecord)]
     assert isinstance(record, CompensationRecord)
     assert (record.step, record.status, record.outcome, record.undone) == ("package", status, ended, ["package"])

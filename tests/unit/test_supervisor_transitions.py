@@ -382,6 +382,8 @@ def test_budget_spent_fails_the_delivery_once_with_compensations_newest_first(
                                 [1_000_060, d, "drone", "DEADLINE_MISSED", "package"], 60)
     assert [m["step"] for m in parse_marked(raw).steps] == ["package"]
     assert parse_marked(raw).next == "package"
+    assert parse_marked(raw).outcome == "failed"  # what the drone's give-back waits for
+    assert parse_marked(raw).undone_with_holds(["package"]) == ["package"]  # it completed
     assert _fields(client, d)["package.status"] == "compensating"
     assert client.zscore(deadline_index(d), index_member(d, "drone")) is None
 
