@@ -1,7 +1,9 @@
 """Drone-scheduler service: reserves a suitable drone per delivery and releases it on failure.
 A shipped delivery's drone is back in the fleet as soon as the shipment is recorded: the
 flight is over (the fleet is declared ``returned_on_success``, and the supervisor's record
-of the shipment gives it back).
+of the shipment gives it back). A failed delivery's drone comes back with the undo of its
+completed step, or, when no undo will give it back, in the supervisor's reading of the
+failure.
 
 Asking twice for the same delivery returns the same drone; one drone is never booked for
 two deliveries at once (both hold by construction of the runtime's pool).
@@ -43,9 +45,11 @@ fleet.rebuilt_from(DroneScheduled, member=lambda scheduled: scheduled.drone_id,
 @service.on("delivery.requested", step="drone", deadline_s=30,
             produces=[DroneScheduled, DroneFailed], first_op_in_begin=True)
 def reserve(request: DeliveryRequested, ctx: Context) -> Effects[DroneScheduled | DroneFailed]:
-    # the drone is held before dispatch is asked (the hold rides in the step's begin), through
-    # dispatch's retries, and after a refusal until the delivery fails: the supervisor gives
-    # back a failed delivery's drone when no undo of this step will
+    # the drone is held before dispatch is asked (on one Redis node the hold rides in the
+    # step's begin) and through dispatch's retries: the supervisor gives back the drone of a
+    # delivery that fails with this step not completed. A refusal gives it back here, since
+    # the step completes (with drone.failed) and its undo may never be asked; a replay is
+    # told the same drone, and dispatch refuses the same call id again
     booking = yield fleet.reserve(request.delivery_id, request.weight_kg)
     if not booking.fits:
         return DroneFailed(delivery_id=request.delivery_id, reason=NO_DRONE_FITS,
@@ -56,6 +60,7 @@ def reserve(request: DeliveryRequested, ctx: Context) -> Effects[DroneScheduled 
     try:
         dispatch.call("reserve", ctx.call_id, ctx.try_label)
     except PermanentFailure as refusal:
+        yield fleet.release(request.delivery_id)
         return DroneFailed(delivery_id=request.delivery_id, reason="DISPATCH_REFUSED",
                            detail=str(refusal), failed_at=datetime.now(UTC))
     return DroneScheduled(delivery_id=request.delivery_id, drone_id=booking.member,

@@ -67,9 +67,11 @@ read first and kept, and it is small: the runtime's shared topics (``recovery``,
 letters, the compensation log, which is keyed by delivery and step) hold failures only,
 and a pool keeps each member's latest holder and the holds not yet ended.
 
-**Procedure.** Pause the workflow's services (stop them, or SIGSTOP), run
-``rebuild-state``, resume them. Between a wipe and the end of the rebuild a running
-service would decide on empty state (a pool with no members, a join with no parts). The
+**Procedure.** Stop the workflow's services, run ``rebuild-state``, start them. Between a
+wipe and the end of the rebuild a running service would decide on empty state (a pool with
+no members, a join with no parts). A paused one (SIGSTOP) is not stopped: it resumes the
+batch it had begun with the answers read before the wipe (a drone taken in its step's begin
+while dispatch is asked) and finishes it on the rebuilt state. The
 rebuild ends by writing ``choreo:state:ready``; a runtime that pauses its batches while that
 key is missing makes the procedure safe with the services running.
 """

@@ -405,9 +405,9 @@ def test_compensation_that_keeps_failing_ends_compensation_failed_with_an_alert(
     alerts = [line for line in world.log(supervisor).splitlines() if "alert.compensation_failed" in line]
     assert {d for d in ids if any(d in line for line in alerts)} == set(ids)
     assert all('"level": "error"' in line for line in alerts)
-    # the drone held when dispatch refused comes back with the failure, though the chain of
+    # the drone held when dispatch refused came back with the refusal, though the chain of
     # undos stopped at the package's
-    _drones_back(world, ids, "failed")
+    _drones_back(world, ids, "release")
 
 
 def test_two_supervisors_act_once_and_the_survivor_takes_over_after_kill_9(world: World) -> None:

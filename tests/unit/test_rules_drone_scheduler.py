@@ -72,14 +72,17 @@ def test_the_pools_own_answers_decode_to_the_same_rules(raw: str | None, expecte
     assert outcome.effects[0].answer == Reservation(raw if raw != "NO_FIT" else None, fits=raw != "NO_FIT")
 
 
-def test_a_dispatch_refusal_fails_the_drone_step_with_the_drone_still_held(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The drone goes back when the delivery fails (the supervisor's part), not here: a try of
-    this step, replayed, is answered the same drone whatever dispatch says then."""
+def test_a_dispatch_refusal_gives_the_held_drone_back_and_fails_the_drone_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step completes (with drone.failed), so it may be listed for an undo that is never
+    asked: the drone goes back here."""
     monkeypatch.setattr(drones, "dispatch", Agent("dispatch", permanent_rate=1.0))
-    outcome = run(drones.service, delivery_request("d-5"), answers={"pool_reserve": Reservation("drone-7")})
+    outcome = run(drones.service, delivery_request("d-5"),
+                  answers={"pool_reserve": Reservation("drone-7"), "pool_release": "drone-7"})
     assert outcome.only(DroneFailed).reason == "DISPATCH_REFUSED"
-    [reserve] = outcome.effects
+    reserve, release = outcome.effects
     assert reserve.matches(drones.fleet.reserve("d-5", 1.0))
+    assert release.matches(drones.fleet.release("d-5"))
 
 
 def test_dispatch_is_not_asked_without_a_drone(monkeypatch: pytest.MonkeyPatch) -> None:
