@@ -44,16 +44,14 @@ def _hooked(rule: Any, event: Any, ctx: Context, after_first_op: Callable[[Any, 
         return (yield from rule)
     try:
         op = next(rule)
+        answer = yield op
+        after_first_op(event, ctx)
+        while True:
+            answer = yield rule.send(answer)
     except StopIteration as done:
         return done.value
-    answer = yield op
-    after_first_op(event, ctx)
-    while True:
-        try:
-            op = rule.send(answer)
-        except StopIteration as done:
-            return done.value
-        answer = yield op
+    finally:
+        rule.close()  # the runner closes a handler it only probed for its first operation
 
 
 def private_workflow(name: str, module: str, roles: tuple[str, ...], prefix: str,
