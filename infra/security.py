@@ -423,7 +423,7 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
     * the supervisor: also its lease (``choreo.lease``), the release queue
       (``choreo.release``), the records that go with a finished delivery, which it deletes,
       and the workflow's pools (a shipped delivery's member goes back to a pool
-      ``returned_on_success``, a failed one's to a pool whose service has no step to undo);
+      ``returned_on_success``, a failed one's unless a completed step's undo gives it back);
     * ingestion: the step table, the deadline index and the layout version (it opens a
       delivery's first step), its in-flight places, owner records and idempotency keys
       (``producers``);
