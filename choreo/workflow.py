@@ -65,8 +65,8 @@ class Workflow:
         delivery holds there (taken by a step that then failed, or by an attempt the
         supervisor gave away) no undo gives back, so the supervisor does."""
         steps = set(undone)
-        return [pool for s in self.services for pool in s.pools
-                if not any(spec.name in steps for spec in s.steps())]
+        owners = {spec.service for spec in self.steps if spec.name in steps}
+        return [pool for s in self.services if s.name not in owners for pool in s.pools]
 
     def step(self, name: str) -> StepSpec:
         return next(s for s in self.steps if s.name == name)

@@ -329,7 +329,7 @@ def _drones_back(world: World, ids: list[str], how: str) -> None:
     wait_for(lambda: not any(world.redis.hget(fleet.booking_key, d) for d in ids), timeout_s=20,
              what="every drone booked free again")
     actions: dict[str, list[str]] = {}
-    for _, f in world.redis.xrange(fleet.history_key):
+    for _, f in fleet.history(world.redis):
         actions.setdefault(f[b"delivery"].decode(), []).append(f[b"action"].decode())
     assert all(actions.get(d) == ["reserve", how] for d in ids), {d: actions.get(d) for d in ids}
 
