@@ -180,6 +180,10 @@ local function settle(key)
 end
 """
 
+# the error of a forward step closed because its delivery failed before it began (a rebuild
+# closes such a step as the supervisor did: ``choreo.ops.rebuild``)
+CLOSED_BY_FAILURE = "closed: its delivery failed first"
+
 _SUPERVISE = with_steps(_SETTLE + """
 if redis.call('GET', KEYS[3]) ~= ARGV[1] then return cjson.encode({a = 'fenced'}) end
 local step, member, now = ARGV[2], ARGV[3], tonumber(ARGV[4])
@@ -306,7 +310,7 @@ if tries >= tonumber(ARGV[5]) then
       table.insert(abandoned, name)
     elseif st == 'pending' and name ~= step then
       step_set(KEYS[1], name, {status = 'failed', attempt = (of(name, 'attempt') or 1) + 1, updated = now,
-               error = 'closed: its delivery failed first'})
+               error = '%s'})
       redis.call('ZREM', KEYS[2], string.sub(member, 1, #member - #step) .. name)
       table.insert(closed, name)
     end
@@ -348,7 +352,7 @@ set({attempt = claimed, status = 'pending', requeue = claimed, complete_by = now
 redis.call('ZADD', KEYS[2], now + backoff, member)
 return cjson.encode({a = 'claim', attempt = claimed, backoff = backoff, tries = tries,
   failures = failures, was = status})
-""")
+""" % CLOSED_BY_FAILURE)
 
 _RECORD_REPORT = with_steps("""
 local K, step = KEYS[1], ARGV[1]

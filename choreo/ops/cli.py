@@ -181,7 +181,7 @@ def rebuild_cmd(
         return
     table = Table("restored", "count", title=f"rebuild from {_when(report.since_ms)} ({report.seconds:.1f}s)")
     for name in ("records_read", "deliveries", "outcomes", "fanin_fields", "steps", "open_steps",
-                 "bookings_restored", "seen_entries", "service_records", "pool_members",
+                 "closed_steps", "bookings_restored", "seen_entries", "service_records", "pool_members",
                  "released_skipped", "awaiting_release"):
         table.add_row(name.replace("_", " "), str(getattr(report, name)))
     out.print(table)

@@ -26,7 +26,9 @@ What is rebuilt, and why each piece matters for exactly-once after a wipe:
   own transitions (``open`` / ``begin`` / ``finish``, a delivery's steps in one script item:
   ``StateTable.restore_many``): a step whose latest trigger the
   service has committed is completed (failed when it was reported to ``recovery`` or
-  dead-lettered), otherwise pending with a deadline, so the supervisor watches it again.
+  dead-lettered), otherwise pending with a deadline, so the supervisor watches it again;
+  but a step with an undo whose delivery had already failed is closed with a new token, as
+  the supervisor closed it, so its queued trigger starts nothing for a failed delivery.
   Compensation states come from the supervisor's ``compensation.log``.
 * **Dedupe** (``seen:{id}``): for every record each service has committed, its position,
   so a copy arriving after the wipe is still recognised.
@@ -109,7 +111,7 @@ from choreo.runner import RECOVERY_TOPIC, dlq_topic
 from choreo.release import awaiting_key, released
 from choreo.runtime_events import CompensationRecord, StepReport
 from choreo.state import Restored, Source, StateTable, StepStatus, delivery_key
-from choreo.supervision import undo_fields
+from choreo.supervision import CLOSED_BY_FAILURE, undo_fields
 from choreo.workflow import Workflow
 
 READY_KEY = "choreo:state:ready"
@@ -210,7 +212,8 @@ class RebuildReport:
     outcomes: int = 0
     fanin_fields: int = 0
     steps: int = 0
-    open_steps: int = 0
+    open_steps: int = 0  # pending again: their triggers are not consumed yet
+    closed_steps: int = 0  # not consumed either, but their delivery had failed: closed
     bookings_restored: int = 0
     bookings_superseded: int = 0
     booking_conflicts: list[str] = field(default_factory=list)
@@ -556,28 +559,36 @@ class Rebuilder:
 
     def _write_steps(self, report: RebuildReport) -> None:
         state = StateTable(self.client)
-        triggered = [(d, list(f.triggers.values())) for d, f in self._unreleased() if f.triggers]
+        triggered = [(d, f) for d, f in self._unreleased() if f.triggers]
         now = now_ms()
         # a chunk of deliveries' steps in one round trip, each delivery's in one script item
         # that runs the transitions its steps went through (open, begin, finish)
         for deliveries in _chunks(triggered, WRITE_CHUNK):
             pipe = self.client.pipeline(transaction=False)
-            for delivery, triggers in deliveries:
-                pipe.hmget(delivery_key(delivery), [t.step for t in triggers])
-            chunk = [(delivery, t) for (delivery, triggers), known in zip(deliveries, pipe.execute())
-                     for t, value in zip(triggers, known) if value is None]
+            for delivery, facts in deliveries:
+                pipe.hmget(delivery_key(delivery), list(facts.triggers))
+            chunk = [(delivery, facts, t) for (delivery, facts), known in zip(deliveries, pipe.execute())
+                     for t, value in zip(facts.triggers.values(), known) if value is None]
             if not chunk:
                 continue
             # at the trigger's attempt: a requeue not yet read must not be claimed (and sent)
             # again under the same attempt once the supervisor finds the step past its deadline
             restored: dict[str, list[Restored]] = {}
-            for delivery, t in chunk:
+            for delivery, facts, t in chunk:
                 consumed = self._consumed.get((t.service, t.source.topic, t.source.partition), -1) > t.source.offset
+                ended = self._ended(delivery, t) if consumed else None
+                attempt = t.attempt
+                if ended is None and facts.outcome == FAILED and t.step in self.compensable:
+                    # its delivery failed before the step began: closed with a new token, as
+                    # the supervisor closed it, so its queued trigger starts nothing (a drone
+                    # taken for a failed delivery would be held for good: no failure is read again)
+                    ended, attempt = (StepStatus.FAILED, CLOSED_BY_FAILURE), t.attempt + 1
                 restored.setdefault(delivery, []).append(Restored(
-                    step=t.step, attempt=t.attempt,
+                    step=t.step, attempt=attempt,
                     complete_by_ms=max(t.timestamp_ms + t.deadline_ms, now + self.grace_ms),
-                    source=t.source.text(), ended=self._ended(delivery, t) if consumed else None))
-                report.open_steps += int(not consumed)
+                    source=t.source.text(), ended=ended))
+                report.open_steps += int(ended is None)
+                report.closed_steps += int(ended is not None and not consumed)
             state.restore_many(list(restored.items()), now)
             report.steps += len(chunk)
 

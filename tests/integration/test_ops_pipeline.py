@@ -40,12 +40,13 @@ from choreo.redis_client import connect
 from choreo.release import Releaser, released
 from choreo.runner import RECOVERY_TOPIC
 from choreo.service import retry_topic
-from choreo.state import StateTable, delivery_key
+from choreo.supervision import CLOSED_BY_FAILURE
+from choreo.state import StateTable, delivery_key, text
 from choreo.workflow import Workflow
 from consumers.drone_scheduler import fleet
 from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
 from infra.chaos import stuck_evidence
-from schemas.models import ALL_EVENTS, DroneReleased, DroneScheduled, PackageReady
+from schemas.models import ALL_EVENTS, DeliveryFailed, DroneReleased, DroneScheduled, PackageReady
 from tests.factories import delivery_request
 from tests.helpers import CLUSTER_URL, ServiceProcess, read_topic, start_group_at_end, wait_for
 from tests.services import ops_pipeline
@@ -322,6 +323,35 @@ def test_rebuild_restores_a_requeued_step_at_its_attempt(isolated: IsolatedPipel
     assert report.open_steps >= 1
     step = StateTable(isolated.client).steps(request.delivery_id)["drone"]
     assert (step.status, step.attempt) == ("pending", 2)
+
+
+def test_rebuild_closes_the_unbegun_steps_of_a_delivery_that_failed(isolated: IsolatedPipeline) -> None:
+    """Redis is lost after the supervisor failed a delivery whose request its step services
+    had not read yet (they lagged past its deadlines). The supervisor had closed those steps
+    with a new token, in Redis only. Opened again as pending, the drone step would take a
+    drone for a failed delivery once its service read the request, and nothing would give it
+    back (the failure is not read again). The rebuild closes them as the supervisor did."""
+    started = int(time.time() * 1000)
+    [delivery] = isolated.submit(1)
+    failure = DeliveryFailed(delivery_id=delivery, reason="DEADLINE_MISSED", detail="drone pending after 3 tries",
+                             failed_step="drone", compensate=[], failed_at=datetime.now(UTC))
+    publisher = Publisher("supervisor", redis_client=isolated.client)
+    publisher.publish(failure, str(uuid.uuid4()), topic=isolated.prefix + DeliveryFailed.topic)
+    publisher.flush(30)
+    isolated.client.flushall()  # Redis lost, with the supervisor's closing of the steps
+    report = rebuild(isolated.flow, since_ms=started - 5000, client=isolated.client, prefix=isolated.prefix)
+    assert (report.outcomes, report.open_steps, report.closed_steps) == (1, 0, 2)
+    steps = StateTable(isolated.client).steps(delivery)
+    assert {name: (s.status, s.attempt, s.error) for name, s in steps.items()} == {
+        name: ("failed", 2, CLOSED_BY_FAILURE) for name in ("package", "drone")}
+    isolated.start()  # the services read the request now: the stale trigger starts nothing
+    services = {s.name for s in isolated.flow.services if s.name.endswith(("package", "drone-scheduler"))}
+    wait_for(lambda: {text(f).split(":", 1)[0] for f in isolated.client.hkeys(seen_key(delivery))} >= services,
+             timeout_s=60, interval_s=0.3, what="both step services to read the request")
+    time.sleep(1.0)  # past their batch's commit
+    assert delivery not in _bookings(isolated.client)
+    for topic in (DroneScheduled.topic, PackageReady.topic):
+        assert not [r for r in read_topic(isolated.prefix + topic, timeout_s=3) if r.key == delivery.encode()]
 
 
 def _consuming(group: str) -> bool:
