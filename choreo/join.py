@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 
 E = TypeVar("E", bound=Event)
 FAILED = "failed"  # a failed delivery's outcome; the join names the other one
+UNREAD_FAILURE_S = 24 * 3600
 
 # KEYS: the delivery's hash. ARGV: part, 'ok' | 'fail', the result (JSON), retention seconds of
-# a decided delivery, the outcome of success, then every part's name in declaration order.
+# a shipped delivery, of a failed one until the supervisor reads its failure
+# (``Join.unread_failure_s``), the outcome of success, then every part's name in declaration order.
 # The decision is remembered by the results themselves and ``fanin.by``, the input that
 # decided (``remembered_as``, its memo field): a replay of that input is answered the same
 # decision from them, and no copy of the results is kept beside them (``choreo.effects``).
@@ -54,7 +56,7 @@ local decided = redis.call('HEXISTS', KEYS[1], 'outcome') == 1
 local by = redis.call('HGET', KEYS[1], 'fanin.by')
 if decided and by ~= remembered_as then return cjson.encode({d = by and 'wait' or 'late'}) end
 local results, failed = {}, nil
-for i = 6, #ARGV do
+for i = 7, #ARGV do
   local got = redis.call('HGET', KEYS[1], 'fanin.' .. ARGV[i])
   if not got then return cjson.encode({d = 'wait'}) end
   if string.sub(got, 1, 3) == 'ok:' then
@@ -65,9 +67,9 @@ for i = 6, #ARGV do
 end
 local order = redis.call('HGET', KEYS[1], 'fanin.order') or ''
 if not decided then
-  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  redis.call('EXPIRE', KEYS[1], failed and ARGV[5] or ARGV[4])
   -- a refusal (_REFUSE) may turn the outcome to failed later: a replay decides as first
-  redis.call('HSET', KEYS[1], 'outcome', failed and 'failed' or ARGV[5], 'fanin.by', remembered_as)
+  redis.call('HSET', KEYS[1], 'outcome', failed and 'failed' or ARGV[6], 'fanin.by', remembered_as)
 end
 if failed then
   return cjson.encode({d = 'fail', part = failed[1], result = failed[2], order = order})
@@ -75,8 +77,10 @@ end
 return cjson.encode({d = 'complete', results = results, order = order})
 """, remembers_itself=True)
 
+# ARGV: how long the failed delivery's state waits for the supervisor to read its failure
 _REFUSE = OnceEffect("join_refuse", """
 redis.call('HSET', KEYS[1], 'outcome', 'failed')
+redis.call('EXPIRE', KEYS[1], ARGV[1])
 return 'failed'
 """)
 
@@ -130,7 +134,7 @@ class Join:
     operators' tools read a delivery's outcome from them."""
 
     def __init__(self, step: str, parts: Mapping[str, Part], *, outcomes: Mapping[type[Event], str],
-                 retention_s: int, prefix: str = "") -> None:
+                 retention_s: int, unread_failure_s: int = UNREAD_FAILURE_S, prefix: str = "") -> None:
         if len(parts) < 2:
             raise ValueError(f"join {step!r}: a join waits for two parts or more")
         for name in parts:  # a part names a field (fanin.<part>) and an entry of comma lists
@@ -145,6 +149,10 @@ class Join:
         self.outcomes = dict(outcomes)  # the events that publish the decision, and its name
         self.outcome = success[0]
         self.retention_s = retention_s
+        # a failed delivery's state stays until the supervisor reads its failure (which then
+        # gives it ``retention_s``): its undos are asked from it, and a supervisor down past
+        # the retention would otherwise find nothing to undo (drones held for good)
+        self.unread_failure_s = max(unread_failure_s, retention_s)
         self.prefix = prefix
         self.complete_handler: Outcome | None = None
         self.failure_handler: Outcome | None = None
@@ -167,13 +175,13 @@ class Join:
     def refuse(self, delivery_id: str) -> Op[None]:
         """The delivery fails after all (its complete handler could not carry it out): its
         outcome becomes ``failed``, as a failed part would have made it."""
-        return Op(_REFUSE, (delivery_key(delivery_id),), (), lambda _: None)
+        return Op(_REFUSE, (delivery_key(delivery_id),), (self.unread_failure_s,), lambda _: None)
 
     def record(self, delivery_id: str, part: str, ok: bool, event: Event) -> Op[Decision]:
         """Record ``event`` as ``part``'s result and decide, at most once per input event."""
         return Op(_RECORD, (delivery_key(delivery_id),),
-                  (part, "ok" if ok else "fail", result_text(event), self.retention_s, self.outcome,
-                   *self.parts),
+                  (part, "ok" if ok else "fail", result_text(event), self.retention_s, self.unread_failure_s,
+                   self.outcome, *self.parts),
                   lambda raw: self._decision(delivery_id, raw))
 
     def handler(self, part: str, ok: bool) -> Callable[[Any, Context], Generator[Any, Any, HandlerResult]]:

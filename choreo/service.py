@@ -27,7 +27,7 @@ from choreo.effects import EffectCall, OnceEffect, Op, dropped_by, memo_field
 from choreo.envelope import Envelope, derived_id
 from choreo.errors import AttemptDropped
 from choreo.events import Event
-from choreo.join import Join, Part
+from choreo.join import UNREAD_FAILURE_S, Join, Part
 from choreo.pool import Pool
 from choreo.record import Record
 from choreo.runtime_events import UndoRequested, undo_topic
@@ -252,12 +252,15 @@ class Service:
         return pool
 
     def join(self, step: str, *, parts: dict[str, Part], outcomes: dict[type[Event], str],
-             deadline_s: float = 60.0, retention_s: int = 3600, prefix: str = "") -> Join:
+             deadline_s: float = 60.0, retention_s: int = 3600, unread_failure_s: int = UNREAD_FAILURE_S,
+             prefix: str = "") -> Join:
         """A fan-in step (``choreo.join``): waits for one result of each part (named after
         the step that produces it) and sets the delivery's ``outcome`` once decided; the
         events of ``outcomes`` publish it. Its handlers are the returned join's
-        ``on_complete`` and ``on_failure``."""
-        join = Join(check_step_name(step), parts, outcomes=outcomes, retention_s=retention_s, prefix=prefix)
+        ``on_complete`` and ``on_failure``. A decided delivery's state stays ``retention_s``;
+        a failed one's up to ``unread_failure_s`` until the supervisor reads the failure."""
+        join = Join(check_step_name(step), parts, outcomes=outcomes, retention_s=retention_s,
+                    unread_failure_s=unread_failure_s, prefix=prefix)
         for topic, model, part, ok in join.topics():
             self.subscribe(topic, model, join.handler(part, ok), step=step, deadline_s=deadline_s,
                            produces=list(outcomes), first_op_in_begin=True)

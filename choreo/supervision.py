@@ -382,11 +382,13 @@ end
 
 # Recording facts seen on topics: safe on any instance (not fenced), remembered per event id
 # so an aborted-and-replayed batch is told the same answer and writes the same log records.
-# ARGV: now, delivery, the failed step, the reason, then the steps to undo, newest first.
+# ARGV: now, delivery, the failed step, the reason, the decided state's retention (s, 0:
+# none), then the steps to undo, newest first. A failed delivery's state waits for this
+# reading (``Join.unread_failure_s``); read, it has the retention from now on, for its undos.
 MARK_COMPENSATING = OnceEffect("mark_compensating", with_steps(_SETTLE + _NEXT_UNDO + """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   -- its state is gone (past its retention): nothing is left to undo it from
-  if #ARGV >= 5 then return cjson.encode({told = 'failed'}) end
+  if #ARGV >= 6 then return cjson.encode({told = 'failed'}) end
   return '{}'
 end
 local now, delivery = tonumber(ARGV[1]), ARGV[2]
@@ -394,9 +396,12 @@ redis.call('HSET', KEYS[1], 'fail.seen', now)
 if not redis.call('HGET', KEYS[1], 'outcome') then redis.call('HSET', KEYS[1], 'outcome', 'failed') end
 if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], delivery .. '|' .. ARGV[3]) end
 redis.call('HSETNX', KEYS[1], 'undo.reason', ARGV[4])
-redis.call('HSETNX', KEYS[1], 'undo.order', table.concat({select(5, unpack(ARGV))}, ','))
+redis.call('HSETNX', KEYS[1], 'undo.order', table.concat({select(6, unpack(ARGV))}, ','))
+if tonumber(ARGV[5]) > 0 and redis.call('HGET', KEYS[1], 'outcome') == 'failed' then
+  redis.call('EXPIRE', KEYS[1], ARGV[5], 'XX')
+end
 local marked = {}
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   local s = ARGV[i]
   local st = step_get(KEYS[1], s, 'status')
   if st and st ~= 'compensating' and st ~= 'compensated' and st ~= 'compensation_failed' then

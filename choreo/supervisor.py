@@ -150,9 +150,8 @@ def policies_of(flow: Workflow) -> Policies:
         )
         for spec in flow.steps
     }
-    retention = max((join.retention_s for join in flow.joins if join.step == flow.decider), default=0)
     return Policies(steps, compensable=tuple(f for f in undo if f in steps), decider=flow.decider,
-                    retention_s=retention)
+                    retention_s=flow.retention_s)
 
 
 def _rt(ctx: Context) -> _Runtime:
@@ -208,7 +207,8 @@ def on_delivery_failed(failure: Any, ctx: Context) -> Effects[None]:
     reason = f"{failure.reason}: {failure.detail}"[:500]
     undone = undoes(failure.compensate, watched().flow)
     raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), deadline_index(failure.delivery_id)],
-                   args=[now_ms(), failure.delivery_id, failure.failed_step, reason, *undone])
+                   args=[now_ms(), failure.delivery_id, failure.failed_step, reason,
+                         watched().flow.retention_s, *undone])
     marked = parse_marked(raw)
     for step in marked.steps:
         _record(ctx, failure.delivery_id, str(step["step"]), "COMPENSATING", int(step["attempt"]), reason)

@@ -102,6 +102,11 @@ class Workflow:
             raise ValueError(f"workflow {self.name}: one join decides a delivery, not {sorted(steps)}")
         return next(iter(steps), "")
 
+    @property
+    def retention_s(self) -> int:
+        """How long a decided delivery's state stays (its deciding join's), 0: no expiry."""
+        return max((join.retention_s for join in self.joins if join.step == self.decider), default=0)
+
     def fan_in(self) -> dict[str, tuple[str, ...]]:
         """Each join's step and the upstream steps it waits for (its parts are named after them)."""
         return {join.step: tuple(join.parts) for join in self.joins}

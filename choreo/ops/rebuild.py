@@ -202,6 +202,7 @@ class DeliveryFacts:
     triggers: dict[str, Trigger] = field(default_factory=dict)  # step -> latest trigger
     dead_letters: int = 0  # its events in dead-letter topics: the state stays for a redrive
     terminal: tuple[str, int, int] | None = None  # its first success outcome: topic, partition, offset
+    failure_unread: bool = False  # a failure event of it that a service reading it has not consumed
 
 
 @dataclass
@@ -490,6 +491,9 @@ class Rebuilder:
         if declared.outcome is not None:
             join, outcome = declared.outcome
             facts.outcome = facts.outcome or outcome
+            if outcome == FAILED:
+                facts.failure_unread = facts.failure_unread or not all(
+                    consumed_by(service) for service, _, _, _ in self.handlers.get(r.topic, ()))
             if outcome == FAILED and not facts.undo:
                 # the order the supervisor asks the undos in, as it recorded it on reading this
                 facts.undo = undo_fields((s for s in body.get("compensate") or () if s in self.compensable),
@@ -542,6 +546,7 @@ class Rebuilder:
 
     def _write_joins(self, report: RebuildReport) -> None:
         retention = max((join.retention_s for join in self.joins.values()), default=0)
+        unread = max((join.unread_failure_s for join in self.joins.values()), default=0)
         writes: list[tuple[str, Mapping[str, str | int], int]] = []
         for delivery, facts in self._unreleased():
             fields: dict[str, str | int] = {**facts.undo, **fanin_fields(facts.results)}
@@ -553,8 +558,10 @@ class Rebuilder:
                 report.outcomes += 1
             report.fanin_fields += len(facts.results)
             # as the join does when it decides: a decided delivery's state goes in time,
-            # rebuilt or not (it stayed forever, for every delivery of the window)
-            writes.append((delivery_key(delivery), fields, retention if facts.outcome else 0))
+            # rebuilt or not (it stayed forever, for every delivery of the window); a failure
+            # not read yet waits for the supervisor's reading, which sets the retention
+            ttl = unread if facts.failure_unread else retention
+            writes.append((delivery_key(delivery), fields, ttl if facts.outcome else 0))
         self.merge_fields(writes)
 
     def _write_steps(self, report: RebuildReport) -> None:

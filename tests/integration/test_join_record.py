@@ -87,6 +87,20 @@ def test_a_failed_part_decides_failure_once_every_part_is_in(redis_client: redis
     assert (failed.failed.part, failed.failed.completed) == ("drone", ("package",))
     assert redis_client.hget(delivery_key(delivery_id), "outcome") == b"failed"
     assert record(redis_client, delivery_id, package_event, "package", True, ready(delivery_id)) == failed
+    # its state waits for the supervisor to read the failure (which shortens it to the retention)
+    assert join.retention_s < redis_client.ttl(delivery_key(delivery_id)) <= join.unread_failure_s
+
+
+def test_a_refusal_after_success_keeps_the_state_until_the_failure_is_read(redis_client: redis.Redis) -> None:
+    delivery_id = f"join-{uuid.uuid4()}"
+    record(redis_client, delivery_id, str(uuid.uuid4()), "package", True, ready(delivery_id))
+    assert record(redis_client, delivery_id, str(uuid.uuid4()), "drone", True, scheduled(delivery_id)).kind == "complete"
+    assert 0 < redis_client.ttl(delivery_key(delivery_id)) <= join.retention_s
+    envelope = Envelope.first(str(uuid.uuid4()), delivery_id, "DroneScheduled", "test")
+    op = join.refuse(delivery_id)
+    run_all(redis_client, [Context("delivery", envelope, "t", 0, 0, redis_client, None).effect(op.effect, op.keys, op.args)])
+    assert redis_client.hget(delivery_key(delivery_id), "outcome") == b"failed"
+    assert join.retention_s < redis_client.ttl(delivery_key(delivery_id)) <= join.unread_failure_s
 
 
 def test_the_record_rides_in_the_begin_of_an_input_that_runs_only(redis_client: redis.Redis) -> None:

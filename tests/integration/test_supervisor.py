@@ -33,7 +33,7 @@ from choreo.runner import RECOVERY_TOPIC
 from choreo.runtime_events import CompensationRecord
 from choreo.serde import Decoder, registry_client
 from choreo.service import retry_topic
-from choreo.state import StateTable
+from choreo.state import StateTable, delivery_key
 from consumers.drone_scheduler import fleet
 from schemas.models import DeliveryFailed
 from tests.factories import delivery_request
@@ -381,6 +381,26 @@ def test_failing_step_is_requeued_with_growing_delays_then_compensated(world: Wo
     # undo to give it back); the one of a completed drone step comes back with its undo
     _drones_back(world, ids, "failed" if failing == "drone" else "release")
     wait_for(lambda: indexed(world.redis) == 0, timeout_s=20, what="an empty index")
+
+
+def test_a_failure_read_after_the_retention_still_has_its_undos_asked(world: World) -> None:
+    """The supervisor was down longer than a decided delivery's retention when its failure
+    was published. The state waited for the reading (it expired with the retention, and the
+    reading found nothing to undo: each drone was held for good), and the retention counts
+    from the reading."""
+    world.env["SUP_RETENTION_S"] = "3"  # the join's and the supervisor's (one declaration)
+    world.start("package", AGENT_WAREHOUSE_PERMANENT_RATE="1.0")  # the package fails: the drone is undone
+    world.start("drone")
+    world.start("delivery")
+    ids = world.publish(2)
+    wait_for(lambda: set(ids) <= set(world.by_delivery("delivery.failed")), timeout_s=30,
+             what="the deliveries failed by the join")
+    time.sleep(4.0)  # past the retention, no supervisor
+    assert all(world.state(d).get("outcome") == "failed" for d in ids)
+    world.supervisor()
+    wait_for(lambda: set(ids) <= set(world.by_delivery("drone.released")), timeout_s=30, what="the drones' undos")
+    _drones_back(world, ids, "release")
+    assert all(world.redis.ttl(delivery_key(d)) <= 3 for d in ids)  # -2 once gone
 
 
 def test_compensation_that_keeps_failing_ends_compensation_failed_with_an_alert(world: World) -> None:

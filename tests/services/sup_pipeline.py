@@ -66,7 +66,7 @@ def build(prefix: str, deadline_s: float, budget: int, in_process: int) -> dict[
 
     delivery = Service(t("delivery"), **opts)
     join = delivery.join("delivery", parts=delivery_rules.PARTS, outcomes=delivery_rules.OUTCOMES, deadline_s=deadline_s,
-                         prefix=prefix)
+                         retention_s=int(os.environ.get("SUP_RETENTION_S", "3600")), prefix=prefix)
     join.on_complete(routed(delivery_rules.ship, Joined, prefix))
     join.on_failure(routed(delivery_rules.refuse, JoinFailed, prefix))
     return {"package": package, "drone": drone, "delivery": delivery}

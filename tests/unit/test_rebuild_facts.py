@@ -38,3 +38,22 @@ def test_a_shipment_whose_envelope_the_services_refuse_gives_no_fact() -> None:
     rebuilder = _rebuilder(SHIPPED)
     rebuilder._fact(_shipment([(H_CORRELATION_ID, b"d-1")]), {})
     assert not rebuilder.facts["d-1"].outcome and not rebuilder.facts["d-1"].holds
+
+
+FAILURE = {"delivery_id": "d-1", "reason": "DEADLINE_MISSED", "detail": "", "failed_step": "drone",
+           "compensate": ["package"], "failed_at": "2026-12-05T00:00:00+00:00"}
+
+
+def test_a_failure_the_supervisor_has_not_read_keeps_its_state_waiting_for_it() -> None:
+    """Its state then has the join's wait for the reading, not the retention: the supervisor
+    asks the undos from it when it reads the failure."""
+    envelope = Envelope.first("e-2", "d-1", "DeliveryFailed", "delivery")
+    headers = [(k, v if isinstance(v, bytes) else str(v).encode()) for k, v in envelope.to_headers()]
+    failure = Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body", headers)
+    readers = [s.name for s in WORKFLOW.services if "delivery.failed" in s.handlers]
+    assert readers  # the supervisor
+    read, unread = _rebuilder(FAILURE), _rebuilder(FAILURE)
+    read._fact(failure, {(name, "delivery.failed", 0): 6 for name in readers})
+    unread._fact(failure, {(name, "delivery.failed", 0): 5 for name in readers})
+    assert read.facts["d-1"].outcome == unread.facts["d-1"].outcome == "failed"
+    assert (read.facts["d-1"].failure_unread, unread.facts["d-1"].failure_unread) == (False, True)

@@ -379,7 +379,7 @@ def test_budget_spent_fails_the_delivery_once_with_compensations_newest_first(
     assert again.kind == "fail" and again.data["again"] == 1
     # seen: marked compensating, and nothing left in the index
     raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), deadline_index(d)],
-                                [1_000_060, d, "drone", "DEADLINE_MISSED", "package"], 60)
+                                [1_000_060, d, "drone", "DEADLINE_MISSED", 3600, "package"], 60)
     assert [m["step"] for m in parse_marked(raw).steps] == ["package"]
     assert parse_marked(raw).next == "package"
     assert parse_marked(raw).outcome == "failed"  # what the drone's give-back waits for
@@ -470,13 +470,27 @@ def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis
     assert MARK_COMPENSATED.run(client, d, "t:1", [delivery_key(d)], ["package", 5], 60) \
         == "compensated:completed:1::\x1f\x1f"
     raw = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), deadline_index(d)],
-                                [6, d, "drone", "FAILED", "package"], 60)
+                                [6, d, "drone", "FAILED", 3600, "package"], 60)
     assert parse_marked(raw).steps == [] and parse_marked(raw).next == ""
     assert parse_marked(raw).told == "compensated"  # it ended before the failure was read
     assert _fields(client, d)["package.status"] == "compensated"
     # a replay of either is told the same answer
     assert MARK_COMPENSATED.run(client, d, "t:1", [delivery_key(d)], ["package", 5], 60) \
         == "compensated:completed:1::\x1f\x1f"
+
+
+def test_reading_a_failure_gives_its_waiting_state_the_retention(client: redis.Redis) -> None:
+    """The join keeps a failed delivery's state until the failure is read (a supervisor down
+    past the retention would find nothing to undo); read, it has the retention from now."""
+    waiting, undecided = _new(client, "package"), _new(client, "package")
+    StateTable(client).put(waiting, {"package.status": "completed", "outcome": "failed"})
+    client.expire(delivery_key(waiting), 86_400)
+    StateTable(client).put(undecided, {"package.status": "completed"})
+    for d in (waiting, undecided):
+        MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
+                              [5, d, "package", "r", 60, "package"], 60)
+    assert 0 < client.ttl(delivery_key(waiting)) <= 60
+    assert client.ttl(delivery_key(undecided)) == -1  # no expiry was set: none is added
 
 
 def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.Redis) -> None:
@@ -493,7 +507,7 @@ def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.
         return following
 
     raw = MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
-                                [5, d, "delivery", "FLIGHT_REFUSED: no", "drone", "customs", "package"], 60)
+                                [5, d, "delivery", "FLIGHT_REFUSED: no", 3600, "drone", "customs", "package"], 60)
     assert [m["step"] for m in parse_marked(raw).steps] == ["drone", "customs", "package"]
     assert parse_marked(raw).next == "drone"  # only the newest: the others wait for it
     assert undone("drone", "t:1") == "customs"
@@ -508,15 +522,15 @@ def test_an_undo_that_failed_for_good_stops_the_chain(client: redis.Redis) -> No
     d = _new(client, "package", "drone")
     StateTable(client).put(d, {"package.status": "completed", "drone.status": "completed"})
     MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
-                          [5, d, "delivery", "r", "drone", "package"], 60)
+                          [5, d, "delivery", "r", 3600, "drone", "package"], 60)
     StateTable(client).put(d, {"drone.status": "compensation_failed"})
     raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), deadline_index(d)],
-                                [6, d, "delivery", "r", "drone", "package"], 60)
+                                [6, d, "delivery", "r", 3600, "drone", "package"], 60)
     assert parse_marked(raw).next == ""  # package is never asked: the alert is raised on drone
     assert _fields(client, d)["package.status"] == "compensating"
     assert parse_marked(raw).told == "failed"  # an undo failed for good: the submitter is told so, once
     again = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), deadline_index(d)],
-                                  [7, d, "delivery", "r", "drone", "package"], 60)
+                                  [7, d, "delivery", "r", 3600, "drone", "package"], 60)
     assert parse_marked(again).told == ""
 
 
