@@ -67,7 +67,8 @@ for i = 7, #ARGV do
 end
 local order = redis.call('HGET', KEYS[1], 'fanin.order') or ''
 if not decided then
-  redis.call('EXPIRE', KEYS[1], failed and ARGV[5] or ARGV[4])
+  local ttl = tonumber(failed and ARGV[5] or ARGV[4])
+  if ttl > 0 then redis.call('EXPIRE', KEYS[1], ttl) end
   -- a refusal (_REFUSE) may turn the outcome to failed later: a replay decides as first
   redis.call('HSET', KEYS[1], 'outcome', failed and 'failed' or ARGV[6], 'fanin.by', remembered_as)
 end
@@ -80,7 +81,7 @@ return cjson.encode({d = 'complete', results = results, order = order})
 # ARGV: how long the failed delivery's state waits for the supervisor to read its failure
 _REFUSE = OnceEffect("join_refuse", """
 redis.call('HSET', KEYS[1], 'outcome', 'failed')
-redis.call('EXPIRE', KEYS[1], ARGV[1])
+if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
 return 'failed'
 """)
 
@@ -152,7 +153,7 @@ class Join:
         # a failed delivery's state stays until the supervisor reads its failure (which then
         # gives it ``retention_s``): its undos are asked from it, and a supervisor down past
         # the retention would otherwise find nothing to undo (drones held for good)
-        self.unread_failure_s = max(unread_failure_s, retention_s)
+        self.unread_failure_s = max(unread_failure_s, retention_s) if retention_s > 0 else 0  # 0: no expiry
         self.prefix = prefix
         self.complete_handler: Outcome | None = None
         self.failure_handler: Outcome | None = None

@@ -146,7 +146,9 @@ class Policies:
     steps: dict[str, StepPolicy]
     compensable: tuple[str, ...]  # forward steps that have a compensation, i.e. side effects
     decider: str = ""  # the step whose completion makes a delivery's ``outcome`` final
-    retention_s: int = 0  # how long a decided delivery's state stays (the decider's), 0: no expiry
+    # how long the state of a delivery the supervisor fails waits for the failure to be read
+    # (the deciding join's ``unread_failure_s``), 0: no expiry
+    unread_failure_s: int = 0
 
     def of(self, step: str) -> StepPolicy:
         return self.steps.get(step) or StepPolicy(step, UNKNOWN, 0, 0)
@@ -322,7 +324,7 @@ if tries >= tonumber(ARGV[5]) then
   if status ~= 'failed' then reason = 'DEADLINE_MISSED' end
   redis.call('HSET', KEYS[1], 'outcome', 'failed', 'fail.by', 'supervisor', 'fail.step', step,
              'fail.reason', reason, 'fail.detail', detail, 'fail.compensate', compensate, 'fail.at', now)
-  -- decided: its state goes in time, as the decider's own decisions do
+  -- decided: its state goes in time, as the decider's own failures do (once read, with the retention)
   if tonumber(ARGV[16]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[16]) end
   set({status = 'failed', attempt = attempt + 1, updated = now})
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[9]), member)
@@ -398,7 +400,7 @@ if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], delivery .. '|' .. ARGV[3]) en
 redis.call('HSETNX', KEYS[1], 'undo.reason', ARGV[4])
 redis.call('HSETNX', KEYS[1], 'undo.order', table.concat({select(6, unpack(ARGV))}, ','))
 if tonumber(ARGV[5]) > 0 and redis.call('HGET', KEYS[1], 'outcome') == 'failed' then
-  redis.call('EXPIRE', KEYS[1], ARGV[5], 'XX')
+  redis.call('EXPIRE', KEYS[1], ARGV[5])
 end
 local marked = {}
 for i = 6, #ARGV do
@@ -568,7 +570,7 @@ class Scanner:
                       int(cfg.backoff_base_s * 1000), int(cfg.backoff_max_s * 1000),
                       int(cfg.confirm_s * 1000), policy.role, policy.target, compensable,
                       policies.decider, int(cfg.park_s * 1000), ",".join(policy.waits_for),
-                      policies.retention_s],
+                      policies.unread_failure_s],
                 client=pipes.on(delivery_key(delivery_id)),
             )
             stats.keys.add(delivery_key(delivery_id))

@@ -151,7 +151,7 @@ def policies_of(flow: Workflow) -> Policies:
         for spec in flow.steps
     }
     return Policies(steps, compensable=tuple(f for f in undo if f in steps), decider=flow.decider,
-                    retention_s=flow.retention_s)
+                    unread_failure_s=flow.unread_failure_s)
 
 
 def _rt(ctx: Context) -> _Runtime:

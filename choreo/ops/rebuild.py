@@ -202,7 +202,7 @@ class DeliveryFacts:
     triggers: dict[str, Trigger] = field(default_factory=dict)  # step -> latest trigger
     dead_letters: int = 0  # its events in dead-letter topics: the state stays for a redrive
     terminal: tuple[str, int, int] | None = None  # its first success outcome: topic, partition, offset
-    failure_unread: bool = False  # a failure event of it that a service reading it has not consumed
+    failure_unread: bool = False  # a failure event of it not consumed by every service that reads it
 
 
 @dataclass
@@ -491,9 +491,10 @@ class Rebuilder:
         if declared.outcome is not None:
             join, outcome = declared.outcome
             facts.outcome = facts.outcome or outcome
-            if outcome == FAILED:
-                facts.failure_unread = facts.failure_unread or not all(
-                    consumed_by(service) for service, _, _, _ in self.handlers.get(r.topic, ()))
+            if outcome == FAILED:  # unread too when its reader runs outside the workflow
+                readers = self.handlers.get(r.topic, [])
+                facts.failure_unread = facts.failure_unread or not readers or not all(
+                    consumed_by(service) for service, _, _, _ in readers)
             if outcome == FAILED and not facts.undo:
                 # the order the supervisor asks the undos in, as it recorded it on reading this
                 facts.undo = undo_fields((s for s in body.get("compensate") or () if s in self.compensable),

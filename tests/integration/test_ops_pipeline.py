@@ -348,6 +348,8 @@ def test_rebuild_closes_the_unbegun_steps_of_a_delivery_that_failed(isolated: Is
     steps = StateTable(isolated.client).steps(delivery)
     assert {name: (s.status, s.attempt, s.error) for name, s in steps.items()} == {
         name: ("failed", 2, CLOSED_BY_FAILURE) for name in ("package", "drone")}
+    join = isolated.flow.joins[0]  # no supervisor read the failure: its state waits for one
+    assert join.retention_s < isolated.client.ttl(delivery_key(delivery)) <= join.unread_failure_s
     isolated.start()  # the services read the request now: the stale trigger starts nothing
     services = {s.name for s in isolated.flow.services if s.name.endswith(("package", "drone-scheduler"))}
     wait_for(lambda: {text(f).split(":", 1)[0] for f in isolated.client.hkeys(seen_key(delivery))} >= services,
