@@ -257,8 +257,9 @@ class Service:
         """A fan-in step (``choreo.join``): waits for one result of each part (named after
         the step that produces it) and sets the delivery's ``outcome`` once decided; the
         events of ``outcomes`` publish it. Its handlers are the returned join's
-        ``on_complete`` and ``on_failure``. A decided delivery's state stays ``retention_s``;
-        a failed one's up to ``unread_failure_s`` until the supervisor reads the failure."""
+        ``on_complete`` and ``on_failure``. A decided delivery's state stays ``retention_s``
+        (0: no expiry); a failed one's up to ``unread_failure_s`` (never less than the
+        retention) until the supervisor reads the failure, then ``retention_s`` from then."""
         join = Join(check_step_name(step), parts, outcomes=outcomes, retention_s=retention_s,
                     unread_failure_s=unread_failure_s, prefix=prefix)
         for topic, model, part, ok in join.topics():
