@@ -105,13 +105,13 @@ class Workflow:
     @property
     def retention_s(self) -> int:
         """How long a decided delivery's state stays (its deciding join's), 0: no expiry."""
-        return max((join.retention_s for join in self.joins if join.step == self.decider), default=0)
+        return next((join.retention_s for join in self.joins if join.step == self.decider), 0)
 
     @property
     def unread_failure_s(self) -> int:
         """How long a failed delivery's state waits for the supervisor to read the failure
         (its deciding join's), 0: no expiry."""
-        return max((join.unread_failure_s for join in self.joins if join.step == self.decider), default=0)
+        return next((join.unread_failure_s for join in self.joins if join.step == self.decider), 0)
 
     def fan_in(self) -> dict[str, tuple[str, ...]]:
         """Each join's step and the upstream steps it waits for (its parts are named after them)."""

@@ -304,7 +304,6 @@ class Rebuilder:
             for topic, handler in service.handlers.items():
                 self.handlers.setdefault(topic, []).append(
                     (service.name, handler.step, handler.topic, int(handler.deadline_s * 1000)))
-        self.joins = {join.step: join for join in workflow.joins}
         self.records = {record.name: record for s in workflow.services for record in s.records}
         self.pools = {pool.name: pool for s in workflow.services for pool in s.pools}
         self.compensable = set(workflow.compensations())
@@ -546,8 +545,7 @@ class Rebuilder:
         return ((d, f) for d, f in self.facts.items() if d not in self.released)
 
     def _write_joins(self, report: RebuildReport) -> None:
-        retention = max((join.retention_s for join in self.joins.values()), default=0)
-        unread = max((join.unread_failure_s for join in self.joins.values()), default=0)
+        retention, unread = self.workflow.retention_s, self.workflow.unread_failure_s
         writes: list[tuple[str, Mapping[str, str | int], int]] = []
         for delivery, facts in self._unreleased():
             fields: dict[str, str | int] = {**facts.undo, **fanin_fields(facts.results)}

@@ -21,15 +21,18 @@ def _rebuilder(body: dict[str, Any]) -> Rebuilder:
     return rebuilder
 
 
+def _headers(envelope: Envelope) -> list[tuple[str, bytes]]:
+    return [(k, v if isinstance(v, bytes) else str(v).encode()) for k, v in envelope.to_headers()]
+
+
 def _shipment(headers: list[tuple[str, bytes]]) -> Rec:
     return Rec("delivery.shipped", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body", headers)
 
 
 def test_a_shipment_the_services_took_gives_its_outcome() -> None:
     envelope = Envelope.first("e-1", "d-1", "DeliveryShipped", "delivery")
-    headers = [(k, v if isinstance(v, bytes) else str(v).encode()) for k, v in envelope.to_headers()]
     rebuilder = _rebuilder(SHIPPED)
-    rebuilder._fact(_shipment(headers), {})
+    rebuilder._fact(_shipment(_headers(envelope)), {})
     assert rebuilder.facts["d-1"].outcome == "shipped"
 
 
@@ -48,8 +51,7 @@ def test_a_failure_the_supervisor_has_not_read_keeps_its_state_waiting_for_it() 
     """Its state then has the join's wait for the reading, not the retention: the supervisor
     asks the undos from it when it reads the failure."""
     envelope = Envelope.first("e-2", "d-1", "DeliveryFailed", "delivery")
-    headers = [(k, v if isinstance(v, bytes) else str(v).encode()) for k, v in envelope.to_headers()]
-    failure = Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body", headers)
+    failure = Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body", _headers(envelope))
     readers = [s.name for s in WORKFLOW.services if "delivery.failed" in s.handlers]
     assert readers  # the supervisor
     read, unread = _rebuilder(FAILURE), _rebuilder(FAILURE)
