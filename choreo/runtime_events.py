@@ -1,5 +1,6 @@
 """The runtime's own events: what a service reports on the recovery topic, what the
-supervisor asks a service to undo, and what it writes to the compensation log.
+supervisor asks a service to undo, what it writes to the compensation log, and an
+operator's word that an undo was done by hand.
 
 They belong to the runtime, not to any one workflow: every service the runner hosts may
 report a step, whatever its domain, so their ``.avsc`` contracts live beside this module.
@@ -65,6 +66,21 @@ class UndoRequested(Event):
     requested_at: datetime
 
 
+class CompensatedByHand(Event):
+    """An operator's word that a ``compensation_failed`` step's work was undone by hand
+    (``choreo ops mark-compensated``): the supervisor then goes on as if its undo had been
+    confirmed, and gives back what the step held in a pool."""
+
+    schema_file: ClassVar[Path] = HERE / "CompensatedByHand.avsc"
+    topic: ClassVar[str] = "compensation.manual"
+
+    delivery_id: str
+    step: str
+    note: str = ""
+    marked_by: str
+    marked_at: datetime
+
+
 class DeliveryOutcome(Event):
     """A delivery's outcome for its submitter, on the reply topic it named (``choreo.outcomes``)."""
 
@@ -86,4 +102,4 @@ class DeliveryOutcome(Event):
 RUNTIME_EVENTS: tuple[type[Event], ...] = (StepReport, CompensationRecord)
 # every contract of the runtime: the undo requests' topics are the compensating services' own
 # (and the outcome copies' topics are the submitters')
-RUNTIME_CONTRACTS: tuple[type[Event], ...] = (*RUNTIME_EVENTS, UndoRequested, DeliveryOutcome)
+RUNTIME_CONTRACTS: tuple[type[Event], ...] = (*RUNTIME_EVENTS, UndoRequested, CompensatedByHand, DeliveryOutcome)

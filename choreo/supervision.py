@@ -295,6 +295,9 @@ if tries >= tonumber(ARGV[5]) then
     if before ~= '' and before ~= 'compensated' and before ~= 'compensation_failed' then
       step_set(KEYS[1], target, {status = 'compensation_failed', updated = now, error = detail})
       told = settle(KEYS[1])
+      -- its state waits for an operator's mark (``choreo ops mark-compensated``) as long as
+      -- an unread failure waits for its reading; the mark gives it the retention again
+      if tonumber(ARGV[16]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[16]) end
     end
     return cjson.encode({a = 'comp_failed', target = target, before = before, attempt = attempt,
       tries = tries, detail = detail, told = told, undone = get('undo.order') or ''})
@@ -370,7 +373,8 @@ return 'due'
 
 # The steps of a failed delivery are undone one after another, newest completed first: its
 # ``undo.order`` lists them; the next to ask is the first still ``compensating`` (not asked
-# before its predecessor is confirmed, and never after one ended compensation_failed).
+# before its predecessor is confirmed, and never after one ended compensation_failed, which
+# waits for an operator's mark).
 _NEXT_UNDO = """
 local function next_undo(key)
   for s in string.gmatch(redis.call('HGET', key, 'undo.order') or '', '[^,]+') do
@@ -379,6 +383,12 @@ local function next_undo(key)
     if st == 'compensation_failed' then return '' end
   end
   return ''
+end
+local function awaits_operator(key)
+  for s in string.gmatch(redis.call('HGET', key, 'undo.order') or '', '[^,]+') do
+    if step_get(key, s, 'status') == 'compensation_failed' then return true end
+  end
+  return false
 end
 """
 
@@ -399,7 +409,8 @@ if not redis.call('HGET', KEYS[1], 'outcome') then redis.call('HSET', KEYS[1], '
 if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], delivery .. '|' .. ARGV[3]) end
 redis.call('HSETNX', KEYS[1], 'undo.reason', ARGV[4])
 redis.call('HSETNX', KEYS[1], 'undo.order', table.concat({select(6, unpack(ARGV))}, ','))
-if tonumber(ARGV[5]) > 0 and redis.call('HGET', KEYS[1], 'outcome') == 'failed' then
+-- (not while an undo failed for good waits for an operator's mark: a second failure event)
+if tonumber(ARGV[5]) > 0 and redis.call('HGET', KEYS[1], 'outcome') == 'failed' and not awaits_operator(KEYS[1]) then
   redis.call('EXPIRE', KEYS[1], ARGV[5])
 end
 local marked = {}
@@ -424,14 +435,19 @@ return cjson.encode(answer)
 # 'compensated:<status before>:<attempt>:<next>:<reason>\x1f<told>\x1f<undo order>'. The
 # last two are appended after the free-text reason behind unit separators, so a version that
 # knows only 'compensated:<before>:<attempt>:<next>:<reason>' still reads the rest, and this
-# one reads an answer such a version remembered (no separator: nothing told).
+# one reads an answer such a version remembered (no separator: nothing told). ARGV: the step,
+# now, optionally the only status it is marked from (an operator's mark by hand:
+# 'compensation_failed'; any other status is answered 'ignored:<status>'), and the decided
+# state's retention (s, 0: none), which a step leaving compensation_failed gives it again.
 UNIT = "\x1f"  # what separates the answer's appended fields (Lua's '\31')
 MARK_COMPENSATED = OnceEffect("mark_compensated", with_steps(_SETTLE + _NEXT_UNDO + """
 local st = step_get(KEYS[1], ARGV[1], 'status')
 if not st then return 'ignored:none' end
 if st == 'compensated' then return 'ignored:compensated' end
+if ARGV[3] and ARGV[3] ~= '' and st ~= ARGV[3] then return 'ignored:' .. st end
 local now = tonumber(ARGV[2])
 step_set(KEYS[1], ARGV[1], {status = 'compensated', compensated_at = now, updated = now})
+if st == 'compensation_failed' and tonumber(ARGV[4] or '0') > 0 then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
 return 'compensated:' .. st .. ':' .. (step_get(KEYS[1], ARGV[1], 'attempt') or 1) .. ':' .. next_undo(KEYS[1])
   .. ':' .. (redis.call('HGET', KEYS[1], 'undo.reason') or '')
   .. '\\31' .. settle(KEYS[1]) .. '\\31' .. (redis.call('HGET', KEYS[1], 'undo.order') or '')

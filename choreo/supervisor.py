@@ -41,7 +41,7 @@ from choreo.release import AWAIT_RELEASE, Releaser, awaiting_key
 from choreo.runner import RECOVERY_TOPIC
 from choreo.serde import DecodeFailure, Decoder, RegistryUnavailable, registry_client
 from choreo.service import Context, Effects, Service, Store, retry_topic
-from choreo.state import StateTable, Source, deadline_index, delivery_key
+from choreo.state import StateTable, Source, StepStatus, deadline_index, delivery_key
 from choreo.supervision import (
     COMPENSATION, COMPENSATION_FAILURES, COMPENSATIONS, FORWARD, LEADER, MARK_COMPENSATED,
     MARK_COMPENSATING, REPORTS, REQUEUES, Action, KeyedCompensationRecord, Policies, Scanner,
@@ -50,7 +50,7 @@ from choreo.supervision import (
 )
 from choreo.join import FAILED
 from choreo.workflow import Workflow, load_workflow
-from choreo.runtime_events import CompensationRecord, StepReport, UndoRequested, undo_topic
+from choreo.runtime_events import CompensatedByHand, CompensationRecord, StepReport, UndoRequested, undo_topic
 
 NAME = os.environ.get("SUPERVISOR_NAME", "supervisor")  # consumer group and lease name
 PREFIX = os.environ.get("SUPERVISOR_TOPIC_PREFIX", "")  # isolates a test's topics
@@ -236,11 +236,15 @@ def _ask_undo(ctx: Context, delivery_id: str, step: str, reason: str) -> None:
     ctx.log.info("compensation.undo_asked", step=step)
 
 
-def _undone(ctx: Context, delivery_id: str, step: str) -> None:
-    raw = ctx.once(MARK_COMPENSATED, keys=[delivery_key(delivery_id)], args=[step, now_ms()]) or ""
+def _undone(ctx: Context, delivery_id: str, step: str, only_from: str = "") -> bool:
+    """Mark ``step`` compensated (from any status, or from ``only_from`` alone), log it and
+    ask the next undo of the chain; whether it was marked."""
+    raw = ctx.once(MARK_COMPENSATED, keys=[delivery_key(delivery_id)],
+                   args=[step, now_ms(), only_from, watched().flow.retention_s]) or ""
     verdict, _, rest = raw.partition(":")
     if verdict != "compensated":
-        return
+        ctx.log.debug("compensation.not_marked", step=step, why=rest)
+        return False
     before, attempt, following, tail = (rest.split(":", 3) + [""] * 3)[:4]
     reason, told, order = tail.rsplit(UNIT, 2) if tail.count(UNIT) >= 2 else (tail, "", "")
     if before not in ("compensating", "compensation_failed"):
@@ -255,6 +259,7 @@ def _undone(ctx: Context, delivery_id: str, step: str) -> None:
     else:
         ctx.log.info("compensation.done", step=step, was=before)
     _ask_undo(ctx, delivery_id, following, reason)
+    return True
 
 
 def _on_undone(step: str) -> Callable[[Event, Context], None]:
@@ -262,6 +267,25 @@ def _on_undone(step: str) -> Callable[[Event, Context], None]:
         _undone(ctx, ctx.delivery_id, step)
 
     return on_undone
+
+
+def on_compensated_by_hand(mark: CompensatedByHand, ctx: Context) -> Effects[None]:
+    """An operator undid a ``compensation_failed`` step's work by hand: the step is
+    compensated, the chain of undos goes on, and what the step's service holds for the
+    delivery in a pool comes back (its undo, which would have given it back, never ran).
+    A step in any other status is left as it is: its own undo is still under way or done."""
+    if mark.delivery_id != ctx.delivery_id:  # its envelope names the delivery it acts on
+        ctx.log.warning("compensation.mark_ignored", step=mark.step[:80], why="its body names another delivery")
+        return
+    if mark.step not in watched().flow.compensations():  # the state's other fields are no steps
+        ctx.log.warning("compensation.mark_ignored", step=mark.step[:80], why="no step with an undo")
+        return
+    if not _undone(ctx, ctx.delivery_id, mark.step, only_from=StepStatus.COMPENSATION_FAILED.value):
+        ctx.log.warning("compensation.mark_ignored", step=mark.step[:80], why="not compensation_failed")
+        return
+    ctx.log.warning("compensation.marked_by_hand", step=mark.step, by=mark.marked_by[:80])
+    for pool in watched().flow.pools_of(mark.step):
+        yield pool.release(ctx.delivery_id, "by_hand")
 
 
 def _watch_compensations(flow: Workflow) -> None:
@@ -354,7 +378,8 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
                     _story(ctx, rt, action.delivery_id) if told else None)
             COMPENSATION_FAILURES.labels(target).inc()
             log.error("alert.compensation_failed", target=target, tries=data["tries"],
-                      detail=data["detail"], action_needed="undo by hand, then mark compensated")
+                      detail=data["detail"],
+                      action_needed=f"undo by hand, then: choreo ops mark-compensated {action.delivery_id} {target}")
         else:
             log.warning("compensation.step_failed", target=target, target_status=data.get("before"),
                         detail=data["detail"])
@@ -471,6 +496,8 @@ def _subscribe() -> None:
                       produces=[CompensationRecord])
     service.subscribe(supervised.shipped_topic, supervised.success, on_shipped, first_op_in_begin=True)
     _watch_compensations(supervised.flow)
+    service.subscribe(topic(CompensatedByHand.topic), CompensatedByHand, on_compensated_by_hand,
+                      produces=[CompensationRecord])
 
 
 service.defer(_subscribe)

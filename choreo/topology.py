@@ -14,12 +14,14 @@ from confluent_kafka.admin import AdminClient
 from choreo.config import settings
 from choreo.kafka import admin, ensure_topics
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
+from choreo.runtime_events import CompensatedByHand
 from choreo.service import Service
 from choreo.workflow import Workflow
 
 DEFAULT_PARTITIONS = 6
 COMPACTED = {"cleanup.policy": "compact"}
 TOPIC_CONFIGS = {"compensation.log": COMPACTED}  # the supervisor's log is keyed by delivery|step
+OPERATOR = "ops"  # the producer of what operators' tools write (``choreo ops``), beside the flow
 # what the broker answers a principal with no CREATE (the secured stack's services)
 _NOT_ALLOWED = (KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED)
 
@@ -59,6 +61,8 @@ def _declare(topo: Topology, service: Service, partitions: int) -> None:
         topo.partitions[topic] = partitions
         if topic.startswith("retry.") or handler.undoes:  # requeues and undo requests
             topo.producers.setdefault(topic, set()).add("supervisor")
+        if handler.model is CompensatedByHand:  # an operator's (``choreo ops mark-compensated``)
+            topo.producers.setdefault(topic, set()).add(OPERATOR)
         if not topic.startswith("retry."):
             topo.partitions[dlq_topic(topic)] = partitions
     for model in service.outputs:
@@ -91,20 +95,22 @@ def _create(counts: Mapping[str, int], bootstrap: str | None = None) -> None:
 
 
 def partitions_for(inputs: Sequence[str], existing: Mapping[str, int],
-                   workflow_topics: Iterable[str] = ()) -> int:
+                   workflow_topics: Iterable[str] = (), co_partitioned: bool = True) -> int:
     """How many partitions a service's new topics get: its existing inputs' count (the inputs
     of a fan-in must be co-partitioned, so a missing input can only take its siblings'), else
     the count most of the workflow's existing topics have, else ``DEFAULT_PARTITIONS``.
 
     Raises ``TopicsMissing`` when an input is missing and its existing siblings disagree:
-    no count would co-partition it with all of them."""
+    no count would co-partition it with all of them. Inputs that need not be co-partitioned
+    (a service with no fan-in, such as the supervisor, which also reads the shared recovery
+    topic) take the count most of them have."""
     siblings = {t: existing[t] for t in inputs if t in existing}
-    if len(set(siblings.values())) > 1 and len(siblings) < len(inputs):
+    if co_partitioned and len(set(siblings.values())) > 1 and len(siblings) < len(inputs):
         missing = ", ".join(t for t in inputs if t not in existing)
         found = ", ".join(f"{t}={n}" for t, n in siblings.items())
         raise TopicsMissing(f"cannot create {missing}: its sibling inputs are not co-partitioned ({found})")
     if siblings:
-        return next(iter(siblings.values()))
+        return Counter(siblings.values()).most_common(1)[0][0]
     counts = Counter(existing[t] for t in workflow_topics if t in existing)
     return counts.most_common(1)[0][0] if counts else DEFAULT_PARTITIONS
 
@@ -124,7 +130,8 @@ def ensure_service(service: Service, workflow: Workflow | None = None,
     existing = {name: len(meta.partitions) for name, meta in listed.items()}
     wanted = Topology()
     _declare(wanted, service, partitions_for(service.topics, existing,
-                                             derive(workflow).partitions if workflow else ()))
+                                             derive(workflow).partitions if workflow else (),
+                                             co_partitioned=any(len(s.triggers) > 1 for s in service.steps())))
     missing = {t: n for t, n in wanted.partitions.items() if t not in existing}
     if not missing:
         return missing

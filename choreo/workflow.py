@@ -68,6 +68,12 @@ class Workflow:
         owners = {spec.service for spec in self.steps if spec.name in steps}
         return [pool for s in self.services if s.name not in owners for pool in s.pools]
 
+    def pools_of(self, step: str) -> list[Pool]:
+        """The pools of ``step``'s service: what its work may hold, given back by the
+        supervisor when an operator marks its undo done by hand."""
+        owners = {spec.service for spec in self.steps if spec.name == step}
+        return [pool for s in self.services if s.name in owners for pool in s.pools]
+
     def step(self, name: str) -> StepSpec:
         return next(s for s in self.steps if s.name == name)
 

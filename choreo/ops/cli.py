@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -54,7 +54,7 @@ def _when(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] if ms else "-"
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     err.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(1)
 
@@ -181,7 +181,7 @@ def rebuild_cmd(
         return
     table = Table("restored", "count", title=f"rebuild from {_when(report.since_ms)} ({report.seconds:.1f}s)")
     for name in ("records_read", "deliveries", "outcomes", "fanin_fields", "steps", "open_steps",
-                 "closed_steps", "bookings_restored", "seen_entries", "service_records", "pool_members",
+                 "closed_steps", "bookings_restored", "bookings_left_free", "seen_entries", "service_records", "pool_members",
                  "released_skipped", "awaiting_release"):
         table.add_row(name.replace("_", " "), str(getattr(report, name)))
     out.print(table)
@@ -193,6 +193,43 @@ def rebuild_cmd(
         err.print(f"[red]booking conflict:[/] {conflict}")
     if report.booking_conflicts:
         raise typer.Exit(1)
+
+
+# -- mark-compensated -------------------------------------------------------------------------
+
+@app.command("mark-compensated")
+def mark_compensated_cmd(
+    delivery_id: str = typer.Argument(..., help="the delivery whose undo failed for good"),
+    step: str = typer.Argument(..., help="the step whose work you undid by hand (its status: compensation_failed)"),
+    note: str = typer.Option("", "--note", help="what was done (a ticket, a short text; no customer data)"),
+    by: str = typer.Option("", "--by", help="who did it (default: your login)"),
+    wait_s: float = typer.Option(30.0, "--wait", min=0, help="seconds to wait for the supervisor to act on it"),
+    workflow: str = WORKFLOW_OPT,
+    as_json: bool = JSON_OPT,
+) -> None:
+    """After an alert.compensation_failed: you undid the step's work by hand; the supervisor
+    marks it compensated, gives back what it held (a drone) and asks the next undo.
+
+    Exit 0 once it did, 1 when refused (nothing published), 2 when published and not acted
+    on within --wait."""
+    from choreo.ops.compensation import MarkRefused, mark_compensated
+
+    try:
+        result = mark_compensated(_workflow(workflow), delivery_id, step, note, by, wait_s)
+    except MarkRefused as exc:
+        _fail(str(exc))
+    if as_json:
+        _emit_json(result)
+        return
+    if result.status == "compensated":
+        out.print(f"{step} of {delivery_id} is compensated; undo order: "
+                  + ", ".join(f"{s} {status}" for s, status in result.undo_order.items()))
+    else:
+        err.print(f"[yellow]published to {result.topic}; no supervisor has acted on it yet[/] "
+                  f"(the step is {result.status or 'gone'}); a supervisor that knows the mark acts on it "
+                  "when it reads the topic")
+    if result.status != "compensated":
+        raise typer.Exit(2)  # published, not acted on yet: a script can tell
 
 
 # -- trace ------------------------------------------------------------------------------------

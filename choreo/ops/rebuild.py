@@ -21,7 +21,9 @@ What is rebuilt, and why each piece matters for exactly-once after a wipe:
   given it back in Redis, even when the release was in a transaction that a kill aborted (a
   Redis effect runs before its Kafka commit). Earlier holds are superseded, not restored;
   when the service handles their release again it finds no hold and does nothing. A
-  restore never takes a member someone else holds (reported as a conflict).
+  restore never takes a member someone else holds (reported as a conflict), nor a hold
+  of a delivery whose compensation log calls a step of the pool's service compensated (an
+  undo marked done by hand gives the hold back with no event of the pool's own).
 * **State table** (``dl:{id}`` steps + ``deadlines``), replayed through the state table's
   own transitions (``open`` / ``begin`` / ``finish``, a delivery's steps in one script item:
   ``StateTable.restore_many``): a step whose latest trigger the
@@ -217,6 +219,7 @@ class RebuildReport:
     closed_steps: int = 0  # not consumed either, but their delivery had failed: closed
     bookings_restored: int = 0
     bookings_superseded: int = 0
+    bookings_left_free: int = 0  # held by a step whose undo an operator marked done by hand
     booking_conflicts: list[str] = field(default_factory=list)
     seen_entries: int = 0
     service_records: int = 0
@@ -558,8 +561,10 @@ class Rebuilder:
             report.fanin_fields += len(facts.results)
             # as the join does when it decides: a decided delivery's state goes in time,
             # rebuilt or not (it stayed forever, for every delivery of the window); a failure
-            # not read yet waits for the supervisor's reading, which sets the retention
-            ttl = unread if facts.failure_unread else retention
+            # not read yet waits for the supervisor's reading, which sets the retention, and
+            # an undo failed for good waits for an operator's mark as long
+            waiting = "compensation_failed" in self.compensation.get(delivery, {}).values()
+            ttl = unread if facts.failure_unread or waiting else retention
             writes.append((delivery_key(delivery), fields, ttl if facts.outcome else 0))
         self.merge_fields(writes)
 
@@ -617,9 +622,17 @@ class Rebuilder:
                     self.open_holds.append((name, delivery, hold.member))
 
     def _write_holds(self, report: RebuildReport) -> None:
+        """Each member's latest hold not ended, held again; not one whose step the
+        compensation log calls compensated (an undo marked done by hand gave it back with
+        no event of the pool's own)."""
         for name, delivery, member in self.open_holds:
             if self.latest_holds[name][member][1] != delivery:
                 report.bookings_superseded += 1
+                continue
+            undone = self.compensation.get(delivery, {})
+            if any(pool.name == name for step, status in undone.items() if status == "compensated"
+                   for pool in self.workflow.pools_of(step)):
+                report.bookings_left_free += 1
                 continue
             verdict = self.pools[name].restore(self.client, delivery, member)
             if verdict == "restored":

@@ -31,7 +31,7 @@ from confluent_kafka.admin import NewPartitions
 from choreo import topology
 from choreo.kafka import admin, ensure_topics
 from choreo.join import UNREAD_FAILURE_S
-from choreo.ops.rebuild import Rebuilder, rebuild
+from choreo.ops.rebuild import DeliveryFacts, RebuildReport, Rebuilder, rebuild
 from choreo.ops.records import partition_for
 from choreo.ops.trace import trace
 from choreo.dedupe import seen_key
@@ -40,11 +40,13 @@ from choreo.publisher import Publish, Publisher
 from choreo.redis_client import connect
 from choreo.release import Releaser, released
 from choreo.runner import RECOVERY_TOPIC
+from choreo.runtime_events import CompensationRecord
 from choreo.service import retry_topic
 from choreo.supervision import CLOSED_BY_FAILURE
 from choreo.state import StateTable, delivery_key, text
 from choreo.workflow import Workflow
 from consumers.drone_scheduler import fleet
+from consumers.workflow import WORKFLOW
 from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
 from infra.chaos import stuck_evidence
 from schemas.models import ALL_EVENTS, DeliveryFailed, DroneReleased, DroneScheduled, PackageReady
@@ -358,6 +360,44 @@ def test_rebuild_closes_the_unbegun_steps_of_a_delivery_that_failed(isolated: Is
     assert delivery not in _bookings(isolated.client)
     for topic in (DroneScheduled.topic, PackageReady.topic):
         assert not [r for r in read_topic(isolated.prefix + topic, timeout_s=3) if r.key == delivery.encode()]
+
+
+def test_rebuild_leaves_free_the_drone_of_an_undo_marked_done_by_hand(isolated: IsolatedPipeline) -> None:
+    """An operator marked a drone step's failed undo done by hand (``choreo ops
+    mark-compensated``): the supervisor gave the drone back with no ``drone.released``, as
+    the undo never ran. Its compensation log says the step is compensated, and a rebuild
+    after a Redis loss leaves that drone free; the drone of a delivery with no such record is
+    held again."""
+    started = int(time.time() * 1000)
+    marked, held = str(uuid.uuid4()), str(uuid.uuid4())
+    publisher = Publisher("drone-scheduler", redis_client=isolated.client)
+    for delivery, drone in ((marked, "drone-00001"), (held, "drone-00002")):
+        publisher.publish(DroneScheduled(delivery_id=delivery, drone_id=drone, scheduled_at=datetime.now(UTC)),
+                          str(uuid.uuid4()), topic=isolated.prefix + DroneScheduled.topic)
+    publisher.publish(CompensationRecord(delivery_id=marked, step="drone", status="COMPENSATED", attempt=1,
+                                         recorded_at=datetime.now(UTC)),
+                      str(uuid.uuid4()), topic=CompensationRecord.topic)  # the supervisor's log
+    publisher.flush(30)
+    isolated.client.flushall()
+    report = rebuild(isolated.flow, since_ms=started - 5000, client=isolated.client, prefix=isolated.prefix)
+    bookings = _bookings(isolated.client)
+    assert bookings.get(held) == "drone-00002" and marked not in bookings, bookings
+    assert (report.bookings_restored, report.bookings_left_free) == (1, 1)
+    assert StateTable(isolated.client).fields(marked)["drone.status"] == "compensated"
+
+
+def test_rebuild_keeps_a_delivery_whose_undo_failed_for_good_waiting_for_an_operator(
+        private_redis: redis.Redis) -> None:
+    """Its compensation log ends COMPENSATION_FAILED: the rebuilt state waits for the mark
+    by hand as long as the supervisor's own state did (a day), not the retention; a failed
+    delivery whose undos ended keeps the retention."""
+    rebuilder = Rebuilder(WORKFLOW, private_redis)
+    waiting, done = str(uuid.uuid4()), str(uuid.uuid4())
+    rebuilder.facts = {d: DeliveryFacts(outcome="failed") for d in (waiting, done)}  # both read
+    rebuilder.compensation = {waiting: {"package": "compensation_failed"}, done: {"package": "compensated"}}
+    rebuilder._write_joins(RebuildReport(since_ms=0))
+    assert WORKFLOW.retention_s < private_redis.ttl(delivery_key(waiting)) <= WORKFLOW.unread_failure_s
+    assert 0 < private_redis.ttl(delivery_key(done)) <= WORKFLOW.retention_s
 
 
 def _consuming(group: str) -> bool:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +27,13 @@ from confluent_kafka import ConsumerGroupState, Producer
 
 from choreo import topology
 from choreo.config import settings
-from choreo.envelope import now_ms
+from choreo.envelope import Envelope, now_ms
 from choreo.kafka import CommittedOffsets, admin, ensure_topics
 from choreo.lease import holder
-from choreo.publisher import Publisher
+from choreo.publisher import Publish, Publisher
 from choreo.redis_client import connect
 from choreo.runner import RECOVERY_TOPIC
-from choreo.runtime_events import CompensationRecord
+from choreo.runtime_events import CompensatedByHand, CompensationRecord
 from choreo.serde import Decoder, registry_client
 from choreo.service import retry_topic
 from choreo.state import StateTable, delivery_key
@@ -429,6 +432,78 @@ def test_compensation_that_keeps_failing_ends_compensation_failed_with_an_alert(
     # the drone held when dispatch refused came back with the refusal, though the chain of
     # undos stopped at the package's
     _drones_back(world, ids, "release")
+
+
+def _by_hand(delivery_id: str, step: str) -> CompensatedByHand:
+    return CompensatedByHand(delivery_id=delivery_id, step=step, marked_by="mallory", marked_at=datetime.now(UTC))
+
+
+def _mark_by_hand(world: World, delivery_id: str, step: str, *more: str) -> subprocess.CompletedProcess[str]:
+    """``choreo ops mark-compensated`` as an operator runs it, with the test's Redis and topics."""
+    return subprocess.run([sys.executable, "-m", "infra.cli", "ops", "mark-compensated", delivery_id, step,
+                           "--workflow", f"{sup_pipeline.MODULE}:WORKFLOW", *more],
+                          text=True, capture_output=True, timeout=120,
+                          env={**os.environ, **world.env, "COLUMNS": "400"})  # one line per message
+
+
+def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_drone_back(world: World) -> None:
+    """The drone's undo is refused for good: the step ends compensation_failed and the drone
+    stays held. The operator undoes it by hand and marks it so: the supervisor marks the step
+    compensated, gives the drone back and logs it; the mark of a step in any other status is
+    refused before anything is published."""
+    world.start("package", AGENT_WAREHOUSE_PERMANENT_RATE="1.0")  # the package fails: the drone is undone
+    world.start("drone", AGENT_DISPATCH_RELEASE_PERMANENT_RATE="1.0")  # ... and its undo is refused
+    world.start("delivery")
+    supervisor = world.supervisor()
+    ids = world.publish(2)
+    wait_for(lambda: all(world.state(d).get("drone.status") == "compensation_failed" for d in ids),
+             timeout_s=60, what="compensation_failed")
+    assert all(world.redis.hget(fleet.booking_key, d) for d in ids)  # held for good
+    # the state waits for the operator's mark as long as an unread failure waits (a day), not
+    # the retention (an hour here)
+    assert all(world.redis.ttl(delivery_key(d)) > 3600 for d in ids)
+    marks = world.topic("compensation.manual")
+    # marks written to the topic past the command's checks change nothing: a step that is not
+    # compensation_failed (the supervisor's script refuses it), a field of the state that is
+    # no step, a body naming another delivery than its envelope
+    forged = Publisher("ops", redis_client=world.redis)
+    for step, envelope_delivery in (("package", ids[0]), ("outcome", ids[0]), ("drone", ids[1])):
+        event_id = str(uuid.uuid4())
+        forged.publish_many([Publish(_by_hand(ids[0], step), event_id, marks, envelope=Envelope.first(
+            event_id, envelope_delivery, "CompensatedByHand", "ops"))])
+    forged.flush(30)
+    wait_for(lambda: world.log(supervisor).count("compensation.mark_ignored") >= 3, timeout_s=20,
+             what="the forged marks read")
+    assert world.state(ids[0])["package.status"] == "completed"  # with package.failed: nothing to undo
+    assert all(world.state(d)["drone.status"] == "compensation_failed" for d in ids)
+    assert all(world.redis.hget(fleet.booking_key, d) for d in ids)
+    refused = _mark_by_hand(world, ids[0], "package")  # completed with package.failed: nothing to mark
+    assert refused.returncode == 1 and "only a compensation_failed step" in refused.stderr, refused.stderr
+    unknown = _mark_by_hand(world, ids[0], "nope\x1b[2J")
+    assert unknown.returncode == 1 and "has no undo" in unknown.stderr, unknown.stderr
+    assert len(read_topic(marks)) == 3  # the forged ones: nothing published for a refusal
+    for d in ids:
+        done = _mark_by_hand(world, d, "drone", "--note", "dispatch released by hand, ticket 7", "--json")
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["status"] == "compensated" and result["undo_order"] == {"drone": "compensated"}
+        assert 0 < world.redis.ttl(delivery_key(d)) <= 3600  # the retention again
+    again = _mark_by_hand(world, ids[0], "drone")  # compensated now: refused
+    assert again.returncode == 1 and "is compensated" in again.stderr
+    _drones_back(world, ids, "by_hand")
+    for d in ids:
+        state = world.state(d)
+        assert state["drone.status"] == "compensated" and state["release_drone.status"] == "failed"
+    log = wait_for(lambda: (r := world.by_delivery("compensation.log")) and
+                   all(len(r.get(d, [])) >= 3 for d in ids) and r, what="compensation log")
+    for d in ids:
+        statuses = [Decoder(CompensationRecord, world.topic("compensation.log"), registry_client())(
+            rec.value).status for rec in log[d]]
+        assert statuses == ["COMPENSATING", "COMPENSATION_FAILED", "COMPENSATED"]
+    assert len(read_topic(marks)) == 3 + len(ids)
+    lines = [line for line in world.log(supervisor).splitlines() if "compensation.marked_by_hand" in line]
+    assert {d for d in ids if any(d in line for line in lines)} == set(ids)
+    assert not any("ticket 7" in line for line in world.log(supervisor).splitlines())  # the note stays in Kafka
 
 
 def test_two_supervisors_act_once_and_the_survivor_takes_over_after_kill_9(world: World) -> None:

@@ -16,7 +16,7 @@ from choreo.events import Event
 from choreo.release import awaiting_key
 from choreo.service import deadline_scale
 from choreo.supervision import COMPENSATION, FORWARD
-from choreo.runtime_events import CompensationRecord, StepReport, UndoRequested, undo_topic
+from choreo.runtime_events import CompensatedByHand, CompensationRecord, StepReport, UndoRequested, undo_topic
 from choreo.testing import HarnessError, Outcome, run
 from choreo import supervisor
 from consumers.drone_scheduler import fleet
@@ -222,6 +222,48 @@ def test_an_undo_already_logged_logs_nothing() -> None:
                   answers={"mark_compensated": "ignored:compensated"})
     assert outcome.effects[0].args[0] == "drone"
     assert outcome.emitted == []
+
+
+def by_hand(step: str) -> CompensatedByHand:
+    return CompensatedByHand(delivery_id="d-1", step=step, note="done in the warehouse", marked_by="op",
+                             marked_at=NOW)
+
+
+def test_an_undo_marked_done_by_hand_goes_on_with_the_chain() -> None:
+    """The package's undo failed for good; the operator cancelled it by hand: the step is
+    compensated from compensation_failed alone, and the drone's undo is asked next."""
+    outcome = run(supervisor.service, by_hand("package"), topic=supervisor.topic(CompensatedByHand.topic),
+                  answers={"mark_compensated": "compensated:compensation_failed:2:drone:NO_PACKAGE: x\x1f\x1f"})
+    [mark] = outcome.effects  # the package's service holds nothing in a pool
+    # the state's retention, which it has again once the step leaves compensation_failed
+    assert (mark.name, mark.args[0], mark.args[2:]) == ("mark_compensated", "package", ("compensation_failed", 3600))
+    assert log_of(outcome) == [("package", "COMPENSATED", 2)]
+    assert [step for _, step, _, _ in undos_of(outcome)] == ["drone"]
+    assert ("warning", "compensation.marked_by_hand") in [(log.level, log.event) for log in outcome.logs]
+
+
+def test_a_drone_undo_marked_done_by_hand_gives_the_drone_back() -> None:
+    outcome = run(supervisor.service, by_hand("drone"), topic=supervisor.topic(CompensatedByHand.topic),
+                  answers={"mark_compensated": "compensated:compensation_failed:1::", "pool_release": "drone-7"})
+    mark, give_back = outcome.effects
+    assert give_back.matches(fleet.release("d-1", "by_hand"))
+    assert log_of(outcome) == [("drone", "COMPENSATED", 1)] and undos_of(outcome) == []
+
+
+def test_a_mark_by_hand_of_a_field_that_is_no_step_asks_nothing_of_the_state() -> None:
+    """The state table's hash holds plain fields beside the steps' records: a mark naming
+    one (``outcome``) must never reach the script, which would read it as a step record."""
+    outcome = run(supervisor.service, by_hand("outcome"), topic=supervisor.topic(CompensatedByHand.topic))
+    assert outcome.effects == [] and outcome.emitted == []
+    assert ("warning", "compensation.mark_ignored") in [(log.level, log.event) for log in outcome.logs]
+
+
+def test_a_mark_by_hand_of_a_step_not_compensation_failed_changes_nothing() -> None:
+    outcome = run(supervisor.service, by_hand("drone"), topic=supervisor.topic(CompensatedByHand.topic),
+                  answers={"mark_compensated": "ignored:compensating"})
+    assert [effect.name for effect in outcome.effects] == ["mark_compensated"]
+    assert outcome.emitted == []
+    assert ("warning", "compensation.mark_ignored") in [(log.level, log.event) for log in outcome.logs]
 
 
 def test_a_shipment_awaits_the_release_of_its_delivery_at_its_position_and_its_drone_comes_back() -> None:

@@ -464,6 +464,18 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
     assert indexed(client) == 0
     # the compensation ended: its submitter is told failed, with the steps it was to undo
     assert (action.data["told"], action.data["undone"], f["outcome.told"]) == ("failed", "package", "failed")
+    # its state waits for an operator's mark as an unread failure waits for its reading, and
+    # a second failure event read meanwhile does not cut that wait to the retention
+    assert 86_000 < client.ttl(delivery_key(d)) <= 86_400
+    MARK_COMPENSATING.run(client, d, "t:f", [delivery_key(d), deadline_index(d)], [6, d, "drone", "AGAIN", 3600,
+                                                                                   "drone"], 60)
+    assert 86_000 < client.ttl(delivery_key(d)) <= 86_400
+    # a mark from any other status is refused; the mark by hand gives the retention back
+    assert MARK_COMPENSATED.run(client, d, "t:m", [delivery_key(d)], ["package", 7, "compensating", 3600], 60) \
+        == "ignored:compensation_failed"
+    assert MARK_COMPENSATED.run(client, d, "t:n", [delivery_key(d)],
+                                ["package", 8, "compensation_failed", 3600], 60).startswith("compensated:")
+    assert 0 < client.ttl(delivery_key(d)) <= 3600 and _fields(client, d)["package.status"] == "compensated"
 
 
 def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis) -> None:

@@ -32,6 +32,16 @@ def test_a_missing_input_whose_siblings_disagree_is_refused() -> None:
         partitions_for(FAN_IN, {"package.ready": 4, "package.failed": 2, "drone.scheduled": 4})
 
 
+def test_inputs_with_no_fan_in_need_not_be_co_partitioned() -> None:
+    """The supervisor reads the shared recovery topic beside a prefixed workflow's own: its
+    new input takes the count most of its inputs have."""
+    existing = {"recovery": 6, "t.delivery.failed": 3, "t.delivery.shipped": 3}
+    inputs = ["recovery", "t.delivery.failed", "t.delivery.shipped", "t.compensation.manual"]
+    assert partitions_for(inputs, existing, co_partitioned=False) == 3
+    with pytest.raises(TopicsMissing):
+        partitions_for(inputs, existing)
+
+
 def test_with_every_input_there_siblings_that_disagree_are_left_as_they_are() -> None:
     assert partitions_for(["a", "b"], {"a": 2, "b": 4}) == 2
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from choreo.ops.flowdoc import FlowEdge
+from choreo.topology import OPERATOR
 
 COLUMN = 250  # px between columns
 ROW = 74  # px between rows
@@ -114,14 +115,15 @@ def layout(edges: list[FlowEdge]) -> Layout:
 
 def _columns(nodes: dict[str, Node], arrows: list[Arrow]) -> None:
     """Each node's column is its distance from the entry points (the services nothing
-    feeds, e.g. ingestion), so the forward flow reads left to right and what loops back
-    (requeues, compensation) is drawn back. A node the entry points do not reach (the
-    recovery topic) sits just before the first node it feeds."""
+    feeds, e.g. ingestion, but not the operators' tools), so the forward flow reads left to
+    right and what loops back (requeues, compensation) is drawn back. A node the entry
+    points do not reach (the recovery topic, the operators' marks) sits just before the
+    first node it feeds."""
     out: dict[str, list[str]] = {n: [] for n in nodes}
     fed = {a.target for a in arrows}
     for a in arrows:
         out[a.source].append(a.target)
-    roots = sorted(n for n in nodes if n not in fed and nodes[n].kind == "service") \
+    roots = sorted(n for n in nodes if n not in fed and nodes[n].kind == "service" and nodes[n].name != OPERATOR) \
         or sorted(n for n in nodes if n not in fed) or sorted(nodes)[:1]
     column = {root: 0 for root in roots}
     frontier = list(roots)
