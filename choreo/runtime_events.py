@@ -1,6 +1,6 @@
 """The runtime's own events: what a service reports on the recovery topic, what the
 supervisor asks a service to undo, what it writes to the compensation log, and an
-operator's word that an undo was done by hand.
+operator's word on an undo that failed for good.
 
 They belong to the runtime, not to any one workflow: every service the runner hosts may
 report a step, whatever its domain, so their ``.avsc`` contracts live beside this module.
@@ -66,19 +66,21 @@ class UndoRequested(Event):
     requested_at: datetime
 
 
-class CompensatedByHand(Event):
-    """An operator's word that a ``compensation_failed`` step's work was undone by hand
-    (``choreo ops mark-compensated``): the supervisor then goes on as if its undo had been
-    confirmed, and gives back what the step held in a pool."""
+class UndoByOperator(Event):
+    """An operator's word on a ``compensation_failed`` step (``choreo ops mark-compensated``,
+    ``choreo ops retry-undo``): its work was undone by hand, and the supervisor goes on as if
+    its undo had been confirmed, giving back what the step held in a pool; or its undo is
+    asked again, as a new attempt with a full budget."""
 
-    schema_file: ClassVar[Path] = HERE / "CompensatedByHand.avsc"
-    topic: ClassVar[str] = "compensation.manual"
+    schema_file: ClassVar[Path] = HERE / "UndoByOperator.avsc"
+    topic: ClassVar[str] = "compensation.operator"
 
     delivery_id: str
     step: str
+    action: Literal["DONE_BY_HAND", "ASK_AGAIN"]
     note: str = ""
-    marked_by: str
-    marked_at: datetime
+    by: str
+    decided_at: datetime
 
 
 class DeliveryOutcome(Event):
@@ -102,4 +104,4 @@ class DeliveryOutcome(Event):
 RUNTIME_EVENTS: tuple[type[Event], ...] = (StepReport, CompensationRecord)
 # every contract of the runtime: the undo requests' topics are the compensating services' own
 # (and the outcome copies' topics are the submitters')
-RUNTIME_CONTRACTS: tuple[type[Event], ...] = (*RUNTIME_EVENTS, UndoRequested, CompensatedByHand, DeliveryOutcome)
+RUNTIME_CONTRACTS: tuple[type[Event], ...] = (*RUNTIME_EVENTS, UndoRequested, UndoByOperator, DeliveryOutcome)

@@ -295,8 +295,9 @@ if tries >= tonumber(ARGV[5]) then
     if before ~= '' and before ~= 'compensated' and before ~= 'compensation_failed' then
       step_set(KEYS[1], target, {status = 'compensation_failed', updated = now, error = detail})
       told = settle(KEYS[1])
-      -- its state waits for an operator's mark (``choreo ops mark-compensated``) as long as
-      -- an unread failure waits for its reading; the mark gives it the retention again
+      -- its state waits for an operator's decision (``choreo ops mark-compensated``,
+      -- ``retry-undo``) as long as an unread failure waits for its reading; either gives it
+      -- the retention again
       if tonumber(ARGV[16]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[16]) end
     end
     return cjson.encode({a = 'comp_failed', target = target, before = before, attempt = attempt,
@@ -451,6 +452,31 @@ if st == 'compensation_failed' and tonumber(ARGV[4] or '0') > 0 then redis.call(
 return 'compensated:' .. st .. ':' .. (step_get(KEYS[1], ARGV[1], 'attempt') or 1) .. ':' .. next_undo(KEYS[1])
   .. ':' .. (redis.call('HGET', KEYS[1], 'undo.reason') or '')
   .. '\\31' .. settle(KEYS[1]) .. '\\31' .. (redis.call('HGET', KEYS[1], 'undo.order') or '')
+"""))
+
+
+# An operator asks a failed undo again (``choreo ops retry-undo``): from compensation_failed
+# alone, the forward step is compensating again and its undo step pending at a new attempt,
+# with a full budget and a deadline, in the index, and not yet seen by its service (so the
+# scan waits for the new request before it claims); what the failed attempts left (their
+# error, report, requeue) goes, and the state has the retention again, as a failure's
+# undos have from its reading. ARGV: the forward step, its undo step, now, the undo's
+# deadline (ms), the undo's member in the index, the retention (s, 0: none). The answer:
+# 'asked:<attempt>:<the failure's reason>' or 'ignored:<status>'.
+ASK_UNDO_AGAIN = OnceEffect("ask_undo_again", with_steps("""
+local K, step, undo, now = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])
+local st = step_get(K, step, 'status')
+if st ~= 'compensation_failed' then return 'ignored:' .. (st or 'none') end
+local attempt = (step_get(K, undo, 'attempt') or 1) + 1
+local complete_by = now + tonumber(ARGV[4])
+step_set(K, step, {status = 'compensating', updated = now, error = cjson.null})
+step_set(K, undo, {status = 'pending', attempt = attempt, tries = 0, tries_seen = 0, failures = 0, backoffs = 0,
+                   complete_by = complete_by, updated = now, source = cjson.null, requeue = cjson.null,
+                   requeued = cjson.null, error = cjson.null, report = cjson.null, late = cjson.null,
+                   joined = cjson.null})
+redis.call('ZADD', KEYS[2], complete_by, ARGV[5])
+if tonumber(ARGV[6]) > 0 then redis.call('EXPIRE', K, ARGV[6]) end
+return 'asked:' .. attempt .. ':' .. (redis.call('HGET', K, 'undo.reason') or '')
 """))
 
 

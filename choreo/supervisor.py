@@ -41,16 +41,16 @@ from choreo.release import AWAIT_RELEASE, Releaser, awaiting_key
 from choreo.runner import RECOVERY_TOPIC
 from choreo.serde import DecodeFailure, Decoder, RegistryUnavailable, registry_client
 from choreo.service import Context, Effects, Service, Store, retry_topic
-from choreo.state import StateTable, Source, StepStatus, deadline_index, delivery_key
+from choreo.state import StateTable, Source, StepStatus, deadline_index, delivery_key, index_member
 from choreo.supervision import (
-    COMPENSATION, COMPENSATION_FAILURES, COMPENSATIONS, FORWARD, LEADER, MARK_COMPENSATED,
+    ASK_UNDO_AGAIN, COMPENSATION, COMPENSATION_FAILURES, COMPENSATIONS, FORWARD, LEADER, MARK_COMPENSATED,
     MARK_COMPENSATING, REPORTS, REQUEUES, Action, KeyedCompensationRecord, Policies, Scanner,
     UNIT, SourceReader, StepPolicy, SupervisorSettings, Transitions, labels, parse_marked,
     split_list,
 )
 from choreo.join import FAILED
 from choreo.workflow import Workflow, load_workflow
-from choreo.runtime_events import CompensatedByHand, CompensationRecord, StepReport, UndoRequested, undo_topic
+from choreo.runtime_events import CompensationRecord, StepReport, UndoByOperator, UndoRequested, undo_topic
 
 NAME = os.environ.get("SUPERVISOR_NAME", "supervisor")  # consumer group and lease name
 PREFIX = os.environ.get("SUPERVISOR_TOPIC_PREFIX", "")  # isolates a test's topics
@@ -169,16 +169,18 @@ def _rt(ctx: Context) -> _Runtime:
 
 
 def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int, reason: str,
-            told: str = "", undone: Sequence[str] = (), cause: Envelope | None = None) -> None:
+            told: str = "", undone: Sequence[str] = (), cause: Envelope | None = None, again: str = "") -> None:
     """One compensation log record; its id is stable, so a replayed batch writes the same one.
     The record that ends a delivery's compensation says what its submitter is told (``told``,
     ``choreo.outcomes``: the runner copies it to the reply topic in this transaction); it has
-    an id of its own, apart from any record of the same step and status written before."""
+    an id of its own, apart from any record of the same step and status written before, as
+    has the record of an undo asked again (``again``: its attempt)."""
     ctx.emit(
         KeyedCompensationRecord(delivery_id=delivery_id, step=step, status=status,
                                 attempt=attempt, reason=reason[:500], recorded_at=datetime.now(UTC),
                                 outcome=told, undone=list(undone) if told else []),
-        topic=COMPENSATION_LOG, event_id=derived_id(delivery_id, step, status, *((told,) if told else ())),
+        topic=COMPENSATION_LOG, event_id=derived_id(delivery_id, step, status, *((told,) if told else ()),
+                                                    *(("again", again) if again else ())),
         cause=cause,
     )
     COMPENSATIONS.labels(step, status).inc()
@@ -227,12 +229,15 @@ def on_delivery_failed(failure: Any, ctx: Context) -> Effects[None]:
         yield pool.release(failure.delivery_id, "failed")
 
 
-def _ask_undo(ctx: Context, delivery_id: str, step: str, reason: str) -> None:
-    """Ask ``step``'s service to undo its work (its id is stable: asked twice, it runs once)."""
+def _ask_undo(ctx: Context, delivery_id: str, step: str, reason: str, attempt: int | None = None,
+              event_id: str = "") -> None:
+    """Ask ``step``'s service to undo its work (its id is stable: asked twice, it runs once;
+    asked again by an operator, it has an id and an attempt of its own)."""
     if not step:
         return
     ctx.emit(UndoRequested(delivery_id=delivery_id, step=step, reason=reason, requested_at=datetime.now(UTC)),
-             topic=topic(undo_topic(step)), event_id=derived_id(delivery_id, "undo", step))
+             topic=topic(undo_topic(step)), event_id=event_id or derived_id(delivery_id, "undo", step),
+             attempt=attempt)
     ctx.log.info("compensation.undo_asked", step=step)
 
 
@@ -269,23 +274,51 @@ def _on_undone(step: str) -> Callable[[Event, Context], None]:
     return on_undone
 
 
-def on_compensated_by_hand(mark: CompensatedByHand, ctx: Context) -> Effects[None]:
-    """An operator undid a ``compensation_failed`` step's work by hand: the step is
+def on_undo_by_operator(decision: UndoByOperator, ctx: Context) -> Effects[None]:
+    """An operator's word on a ``compensation_failed`` step. Done by hand: the step is
     compensated, the chain of undos goes on, and what the step's service holds for the
     delivery in a pool comes back (its undo, which would have given it back, never ran).
-    A step in any other status is left as it is: its own undo is still under way or done."""
-    if mark.delivery_id != ctx.delivery_id:  # its envelope names the delivery it acts on
-        ctx.log.warning("compensation.mark_ignored", step=mark.step[:80], why="its body names another delivery")
+    Asked again: the undo runs again at a new attempt with a full budget. A step in any
+    other status is left as it is: its own undo is still under way or done."""
+    step, flow = decision.step, watched().flow
+    if decision.delivery_id != ctx.delivery_id:  # its envelope names the delivery it acts on
+        ctx.log.warning("compensation.operator_ignored", step=step[:80], why="its body names another delivery")
         return
-    if mark.step not in watched().flow.compensations():  # the state's other fields are no steps
-        ctx.log.warning("compensation.mark_ignored", step=mark.step[:80], why="no step with an undo")
+    if step not in flow.compensations():  # the state's other fields are no steps
+        ctx.log.warning("compensation.operator_ignored", step=step[:80], why="no step with an undo")
         return
-    if not _undone(ctx, ctx.delivery_id, mark.step, only_from=StepStatus.COMPENSATION_FAILED.value):
-        ctx.log.warning("compensation.mark_ignored", step=mark.step[:80], why="not compensation_failed")
+    if decision.action == "ASK_AGAIN":
+        _undo_again(ctx, step, decision.by)
         return
-    ctx.log.warning("compensation.marked_by_hand", step=mark.step, by=mark.marked_by[:80])
-    for pool in watched().flow.pools_of(mark.step):
+    if decision.action != "DONE_BY_HAND":
+        ctx.log.warning("compensation.operator_ignored", step=step, why="no such decision")
+        return
+    if not _undone(ctx, ctx.delivery_id, step, only_from=StepStatus.COMPENSATION_FAILED.value):
+        ctx.log.warning("compensation.operator_ignored", step=step, why="not compensation_failed")
+        return
+    ctx.log.warning("compensation.marked_by_hand", step=step, by=decision.by[:80])
+    for pool in flow.pools_of(step):
         yield pool.release(ctx.delivery_id, "by_hand")
+
+
+def _undo_again(ctx: Context, step: str, by: str) -> None:
+    flow, delivery_id = watched().flow, ctx.delivery_id
+    undo = flow.compensations()[step][0]
+    raw = ctx.once(ASK_UNDO_AGAIN, keys=[delivery_key(delivery_id), deadline_index(delivery_id)],
+                   args=[step, undo, now_ms(), int(flow.step(undo).deadline_s * 1000),
+                         index_member(delivery_id, undo), flow.retention_s]) or ""
+    verdict, _, rest = raw.partition(":")
+    if verdict != "asked":
+        ctx.log.warning("compensation.operator_ignored", step=step, why="not compensation_failed")
+        return
+    attempt, _, reason = rest.partition(":")
+    _record(ctx, delivery_id, step, "COMPENSATING", int(attempt), "undo asked again by an operator",
+            again=attempt)
+    ctx.log.warning("compensation.undo_asked_again", step=step, by=by[:80], undo_attempt=int(attempt))
+    # a request of its own: its service runs it afresh and calls its remote with a new call id
+    # (the old one's refusal may be remembered there), at the new attempt the step waits for
+    _ask_undo(ctx, delivery_id, step, reason, attempt=int(attempt),
+              event_id=derived_id(delivery_id, "undo", step, "again", attempt))
 
 
 def _watch_compensations(flow: Workflow) -> None:
@@ -379,7 +412,8 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
             COMPENSATION_FAILURES.labels(target).inc()
             log.error("alert.compensation_failed", target=target, tries=data["tries"],
                       detail=data["detail"],
-                      action_needed=f"undo by hand, then: choreo ops mark-compensated {action.delivery_id} {target}")
+                      action_needed=f"undo by hand, then: choreo ops mark-compensated {action.delivery_id} {target}; "
+                                    f"or once fixed: choreo ops retry-undo {action.delivery_id} {target}")
         else:
             log.warning("compensation.step_failed", target=target, target_status=data.get("before"),
                         detail=data["detail"])
@@ -496,7 +530,7 @@ def _subscribe() -> None:
                       produces=[CompensationRecord])
     service.subscribe(supervised.shipped_topic, supervised.success, on_shipped, first_op_in_begin=True)
     _watch_compensations(supervised.flow)
-    service.subscribe(topic(CompensatedByHand.topic), CompensatedByHand, on_compensated_by_hand,
+    service.subscribe(topic(UndoByOperator.topic), UndoByOperator, on_undo_by_operator,
                       produces=[CompensationRecord])
 
 

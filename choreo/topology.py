@@ -14,7 +14,7 @@ from confluent_kafka.admin import AdminClient
 from choreo.config import settings
 from choreo.kafka import admin, ensure_topics
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
-from choreo.runtime_events import CompensatedByHand
+from choreo.runtime_events import UndoByOperator
 from choreo.service import Service
 from choreo.workflow import Workflow
 
@@ -61,7 +61,7 @@ def _declare(topo: Topology, service: Service, partitions: int) -> None:
         topo.partitions[topic] = partitions
         if topic.startswith("retry.") or handler.undoes:  # requeues and undo requests
             topo.producers.setdefault(topic, set()).add("supervisor")
-        if handler.model is CompensatedByHand:  # an operator's (``choreo ops mark-compensated``)
+        if handler.model is UndoByOperator:  # an operator's (``choreo ops mark-compensated``, ``retry-undo``)
             topo.producers.setdefault(topic, set()).add(OPERATOR)
         if not topic.startswith("retry."):
             topo.partitions[dlq_topic(topic)] = partitions

@@ -213,7 +213,7 @@ def create_topics(
 
 app.add_typer(registry_app, name="registry", help="The schema registry service.")
 app.add_typer(ops_app, name="ops",
-              help="Incident tooling: replay, rebuild-state, trace, dlq, mark-compensated, status, topology.")
+              help="Incident tooling: replay, rebuild-state, trace, dlq, mark-compensated, retry-undo, status, topology.")
 app.add_typer(chaos_app, name="chaos", help="Chaos runner: faults on a three-node cluster, then checks.")
 app.add_typer(up_app, name="up")
 app.command("emit")(ingestion_cli.emit)

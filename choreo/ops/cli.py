@@ -195,41 +195,65 @@ def rebuild_cmd(
         raise typer.Exit(1)
 
 
-# -- mark-compensated -------------------------------------------------------------------------
+# -- an undo that failed for good: done by hand, or asked again -------------------------------
+
+NOTE_OPT = typer.Option("", "--note", help="what was done or why (a ticket, a short text; no customer data)")
+BY_OPT = typer.Option("", "--by", help="who decided (default: your login)")
+WAIT_OPT = typer.Option(30.0, "--wait", min=0, help="seconds to wait for the supervisor to act on it")
+
+
+def _decide(workflow: str, delivery_id: str, step: str, action: str, note: str, by: str, wait_s: float,
+            as_json: bool) -> None:
+    """Publish the decision; exit 0 once the supervisor acted on it, 1 when refused (nothing
+    published), 2 when published and not acted on within --wait."""
+    from choreo.ops.compensation import DecisionRefused, decide
+
+    try:
+        result = decide(_workflow(workflow), delivery_id, step, action, note, by, wait_s)
+    except DecisionRefused as exc:
+        _fail(str(exc))
+    if as_json:
+        _emit_json(result)
+    elif result.acted_on:
+        out.print(f"{step} of {delivery_id} is {result.status}; undo order: "
+                  + ", ".join(f"{s} {status}" for s, status in result.undo_order.items()))
+    else:
+        err.print(f"[yellow]published to {result.topic}; no supervisor has acted on it yet[/] "
+                  f"(the step is {result.status or 'gone'}); a supervisor that knows it acts on it "
+                  "when it reads the topic")
+    if not result.acted_on:
+        raise typer.Exit(2)
+
 
 @app.command("mark-compensated")
 def mark_compensated_cmd(
     delivery_id: str = typer.Argument(..., help="the delivery whose undo failed for good"),
     step: str = typer.Argument(..., help="the step whose work you undid by hand (its status: compensation_failed)"),
-    note: str = typer.Option("", "--note", help="what was done (a ticket, a short text; no customer data)"),
-    by: str = typer.Option("", "--by", help="who did it (default: your login)"),
-    wait_s: float = typer.Option(30.0, "--wait", min=0, help="seconds to wait for the supervisor to act on it"),
-    workflow: str = WORKFLOW_OPT,
-    as_json: bool = JSON_OPT,
+    note: str = NOTE_OPT, by: str = BY_OPT, wait_s: float = WAIT_OPT,
+    workflow: str = WORKFLOW_OPT, as_json: bool = JSON_OPT,
 ) -> None:
     """After an alert.compensation_failed: you undid the step's work by hand; the supervisor
     marks it compensated, gives back what it held (a drone) and asks the next undo.
 
     Exit 0 once it did, 1 when refused (nothing published), 2 when published and not acted
     on within --wait."""
-    from choreo.ops.compensation import MarkRefused, mark_compensated
+    _decide(workflow, delivery_id, step, "DONE_BY_HAND", note, by, wait_s, as_json)
 
-    try:
-        result = mark_compensated(_workflow(workflow), delivery_id, step, note, by, wait_s)
-    except MarkRefused as exc:
-        _fail(str(exc))
-    if as_json:
-        _emit_json(result)
-        return
-    if result.status == "compensated":
-        out.print(f"{step} of {delivery_id} is compensated; undo order: "
-                  + ", ".join(f"{s} {status}" for s, status in result.undo_order.items()))
-    else:
-        err.print(f"[yellow]published to {result.topic}; no supervisor has acted on it yet[/] "
-                  f"(the step is {result.status or 'gone'}); a supervisor that knows the mark acts on it "
-                  "when it reads the topic")
-    if result.status != "compensated":
-        raise typer.Exit(2)  # published, not acted on yet: a script can tell
+
+@app.command("retry-undo")
+def retry_undo_cmd(
+    delivery_id: str = typer.Argument(..., help="the delivery whose undo failed for good"),
+    step: str = typer.Argument(..., help="the step whose undo to ask again (its status: compensation_failed)"),
+    note: str = NOTE_OPT, by: str = BY_OPT, wait_s: float = WAIT_OPT,
+    workflow: str = WORKFLOW_OPT, as_json: bool = JSON_OPT,
+) -> None:
+    """After an alert.compensation_failed: what made the undo fail is fixed; the supervisor
+    asks the undo again (a new attempt, a full budget), and its confirmation goes on with the
+    chain. It waits for the confirmation up to --wait.
+
+    Exit 0 once the supervisor asked it, 1 when refused (nothing published), 2 when published
+    and not acted on within --wait."""
+    _decide(workflow, delivery_id, step, "ASK_AGAIN", note, by, wait_s, as_json)
 
 
 # -- trace ------------------------------------------------------------------------------------

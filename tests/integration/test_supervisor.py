@@ -33,7 +33,7 @@ from choreo.lease import holder
 from choreo.publisher import Publish, Publisher
 from choreo.redis_client import connect
 from choreo.runner import RECOVERY_TOPIC
-from choreo.runtime_events import CompensatedByHand, CompensationRecord
+from choreo.runtime_events import CompensationRecord, UndoByOperator
 from choreo.serde import Decoder, registry_client
 from choreo.service import retry_topic
 from choreo.state import StateTable, delivery_key
@@ -434,14 +434,19 @@ def test_compensation_that_keeps_failing_ends_compensation_failed_with_an_alert(
     _drones_back(world, ids, "release")
 
 
-def _by_hand(delivery_id: str, step: str) -> CompensatedByHand:
-    return CompensatedByHand(delivery_id=delivery_id, step=step, marked_by="mallory", marked_at=datetime.now(UTC))
+def _by_hand(delivery_id: str, step: str) -> UndoByOperator:
+    return UndoByOperator(delivery_id=delivery_id, step=step, action="DONE_BY_HAND", by="mallory",
+                          decided_at=datetime.now(UTC))
 
 
 def _mark_by_hand(world: World, delivery_id: str, step: str, *more: str) -> subprocess.CompletedProcess[str]:
-    """``choreo ops mark-compensated`` as an operator runs it, with the test's Redis and topics."""
-    return subprocess.run([sys.executable, "-m", "infra.cli", "ops", "mark-compensated", delivery_id, step,
-                           "--workflow", f"{sup_pipeline.MODULE}:WORKFLOW", *more],
+    return _ops(world, "mark-compensated", delivery_id, step, *more)
+
+
+def _ops(world: World, command: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``choreo ops <command>`` as an operator runs it, with the test's Redis and topics."""
+    return subprocess.run([sys.executable, "-m", "infra.cli", "ops", command, *args,
+                           "--workflow", f"{sup_pipeline.MODULE}:WORKFLOW"],
                           text=True, capture_output=True, timeout=120,
                           env={**os.environ, **world.env, "COLUMNS": "400"})  # one line per message
 
@@ -462,7 +467,7 @@ def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_dron
     # the state waits for the operator's mark as long as an unread failure waits (a day), not
     # the retention (an hour here)
     assert all(world.redis.ttl(delivery_key(d)) > 3600 for d in ids)
-    marks = world.topic("compensation.manual")
+    marks = world.topic("compensation.operator")
     # marks written to the topic past the command's checks change nothing: a step that is not
     # compensation_failed (the supervisor's script refuses it), a field of the state that is
     # no step, a body naming another delivery than its envelope
@@ -470,9 +475,9 @@ def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_dron
     for step, envelope_delivery in (("package", ids[0]), ("outcome", ids[0]), ("drone", ids[1])):
         event_id = str(uuid.uuid4())
         forged.publish_many([Publish(_by_hand(ids[0], step), event_id, marks, envelope=Envelope.first(
-            event_id, envelope_delivery, "CompensatedByHand", "ops"))])
+            event_id, envelope_delivery, "UndoByOperator", "ops"))])
     forged.flush(30)
-    wait_for(lambda: world.log(supervisor).count("compensation.mark_ignored") >= 3, timeout_s=20,
+    wait_for(lambda: world.log(supervisor).count("compensation.operator_ignored") >= 3, timeout_s=20,
              what="the forged marks read")
     assert world.state(ids[0])["package.status"] == "completed"  # with package.failed: nothing to undo
     assert all(world.state(d)["drone.status"] == "compensation_failed" for d in ids)
@@ -504,6 +509,43 @@ def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_dron
     lines = [line for line in world.log(supervisor).splitlines() if "compensation.marked_by_hand" in line]
     assert {d for d in ids if any(d in line for line in lines)} == set(ids)
     assert not any("ticket 7" in line for line in world.log(supervisor).splitlines())  # the note stays in Kafka
+
+
+def test_an_undo_asked_again_once_fixed_runs_again_and_gives_the_drone_back(world: World) -> None:
+    """The drone's undo was refused for good (dispatch refused every release): its step ended
+    compensation_failed, the drone held. Dispatch is fixed (the drone scheduler runs again
+    without the refusals) and the operator asks the undo again: it runs at a new attempt, the
+    drone comes back by it, and the compensation log tells the story."""
+    world.start("package", AGENT_WAREHOUSE_PERMANENT_RATE="1.0")  # the package fails: the drone is undone
+    refusing = world.start("drone", AGENT_DISPATCH_RELEASE_PERMANENT_RATE="1.0")  # ... and its undo refused
+    world.start("delivery")
+    world.supervisor()
+    ids = world.publish(2)
+    wait_for(lambda: all(world.state(d).get("drone.status") == "compensation_failed" for d in ids),
+             timeout_s=60, what="compensation_failed")
+    failed_attempt = {d: int(world.state(d)["release_drone.attempt"]) for d in ids}
+    refusing.kill()
+    world.start("drone")
+    for d in ids:
+        asked = _ops(world, "retry-undo", d, "drone", "--note", "dispatch fixed", "--json", "--wait", "60")
+        assert asked.returncode == 0, asked.stderr
+        result = json.loads(asked.stdout)
+        assert result["acted_on"] and result["status"] == "compensated"
+        state = world.state(d)
+        assert state["release_drone.status"] == "completed"
+        assert int(state["release_drone.attempt"]) == failed_attempt[d] + 1
+        assert 0 < world.redis.ttl(delivery_key(d)) <= 3600  # the retention again, not the day's wait
+    _drones_back(world, ids, "release")
+    refused = _ops(world, "retry-undo", ids[0], "drone")  # compensated now: nothing to ask
+    assert refused.returncode == 1 and "is compensated" in refused.stderr, refused.stderr
+    log = wait_for(lambda: (r := world.by_delivery("compensation.log")) and
+                   all(len(r.get(d, [])) >= 4 for d in ids) and r, what="compensation log")
+    for d in ids:
+        statuses = [Decoder(CompensationRecord, world.topic("compensation.log"), registry_client())(
+            rec.value).status for rec in log[d]]
+        assert statuses == ["COMPENSATING", "COMPENSATION_FAILED", "COMPENSATING", "COMPENSATED"]
+    released = world.by_delivery("drone.released")
+    assert all(len(released[d]) == 1 for d in ids)
 
 
 def test_two_supervisors_act_once_and_the_survivor_takes_over_after_kill_9(world: World) -> None:

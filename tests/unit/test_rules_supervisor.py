@@ -16,7 +16,7 @@ from choreo.events import Event
 from choreo.release import awaiting_key
 from choreo.service import deadline_scale
 from choreo.supervision import COMPENSATION, FORWARD
-from choreo.runtime_events import CompensatedByHand, CompensationRecord, StepReport, UndoRequested, undo_topic
+from choreo.runtime_events import CompensationRecord, StepReport, UndoByOperator, UndoRequested, undo_topic
 from choreo.testing import HarnessError, Outcome, run
 from choreo import supervisor
 from consumers.drone_scheduler import fleet
@@ -224,15 +224,15 @@ def test_an_undo_already_logged_logs_nothing() -> None:
     assert outcome.emitted == []
 
 
-def by_hand(step: str) -> CompensatedByHand:
-    return CompensatedByHand(delivery_id="d-1", step=step, note="done in the warehouse", marked_by="op",
-                             marked_at=NOW)
+def by_hand(step: str, action: str = "DONE_BY_HAND") -> UndoByOperator:
+    return UndoByOperator(delivery_id="d-1", step=step, action=action, note="done in the warehouse", by="op",
+                          decided_at=NOW)
 
 
 def test_an_undo_marked_done_by_hand_goes_on_with_the_chain() -> None:
     """The package's undo failed for good; the operator cancelled it by hand: the step is
     compensated from compensation_failed alone, and the drone's undo is asked next."""
-    outcome = run(supervisor.service, by_hand("package"), topic=supervisor.topic(CompensatedByHand.topic),
+    outcome = run(supervisor.service, by_hand("package"), topic=supervisor.topic(UndoByOperator.topic),
                   answers={"mark_compensated": "compensated:compensation_failed:2:drone:NO_PACKAGE: x\x1f\x1f"})
     [mark] = outcome.effects  # the package's service holds nothing in a pool
     # the state's retention, which it has again once the step leaves compensation_failed
@@ -243,7 +243,7 @@ def test_an_undo_marked_done_by_hand_goes_on_with_the_chain() -> None:
 
 
 def test_a_drone_undo_marked_done_by_hand_gives_the_drone_back() -> None:
-    outcome = run(supervisor.service, by_hand("drone"), topic=supervisor.topic(CompensatedByHand.topic),
+    outcome = run(supervisor.service, by_hand("drone"), topic=supervisor.topic(UndoByOperator.topic),
                   answers={"mark_compensated": "compensated:compensation_failed:1::", "pool_release": "drone-7"})
     mark, give_back = outcome.effects
     assert give_back.matches(fleet.release("d-1", "by_hand"))
@@ -253,17 +253,38 @@ def test_a_drone_undo_marked_done_by_hand_gives_the_drone_back() -> None:
 def test_a_mark_by_hand_of_a_field_that_is_no_step_asks_nothing_of_the_state() -> None:
     """The state table's hash holds plain fields beside the steps' records: a mark naming
     one (``outcome``) must never reach the script, which would read it as a step record."""
-    outcome = run(supervisor.service, by_hand("outcome"), topic=supervisor.topic(CompensatedByHand.topic))
+    outcome = run(supervisor.service, by_hand("outcome"), topic=supervisor.topic(UndoByOperator.topic))
     assert outcome.effects == [] and outcome.emitted == []
-    assert ("warning", "compensation.mark_ignored") in [(log.level, log.event) for log in outcome.logs]
+    assert ("warning", "compensation.operator_ignored") in [(log.level, log.event) for log in outcome.logs]
 
 
 def test_a_mark_by_hand_of_a_step_not_compensation_failed_changes_nothing() -> None:
-    outcome = run(supervisor.service, by_hand("drone"), topic=supervisor.topic(CompensatedByHand.topic),
+    outcome = run(supervisor.service, by_hand("drone"), topic=supervisor.topic(UndoByOperator.topic),
                   answers={"mark_compensated": "ignored:compensating"})
     assert [effect.name for effect in outcome.effects] == ["mark_compensated"]
     assert outcome.emitted == []
-    assert ("warning", "compensation.mark_ignored") in [(log.level, log.event) for log in outcome.logs]
+    assert ("warning", "compensation.operator_ignored") in [(log.level, log.event) for log in outcome.logs]
+
+
+def test_an_undo_asked_again_by_an_operator_is_a_new_attempt_of_the_same_request() -> None:
+    """A request of its own (its service runs it afresh, with a new call id for its remote),
+    at the new attempt its undo step waits for, and a compensation record of its own."""
+    outcome = run(supervisor.service, by_hand("package", "ASK_AGAIN"), topic=supervisor.topic(UndoByOperator.topic),
+                  answers={"ask_undo_again": "asked:4:NO_DRONE: x"})
+    [ask] = outcome.effects
+    assert (ask.name, ask.args[:2]) == ("ask_undo_again", ("package", "cancel_package"))
+    assert log_of(outcome) == [("package", "COMPENSATING", 4)]
+    assert outcome.emitted[0].event_id == derived_id("d-1", "package", "COMPENSATING", "again", "4")
+    [request] = [e for e in outcome.emitted if isinstance(e.event, UndoRequested)]
+    assert (request.topic, request.event_id, request.attempt) == (
+        supervisor.topic(undo_topic("package")), derived_id("d-1", "undo", "package", "again", "4"), 4)
+    assert request.event.reason == "NO_DRONE: x"
+
+
+def test_an_undo_asked_again_of_a_step_not_compensation_failed_asks_nothing() -> None:
+    outcome = run(supervisor.service, by_hand("drone", "ASK_AGAIN"), topic=supervisor.topic(UndoByOperator.topic),
+                  answers={"ask_undo_again": "ignored:compensated"})
+    assert outcome.emitted == [] and undos_of(outcome) == []
 
 
 def test_a_shipment_awaits_the_release_of_its_delivery_at_its_position_and_its_drone_comes_back() -> None:

@@ -17,7 +17,7 @@ from choreo.lease import Lease
 from choreo.ops import status
 from choreo.state import Begin, Source, StateTable, StepStatus, deadline_index, delivery_key, index_member
 from choreo.supervision import (
-    COMPENSATION, FORWARD, MARK_COMPENSATED, MARK_COMPENSATING, Action, Policies, Scanner,
+    ASK_UNDO_AGAIN, COMPENSATION, FORWARD, MARK_COMPENSATED, MARK_COMPENSATING, Action, Policies, Scanner,
     StepPolicy, SupervisorSettings, Transitions, parse_marked,
 )
 from tests.helpers import indexed
@@ -476,6 +476,30 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
     assert MARK_COMPENSATED.run(client, d, "t:n", [delivery_key(d)],
                                 ["package", 8, "compensation_failed", 3600], 60).startswith("compensated:")
     assert 0 < client.ttl(delivery_key(d)) <= 3600 and _fields(client, d)["package.status"] == "compensated"
+
+
+def test_an_undo_asked_again_is_a_new_attempt_with_a_full_budget_from_compensation_failed_alone(
+        client: redis.Redis) -> None:
+    d = _new(client, "release_drone")
+    StateTable(client).put(d, {"outcome": "failed", "drone.status": "compensation_failed", "undo.order": "drone",
+                               "undo.reason": "NO_PACKAGE: x", "drone.error": "release_drone failed after 10 tries",
+                               "release_drone.status": "failed", "release_drone.attempt": 3,
+                               "release_drone.tries": BUDGET, "release_drone.error": "release refused",
+                               "release_drone.source": "undo.drone|0|7"})
+    client.expire(delivery_key(d), 86_400)
+    args = ["drone", "release_drone", 2_000_000, 30_000, index_member(d, "release_drone"), 3600]
+    answer = ASK_UNDO_AGAIN.run(client, d, "t:a", [delivery_key(d), deadline_index(d)], args, 60)
+    assert answer == "asked:4:NO_PACKAGE: x"
+    f = _fields(client, d)
+    assert f["drone.status"] == "compensating" and "drone.error" not in f
+    assert (f["release_drone.status"], f["release_drone.attempt"], f["release_drone.tries"]) == ("pending", "4", "0")
+    assert "release_drone.source" not in f and "release_drone.error" not in f  # not seen yet: the scan waits
+    assert client.zscore(deadline_index(d), index_member(d, "release_drone")) == 2_030_000
+    assert 0 < client.ttl(delivery_key(d)) <= 3600
+    # asked twice (a second decision), or of a step in any other status: nothing
+    assert ASK_UNDO_AGAIN.run(client, d, "t:b", [delivery_key(d), deadline_index(d)], args, 60) \
+        == "ignored:compensating"
+    assert _fields(client, d)["release_drone.attempt"] == "4"
 
 
 def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis) -> None:

@@ -36,7 +36,7 @@ def test_inputs_with_no_fan_in_need_not_be_co_partitioned() -> None:
     """The supervisor reads the shared recovery topic beside a prefixed workflow's own: its
     new input takes the count most of its inputs have."""
     existing = {"recovery": 6, "t.delivery.failed": 3, "t.delivery.shipped": 3}
-    inputs = ["recovery", "t.delivery.failed", "t.delivery.shipped", "t.compensation.manual"]
+    inputs = ["recovery", "t.delivery.failed", "t.delivery.shipped", "t.compensation.operator"]
     assert partitions_for(inputs, existing, co_partitioned=False) == 3
     with pytest.raises(TopicsMissing):
         partitions_for(inputs, existing)
