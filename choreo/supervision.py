@@ -375,7 +375,7 @@ return 'due'
 # The steps of a failed delivery are undone one after another, newest completed first: its
 # ``undo.order`` lists them; the next to ask is the first still ``compensating`` (not asked
 # before its predecessor is confirmed, and never after one ended compensation_failed, which
-# waits for an operator's mark).
+# waits for an operator's decision).
 _NEXT_UNDO = """
 local function next_undo(key)
   for s in string.gmatch(redis.call('HGET', key, 'undo.order') or '', '[^,]+') do
@@ -410,7 +410,7 @@ if not redis.call('HGET', KEYS[1], 'outcome') then redis.call('HSET', KEYS[1], '
 if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], delivery .. '|' .. ARGV[3]) end
 redis.call('HSETNX', KEYS[1], 'undo.reason', ARGV[4])
 redis.call('HSETNX', KEYS[1], 'undo.order', table.concat({select(6, unpack(ARGV))}, ','))
--- (not while an undo failed for good waits for an operator's mark: a second failure event)
+-- (not while an undo failed for good waits for an operator's decision: a second failure event)
 if tonumber(ARGV[5]) > 0 and redis.call('HGET', KEYS[1], 'outcome') == 'failed' and not awaits_operator(KEYS[1]) then
   redis.call('EXPIRE', KEYS[1], ARGV[5])
 end

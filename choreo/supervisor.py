@@ -259,7 +259,7 @@ def _undone(ctx: Context, delivery_id: str, step: str, only_from: str = "") -> b
     # the record that ends the compensation carries the failure's reason, for its outcome
     _record(ctx, delivery_id, step, "COMPENSATED", int(attempt or 1), reason if told else "", told,
             split_list(order))
-    if before == "compensation_failed":
+    if before == "compensation_failed" and not only_from:  # confirmed after its alert (not an operator's mark)
         ctx.log.warning("compensation.recovered", step=step)  # the alert may be closed
     else:
         ctx.log.info("compensation.done", step=step, was=before)
@@ -289,9 +289,6 @@ def on_undo_by_operator(decision: UndoByOperator, ctx: Context) -> Effects[None]
         return
     if decision.action == "ASK_AGAIN":
         _undo_again(ctx, step, decision.by)
-        return
-    if decision.action != "DONE_BY_HAND":
-        ctx.log.warning("compensation.operator_ignored", step=step, why="no such decision")
         return
     if not _undone(ctx, ctx.delivery_id, step, only_from=StepStatus.COMPENSATION_FAILED.value):
         ctx.log.warning("compensation.operator_ignored", step=step, why="not compensation_failed")

@@ -70,7 +70,8 @@ class Workflow:
 
     def pools_of(self, step: str) -> list[Pool]:
         """The pools of ``step``'s service: what its work may hold, given back by the
-        supervisor when an operator marks its undo done by hand."""
+        supervisor when an operator marks its undo done by hand (and left free by a rebuild
+        after such a mark)."""
         owners = {spec.service for spec in self.steps if spec.name == step}
         return [pool for s in self.services if s.name in owners for pool in s.pools]
 

@@ -204,23 +204,31 @@ WAIT_OPT = typer.Option(30.0, "--wait", min=0, help="seconds to wait for the sup
 
 def _decide(workflow: str, delivery_id: str, step: str, action: str, note: str, by: str, wait_s: float,
             as_json: bool) -> None:
-    """Publish the decision; exit 0 once the supervisor acted on it, 1 when refused (nothing
-    published), 2 when published and not acted on within --wait."""
+    """Publish the decision and wait for the supervisor (the exit codes: the commands' help).
+    After a failure on the way the decision may or may not be published: deciding again is
+    safe, as a second one is refused once the first acted."""
+    import redis
+    from confluent_kafka import KafkaException
+
     from choreo.ops.compensation import DecisionRefused, decide
 
     try:
         result = decide(_workflow(workflow), delivery_id, step, action, note, by, wait_s)
     except DecisionRefused as exc:
         _fail(str(exc))
+    except (RuntimeError, KafkaException, redis.RedisError) as exc:
+        err.print(f"[bold red]error:[/] {str(exc)[:300]}: the decision may or may not be published; "
+                  f"look at the step (choreo ops trace {delivery_id})")
+        raise typer.Exit(3) from None
     if as_json:
         _emit_json(result)
     elif result.acted_on:
         out.print(f"{step} of {delivery_id} is {result.status}; undo order: "
                   + ", ".join(f"{s} {status}" for s, status in result.undo_order.items()))
     else:
-        err.print(f"[yellow]published to {result.topic}; no supervisor has acted on it yet[/] "
-                  f"(the step is {result.status or 'gone'}); a supervisor that knows it acts on it "
-                  "when it reads the topic")
+        err.print(f"[yellow]published to {result.topic}; no supervisor acted on it within --wait[/] "
+                  f"(the step is {result.status or 'gone'}): none reads that topic yet, or it found the step "
+                  "no longer compensation_failed")
     if not result.acted_on:
         raise typer.Exit(2)
 
@@ -236,8 +244,10 @@ def mark_compensated_cmd(
     marks it compensated, gives back what it held (a drone) and asks the next undo.
 
     Exit 0 once it did, 1 when refused (nothing published), 2 when published and not acted
-    on within --wait."""
-    _decide(workflow, delivery_id, step, "DONE_BY_HAND", note, by, wait_s, as_json)
+    on within --wait, 3 when Kafka or Redis failed on the way."""
+    from choreo.ops.compensation import DONE_BY_HAND
+
+    _decide(workflow, delivery_id, step, DONE_BY_HAND, note, by, wait_s, as_json)
 
 
 @app.command("retry-undo")
@@ -249,11 +259,14 @@ def retry_undo_cmd(
 ) -> None:
     """After an alert.compensation_failed: what made the undo fail is fixed; the supervisor
     asks the undo again (a new attempt, a full budget), and its confirmation goes on with the
-    chain. It waits for the confirmation up to --wait.
+    chain. It waits up to --wait for the undo to be confirmed (or to fail for good again) and
+    prints the step's status.
 
-    Exit 0 once the supervisor asked it, 1 when refused (nothing published), 2 when published
-    and not acted on within --wait."""
-    _decide(workflow, delivery_id, step, "ASK_AGAIN", note, by, wait_s, as_json)
+    Exit 0 once the supervisor asked it again, 1 when refused (nothing published), 2 when
+    published and not acted on within --wait, 3 when Kafka or Redis failed on the way."""
+    from choreo.ops.compensation import ASK_AGAIN
+
+    _decide(workflow, delivery_id, step, ASK_AGAIN, note, by, wait_s, as_json)
 
 
 # -- trace ------------------------------------------------------------------------------------

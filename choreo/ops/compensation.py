@@ -115,12 +115,15 @@ def decide(workflow: Workflow, delivery_id: str, step: str, action: str, note: s
     if errors:
         raise RuntimeError(f"Kafka refused the decision: {errors[0][:300]}")
     deadline = time.monotonic() + wait_s
-    fields = state.fields(delivery_id)
-    while fields.get(f"{step}.status") != StepStatus.COMPENSATED.value and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while True:
         fields = state.fields(delivery_id)
-    status = fields.get(f"{step}.status", "")
-    acted = status == StepStatus.COMPENSATED.value if action == DONE_BY_HAND else \
-        int(fields.get(f"{undo}.attempt") or 0) > asked_before
+        status = fields.get(f"{step}.status", "")
+        acted = status == StepStatus.COMPENSATED.value if action == DONE_BY_HAND else \
+            int(fields.get(f"{undo}.attempt") or 0) > asked_before
+        # done: compensated, or asked again and failed for good again
+        if status == StepStatus.COMPENSATED.value or (acted and status == StepStatus.COMPENSATION_FAILED.value) \
+                or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
     order = {s: fields.get(f"{s}.status", "") for s in fields.get("undo.order", "").split(",") if s}
     return DecisionResult(delivery_id, step, action, topic, event_id, acted, status, order)

@@ -562,7 +562,7 @@ class Rebuilder:
             # as the join does when it decides: a decided delivery's state goes in time,
             # rebuilt or not (it stayed forever, for every delivery of the window); a failure
             # not read yet waits for the supervisor's reading, which sets the retention, and
-            # an undo failed for good waits for an operator's mark as long
+            # an undo failed for good waits for an operator's decision as long
             waiting = "compensation_failed" in self.compensation.get(delivery, {}).values()
             ttl = unread if facts.failure_unread or waiting else retention
             writes.append((delivery_key(delivery), fields, ttl if facts.outcome else 0))

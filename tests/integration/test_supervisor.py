@@ -439,10 +439,6 @@ def _by_hand(delivery_id: str, step: str) -> UndoByOperator:
                           decided_at=datetime.now(UTC))
 
 
-def _mark_by_hand(world: World, delivery_id: str, step: str, *more: str) -> subprocess.CompletedProcess[str]:
-    return _ops(world, "mark-compensated", delivery_id, step, *more)
-
-
 def _ops(world: World, command: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``choreo ops <command>`` as an operator runs it, with the test's Redis and topics."""
     return subprocess.run([sys.executable, "-m", "infra.cli", "ops", command, *args,
@@ -467,14 +463,14 @@ def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_dron
     # the state waits for the operator's mark as long as an unread failure waits (a day), not
     # the retention (an hour here)
     assert all(world.redis.ttl(delivery_key(d)) > 3600 for d in ids)
-    marks = world.topic("compensation.operator")
+    decisions = world.topic("compensation.operator")
     # marks written to the topic past the command's checks change nothing: a step that is not
     # compensation_failed (the supervisor's script refuses it), a field of the state that is
     # no step, a body naming another delivery than its envelope
     forged = Publisher("ops", redis_client=world.redis)
     for step, envelope_delivery in (("package", ids[0]), ("outcome", ids[0]), ("drone", ids[1])):
         event_id = str(uuid.uuid4())
-        forged.publish_many([Publish(_by_hand(ids[0], step), event_id, marks, envelope=Envelope.first(
+        forged.publish_many([Publish(_by_hand(ids[0], step), event_id, decisions, envelope=Envelope.first(
             event_id, envelope_delivery, "UndoByOperator", "ops"))])
     forged.flush(30)
     wait_for(lambda: world.log(supervisor).count("compensation.operator_ignored") >= 3, timeout_s=20,
@@ -482,18 +478,18 @@ def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_dron
     assert world.state(ids[0])["package.status"] == "completed"  # with package.failed: nothing to undo
     assert all(world.state(d)["drone.status"] == "compensation_failed" for d in ids)
     assert all(world.redis.hget(fleet.booking_key, d) for d in ids)
-    refused = _mark_by_hand(world, ids[0], "package")  # completed with package.failed: nothing to mark
+    refused = _ops(world, "mark-compensated", ids[0], "package")  # completed with package.failed: nothing to mark
     assert refused.returncode == 1 and "only a compensation_failed step" in refused.stderr, refused.stderr
-    unknown = _mark_by_hand(world, ids[0], "nope\x1b[2J")
+    unknown = _ops(world, "mark-compensated", ids[0], "nope\x1b[2J")
     assert unknown.returncode == 1 and "has no undo" in unknown.stderr, unknown.stderr
-    assert len(read_topic(marks)) == 3  # the forged ones: nothing published for a refusal
+    assert len(read_topic(decisions)) == 3  # the forged ones: nothing published for a refusal
     for d in ids:
-        done = _mark_by_hand(world, d, "drone", "--note", "dispatch released by hand, ticket 7", "--json")
+        done = _ops(world, "mark-compensated", d, "drone", "--note", "dispatch released by hand, ticket 7", "--json")
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         assert result["status"] == "compensated" and result["undo_order"] == {"drone": "compensated"}
         assert 0 < world.redis.ttl(delivery_key(d)) <= 3600  # the retention again
-    again = _mark_by_hand(world, ids[0], "drone")  # compensated now: refused
+    again = _ops(world, "mark-compensated", ids[0], "drone")  # compensated now: refused
     assert again.returncode == 1 and "is compensated" in again.stderr
     _drones_back(world, ids, "by_hand")
     for d in ids:
@@ -505,7 +501,7 @@ def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_dron
         statuses = [Decoder(CompensationRecord, world.topic("compensation.log"), registry_client())(
             rec.value).status for rec in log[d]]
         assert statuses == ["COMPENSATING", "COMPENSATION_FAILED", "COMPENSATED"]
-    assert len(read_topic(marks)) == 3 + len(ids)
+    assert len(read_topic(decisions)) == 3 + len(ids)
     lines = [line for line in world.log(supervisor).splitlines() if "compensation.marked_by_hand" in line]
     assert {d for d in ids if any(d in line for line in lines)} == set(ids)
     assert not any("ticket 7" in line for line in world.log(supervisor).splitlines())  # the note stays in Kafka

@@ -155,3 +155,25 @@ def test_generated_docs_are_current() -> None:
     assert (flowdoc.DOCS / "asyncapi.yaml").read_text().endswith(flowdoc.to_yaml(spec))
     assert (flowdoc.DOCS / "event-flow.md").read_text() == flowdoc.flow_markdown(WORKFLOW)
     assert "fan-in delivery" in flowdoc.mermaid(WORKFLOW)
+
+
+@pytest.mark.parametrize("raised, code", [("refused", 1), ("kafka", 3), ("unacted", 2)])
+def test_an_operators_decision_tells_by_its_exit_code_what_happened(monkeypatch: pytest.MonkeyPatch,
+                                                                    raised: str, code: int) -> None:
+    """1: refused, nothing published; 2: published, no supervisor acted within --wait; 3:
+    Kafka or Redis failed on the way (the decision may be published: deciding again is safe)."""
+    from typer.testing import CliRunner
+
+    from choreo.ops import cli, compensation
+
+    def decide(*_: object) -> compensation.DecisionResult:
+        if raised == "refused":
+            raise compensation.DecisionRefused("step drone of delivery d-1 is compensating")
+        if raised == "kafka":
+            raise RuntimeError("Kafka refused the decision: not authorized")
+        return compensation.DecisionResult("d-1", "drone", compensation.DONE_BY_HAND, "compensation.operator",
+                                           "e-1", False, "compensation_failed", {"drone": "compensation_failed"})
+
+    monkeypatch.setattr(compensation, "decide", decide)
+    result = CliRunner().invoke(cli.app, ["mark-compensated", "d-1", "drone", "--wait", "0"])
+    assert result.exit_code == code, result.output

@@ -224,7 +224,7 @@ def test_an_undo_already_logged_logs_nothing() -> None:
     assert outcome.emitted == []
 
 
-def by_hand(step: str, action: str = "DONE_BY_HAND") -> UndoByOperator:
+def decision(step: str, action: str = "DONE_BY_HAND") -> UndoByOperator:
     return UndoByOperator(delivery_id="d-1", step=step, action=action, note="done in the warehouse", by="op",
                           decided_at=NOW)
 
@@ -232,7 +232,7 @@ def by_hand(step: str, action: str = "DONE_BY_HAND") -> UndoByOperator:
 def test_an_undo_marked_done_by_hand_goes_on_with_the_chain() -> None:
     """The package's undo failed for good; the operator cancelled it by hand: the step is
     compensated from compensation_failed alone, and the drone's undo is asked next."""
-    outcome = run(supervisor.service, by_hand("package"), topic=supervisor.topic(UndoByOperator.topic),
+    outcome = run(supervisor.service, decision("package"), topic=supervisor.topic(UndoByOperator.topic),
                   answers={"mark_compensated": "compensated:compensation_failed:2:drone:NO_PACKAGE: x\x1f\x1f"})
     [mark] = outcome.effects  # the package's service holds nothing in a pool
     # the state's retention, which it has again once the step leaves compensation_failed
@@ -243,9 +243,9 @@ def test_an_undo_marked_done_by_hand_goes_on_with_the_chain() -> None:
 
 
 def test_a_drone_undo_marked_done_by_hand_gives_the_drone_back() -> None:
-    outcome = run(supervisor.service, by_hand("drone"), topic=supervisor.topic(UndoByOperator.topic),
+    outcome = run(supervisor.service, decision("drone"), topic=supervisor.topic(UndoByOperator.topic),
                   answers={"mark_compensated": "compensated:compensation_failed:1::", "pool_release": "drone-7"})
-    mark, give_back = outcome.effects
+    _, give_back = outcome.effects
     assert give_back.matches(fleet.release("d-1", "by_hand"))
     assert log_of(outcome) == [("drone", "COMPENSATED", 1)] and undos_of(outcome) == []
 
@@ -253,13 +253,13 @@ def test_a_drone_undo_marked_done_by_hand_gives_the_drone_back() -> None:
 def test_a_mark_by_hand_of_a_field_that_is_no_step_asks_nothing_of_the_state() -> None:
     """The state table's hash holds plain fields beside the steps' records: a mark naming
     one (``outcome``) must never reach the script, which would read it as a step record."""
-    outcome = run(supervisor.service, by_hand("outcome"), topic=supervisor.topic(UndoByOperator.topic))
+    outcome = run(supervisor.service, decision("outcome"), topic=supervisor.topic(UndoByOperator.topic))
     assert outcome.effects == [] and outcome.emitted == []
     assert ("warning", "compensation.operator_ignored") in [(log.level, log.event) for log in outcome.logs]
 
 
 def test_a_mark_by_hand_of_a_step_not_compensation_failed_changes_nothing() -> None:
-    outcome = run(supervisor.service, by_hand("drone"), topic=supervisor.topic(UndoByOperator.topic),
+    outcome = run(supervisor.service, decision("drone"), topic=supervisor.topic(UndoByOperator.topic),
                   answers={"mark_compensated": "ignored:compensating"})
     assert [effect.name for effect in outcome.effects] == ["mark_compensated"]
     assert outcome.emitted == []
@@ -269,7 +269,7 @@ def test_a_mark_by_hand_of_a_step_not_compensation_failed_changes_nothing() -> N
 def test_an_undo_asked_again_by_an_operator_is_a_new_attempt_of_the_same_request() -> None:
     """A request of its own (its service runs it afresh, with a new call id for its remote),
     at the new attempt its undo step waits for, and a compensation record of its own."""
-    outcome = run(supervisor.service, by_hand("package", "ASK_AGAIN"), topic=supervisor.topic(UndoByOperator.topic),
+    outcome = run(supervisor.service, decision("package", "ASK_AGAIN"), topic=supervisor.topic(UndoByOperator.topic),
                   answers={"ask_undo_again": "asked:4:NO_DRONE: x"})
     [ask] = outcome.effects
     assert (ask.name, ask.args[:2]) == ("ask_undo_again", ("package", "cancel_package"))
@@ -282,7 +282,7 @@ def test_an_undo_asked_again_by_an_operator_is_a_new_attempt_of_the_same_request
 
 
 def test_an_undo_asked_again_of_a_step_not_compensation_failed_asks_nothing() -> None:
-    outcome = run(supervisor.service, by_hand("drone", "ASK_AGAIN"), topic=supervisor.topic(UndoByOperator.topic),
+    outcome = run(supervisor.service, decision("drone", "ASK_AGAIN"), topic=supervisor.topic(UndoByOperator.topic),
                   answers={"ask_undo_again": "ignored:compensated"})
     assert outcome.emitted == [] and undos_of(outcome) == []
 

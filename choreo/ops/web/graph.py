@@ -117,7 +117,7 @@ def _columns(nodes: dict[str, Node], arrows: list[Arrow]) -> None:
     """Each node's column is its distance from the entry points (the services nothing
     feeds, e.g. ingestion, but not the operators' tools), so the forward flow reads left to
     right and what loops back (requeues, compensation) is drawn back. A node the entry
-    points do not reach (the recovery topic, the operators' marks) sits just before the
+    points do not reach (the recovery topic, the operators' decisions) sits just before the
     first node it feeds."""
     out: dict[str, list[str]] = {n: [] for n in nodes}
     fed = {a.target for a in arrows}
