@@ -30,7 +30,9 @@ The transitions, for a step found due (deadline passed, or failed and re-indexed
   again and is claimed again: a requeue can be late, never lost;
 * past the retry budget: a forward step fails the delivery (``outcome`` = failed, only if
   nobody decided first) with the list of steps to compensate; a compensation step ends
-  ``compensation_failed`` on the step it was undoing, with an alert.
+  ``compensation_failed`` on the step it was undoing, with an alert, and lists that step in
+  its shard's ``awaiting-operator`` set (``choreo ops status`` reads it) until an operator's decision
+  takes it out, or the state's expiry (the set is trimmed past the wait).
 
 One end-to-end retry budget per step: the runner's ``<step>.tries`` already counts every
 in-process try, redelivery and requeue that reached the service; the supervisor compares
@@ -54,10 +56,10 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from choreo import keys
 from choreo.effects import OnceEffect
-from choreo.redis_client import NodePipelines, write_waited
+from choreo.redis_client import NodePipelines, raise_first, write_waited
 from choreo.runtime_events import CompensationRecord
 from choreo.state import (MAX_ERROR_CHARS, deadline_index, deadline_shard, deadline_shards, delivery_key,
-                          index_member, with_steps)
+                          index_member, text, with_steps)
 
 # -- metrics (operators see detection delay, load and every decision) -----------------------
 
@@ -67,6 +69,8 @@ PAGE_SIZE = Histogram("choreo_supervisor_page_size", "Due steps per scanned page
                       buckets=(0, 1, 5, 10, 25, 50, 100, 250, 500, 1000))
 EXPIRED = Gauge("choreo_supervisor_due_steps", "Due (expired or failed) steps found by the last scan")
 DUE_BACKLOG = Gauge("choreo_supervisor_due_backlog", "Due steps still in the index after the last scan")
+AWAITING_OPERATOR = Gauge("choreo_supervisor_undos_awaiting_operator",
+                          "Steps whose undo failed for good, waiting for an operator's decision (alert while > 0)")
 ACTIONS = Counter("choreo_supervisor_actions_total", "Supervisor decisions", ["action", "step"])
 REQUEUES = Counter("choreo_supervisor_requeues_total", "Steps re-published to their retry topic", ["step"])
 COMPENSATIONS = Counter("choreo_supervisor_compensations_total", "Compensation log records", ["step", "status"])
@@ -294,6 +298,8 @@ if tries >= tonumber(ARGV[5]) then
     local told = ''
     if before ~= '' and before ~= 'compensated' and before ~= 'compensation_failed' then
       step_set(KEYS[1], target, {status = 'compensation_failed', updated = now, error = detail})
+      -- listed while it waits for an operator's decision (``choreo ops status``)
+      redis.call('ZADD', KEYS[4], now, string.sub(member, 1, #member - #step) .. target)
       told = settle(KEYS[1])
       -- its state waits for an operator's decision (``choreo ops mark-compensated``,
       -- ``retry-undo``) as long as an unread failure waits for its reading; either gives it
@@ -439,7 +445,8 @@ return cjson.encode(answer)
 # one reads an answer such a version remembered (no separator: nothing told). ARGV: the step,
 # now, optionally the only status it is marked from (an operator's mark by hand:
 # 'compensation_failed'; any other status is answered 'ignored:<status>'), and the decided
-# state's retention (s, 0: none), which a step leaving compensation_failed gives it again.
+# state's retention (s, 0: none), which a step leaving compensation_failed gives it again, and
+# its member in the shard's awaiting set (KEYS[2]), which it leaves.
 UNIT = "\x1f"  # what separates the answer's appended fields (Lua's '\31')
 MARK_COMPENSATED = OnceEffect("mark_compensated", with_steps(_SETTLE + _NEXT_UNDO + """
 local st = step_get(KEYS[1], ARGV[1], 'status')
@@ -449,6 +456,7 @@ if ARGV[3] and ARGV[3] ~= '' and st ~= ARGV[3] then return 'ignored:' .. st end
 local now = tonumber(ARGV[2])
 step_set(KEYS[1], ARGV[1], {status = 'compensated', compensated_at = now, updated = now})
 if st == 'compensation_failed' and tonumber(ARGV[4] or '0') > 0 then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
+redis.call('ZREM', KEYS[2], ARGV[5])
 return 'compensated:' .. st .. ':' .. (step_get(KEYS[1], ARGV[1], 'attempt') or 1) .. ':' .. next_undo(KEYS[1])
   .. ':' .. (redis.call('HGET', KEYS[1], 'undo.reason') or '')
   .. '\\31' .. settle(KEYS[1]) .. '\\31' .. (redis.call('HGET', KEYS[1], 'undo.order') or '')
@@ -460,8 +468,9 @@ return 'compensated:' .. st .. ':' .. (step_get(KEYS[1], ARGV[1], 'attempt') or 
 # with a full budget and a deadline, in the index, and not yet seen by its service (so the
 # scan waits for the new request before it claims); what the failed attempts left (their
 # error, report, requeue) goes, and the state has the retention again, as a failure's
-# undos have from its reading. ARGV: the forward step, its undo step, now, the undo's
-# deadline (ms), the undo's member in the index, the retention (s, 0: none). The answer:
+# undos have from its reading; it leaves the shard's awaiting set (KEYS[3]). ARGV: the
+# forward step, its undo step, now, the undo's deadline (ms), the undo's member in the
+# index, the retention (s, 0: none). The answer:
 # 'asked:<attempt>:<the failure's reason>' or 'ignored:<status>'.
 ASK_UNDO_AGAIN = OnceEffect("ask_undo_again", with_steps("""
 local K, step, undo, now = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -475,9 +484,20 @@ step_set(K, undo, {status = 'pending', attempt = attempt, tries = 0, tries_seen 
                    requeued = cjson.null, error = cjson.null, report = cjson.null, late = cjson.null,
                    joined = cjson.null})
 redis.call('ZADD', KEYS[2], complete_by, ARGV[5])
+redis.call('ZREM', KEYS[3], string.sub(ARGV[5], 1, #ARGV[5] - #undo) .. step)  -- waits no more
 if tonumber(ARGV[6]) > 0 then redis.call('EXPIRE', K, ARGV[6]) end
 return 'asked:' .. attempt .. ':' .. (redis.call('HGET', K, 'undo.reason') or '')
 """))
+
+
+# A listed step waits no more once its record says otherwise: checked and taken out in one
+# script, so a step that fails again meanwhile stays listed. ARGV: its member, the step.
+# The answer: 1 while it waits.
+_STILL_AWAITING = with_steps("""
+if step_get(KEYS[1], ARGV[2], 'status') == 'compensation_failed' then return 1 end
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 0
+""")
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -538,6 +558,7 @@ class Scanner:
         self.settings = settings
         self.transitions = Transitions(client)
         self._first = 0  # the shard the next scan starts at: a capped scan must not favour shard 0
+        self._still_awaiting = client.register_script(_STILL_AWAITING)
 
     def scan(self, fence: str, fence_key: Callable[[int], str], policies: Policies,
              now_ms: int) -> ScanResult:
@@ -607,7 +628,7 @@ class Scanner:
             policy = policies.of(step)
             budget = cfg.max_tries or policy.budget
             self.transitions.supervise(
-                keys=[delivery_key(delivery_id), deadline_shard(shard), fence_key],
+                keys=[delivery_key(delivery_id), deadline_shard(shard), fence_key, awaiting_operator_shard(shard)],
                 args=[fence, step, member, now_ms, budget, policy.deadline_ms,
                       int(cfg.backoff_base_s * 1000), int(cfg.backoff_max_s * 1000),
                       int(cfg.confirm_s * 1000), policy.role, policy.target, compensable,
@@ -639,6 +660,53 @@ class Scanner:
         count = sum(int(n) for n in pipe.execute())
         DUE_BACKLOG.set(count)
         return count
+
+    def awaiting(self, now_ms: int, wait_s: int) -> int:
+        """The steps waiting for an operator's decision (the gauge), once the lists are rid of
+        those that wait no more: listed longer than their state waits (``wait_s``, 0: it
+        never expires, and a margin for the clocks), or whose record says otherwise (decided
+        by an older version, rebuilt, its state gone). At most ``AWAITING_CHECKED`` a shard
+        are checked each time; the rest count as listed."""
+        shards = awaiting_operator_shards()
+        pipe = self.client.pipeline(transaction=False)
+        for index in shards:
+            if wait_s > 0:
+                pipe.zremrangebyscore(index, "-inf", f"({now_ms - (wait_s + AWAITING_MARGIN_S) * 1000}")
+            pipe.zcard(index)
+            pipe.zrange(index, 0, AWAITING_CHECKED - 1)
+        replies = pipe.execute()
+        each = len(replies) // len(shards)  # per shard: (the trim,) its count, its first members
+        listed = [(int(replies[i + each - 2]), replies[i + each - 1]) for i in range(0, len(replies), each)]
+        unchecked = sum(count - len(members) for count, members in listed)
+        pipes = NodePipelines(self.client)
+        for index, (_, members) in zip(shards, listed):
+            for member in members:
+                delivery_id, _, name = text(member).rpartition("|")
+                self._still_awaiting(keys=[delivery_key(delivery_id), index], args=[member, name],
+                                     client=pipes.on(index))
+        count = unchecked + sum(int(n) for n in raise_first(pipes.execute()))
+        AWAITING_OPERATOR.set(count)
+        return count
+
+
+# -- the steps waiting for an operator --------------------------------------------------------
+
+AWAITING_CHECKED = 1000  # listed steps checked per shard and count
+AWAITING_MARGIN_S = 300  # past the state's wait, for the clocks of the instances that trim
+
+
+def awaiting_operator_shard(shard: int) -> str:
+    """``awaiting-operator:{s<n>}``: the shard's steps whose undo failed for good
+    (``<delivery>|<step>``, scored by when their wait began), in its deliveries' slot."""
+    return keys.of_shard("awaiting-operator", shard)
+
+
+def awaiting_operator_index(delivery_id: str) -> str:
+    return awaiting_operator_shard(keys.shard_of(delivery_id))
+
+
+def awaiting_operator_shards() -> list[str]:
+    return [awaiting_operator_shard(shard) for shard in range(keys.SHARDS)]
 
 
 # -- re-reading a step's input from Kafka -------------------------------------------------------

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import redis
+
 from choreo.config import settings
 from choreo.envelope import Envelope, derived_id, now_ms
 from choreo.events import Event
@@ -45,7 +47,7 @@ from choreo.state import StateTable, Source, StepStatus, deadline_index, deliver
 from choreo.supervision import (
     ASK_UNDO_AGAIN, COMPENSATION, COMPENSATION_FAILURES, COMPENSATIONS, FORWARD, LEADER, MARK_COMPENSATED,
     MARK_COMPENSATING, REPORTS, REQUEUES, Action, KeyedCompensationRecord, Policies, Scanner,
-    UNIT, SourceReader, StepPolicy, SupervisorSettings, Transitions, labels, parse_marked,
+    UNIT, SourceReader, StepPolicy, SupervisorSettings, Transitions, awaiting_operator_index, labels, parse_marked,
     split_list,
 )
 from choreo.join import FAILED
@@ -127,9 +129,11 @@ class _Runtime:
     reader: SourceReader | None = None
     leading: bool = False
     decoders: dict[tuple[type[Event], str], Decoder[Any]] | None = None
+    awaiting_counted_ms: int = 0
 
 
 _runtime: _Runtime | None = None
+AWAITING_PERIOD_MS = 15_000  # how often the steps waiting for an operator are counted
 
 
 def policies_of(flow: Workflow) -> Policies:
@@ -244,8 +248,9 @@ def _ask_undo(ctx: Context, delivery_id: str, step: str, reason: str, attempt: i
 def _undone(ctx: Context, delivery_id: str, step: str, only_from: str = "") -> bool:
     """Mark ``step`` compensated (from any status, or from ``only_from`` alone), log it and
     ask the next undo of the chain; whether it was marked."""
-    raw = ctx.once(MARK_COMPENSATED, keys=[delivery_key(delivery_id)],
-                   args=[step, now_ms(), only_from, watched().flow.retention_s]) or ""
+    raw = ctx.once(MARK_COMPENSATED, keys=[delivery_key(delivery_id), awaiting_operator_index(delivery_id)],
+                   args=[step, now_ms(), only_from, watched().flow.retention_s,
+                         index_member(delivery_id, step)]) or ""
     verdict, _, rest = raw.partition(":")
     if verdict != "compensated":
         ctx.log.debug("compensation.not_marked", step=step, why=rest)
@@ -301,7 +306,8 @@ def on_undo_by_operator(decision: UndoByOperator, ctx: Context) -> Effects[None]
 def _undo_again(ctx: Context, step: str, by: str) -> None:
     flow, delivery_id = watched().flow, ctx.delivery_id
     undo = flow.compensations()[step][0]
-    raw = ctx.once(ASK_UNDO_AGAIN, keys=[delivery_key(delivery_id), deadline_index(delivery_id)],
+    raw = ctx.once(ASK_UNDO_AGAIN, keys=[delivery_key(delivery_id), deadline_index(delivery_id),
+                                         awaiting_operator_index(delivery_id)],
                    args=[step, undo, now_ms(), int(flow.step(undo).deadline_s * 1000),
                          index_member(delivery_id, undo), flow.retention_s]) or ""
     verdict, _, rest = raw.partition(":")
@@ -353,9 +359,15 @@ def scan(ctx: Context) -> None:
                         lease_holder=rt.lease.owner)
         rt.leading = leading
     LEADER.set(1 if leading else 0)
+    now = now_ms()
+    if now - rt.awaiting_counted_ms >= AWAITING_PERIOD_MS:  # every instance: it decides nothing
+        rt.awaiting_counted_ms = now
+        try:
+            rt.scanner.awaiting(now, rt.policies.unread_failure_s)
+        except redis.RedisError as exc:  # the gauge waits for the next period; supervision goes on
+            ctx.log.warning("supervisor.awaiting_not_counted", error=str(exc)[:300])
     if not leading or rt.lease.fence is None:
         return
-    now = now_ms()
     result = rt.scanner.scan(rt.lease.fence, rt.lease.shard_key, rt.policies, now)
     if result.stats.fenced:
         rt.lease.lost()

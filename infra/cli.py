@@ -205,7 +205,7 @@ def create_topics(
     topo = topology.create(load_workflow(workflow), partitions)
     found = topology.problems(topo)
     for problem in found:
-        console.print(f"[red]topology:[/] {problem}")
+        console.print(f"[red]topology:[/] {escape(problem)}")
     console.print(f"{len(topo.partitions)} topics ready")
     if found:
         raise typer.Exit(1)
@@ -256,7 +256,8 @@ def schemas_check(workflow: str = typer.Option("consumers.workflow:WORKFLOW"),
     if as_json:
         print(json.dumps([r.__dict__ for r in results]))
     for r in bad:
-        console.print(f"[red]incompatible:[/] {r.subject}: {'; '.join(r.messages) or 'no reason given'}")
+        reasons = '; '.join(r.messages) or 'no reason given'
+        console.print(f"[red]incompatible:[/] {escape(r.subject)}: {escape(reasons)}")
     console.print(f"{len(results) - len(bad)}/{len(results)} subjects compatible")
     if bad:
         raise typer.Exit(1)

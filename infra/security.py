@@ -421,8 +421,8 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
       and pools it declares itself;
     * the outcome webhooks: the runtime's keys only (they declare no state);
     * the supervisor: also its lease (``choreo.lease``), the release queue
-      (``choreo.release``), the records that go with a finished delivery, which it deletes,
-      and the workflow's pools (a shipped delivery's member goes back to a pool
+      (``choreo.release``), its list of undos awaiting an operator (``choreo.supervision``),
+      the records that go with a finished delivery, which it deletes, and the workflow's pools (a shipped delivery's member goes back to a pool
       ``returned_on_success``, a failed one's unless a completed step's undo gives it back);
     * ingestion: the step table, the deadline index and the layout version (it opens a
       delivery's first step), its in-flight places, owner records and idempotency keys
@@ -436,6 +436,7 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
     from choreo.lease import lease_key
     from choreo.release import awaiting_key
     from choreo.state import delivery_key
+    from choreo.supervision import awaiting_operator_index
     from producers.settings import IngestionSettings
     from producers.submit import idempotency_redis_key, owner_redis_key
     from registry.leader import LEASE_PREFIX
@@ -451,7 +452,8 @@ def redis_key_prefixes(workflow: Workflow, policy: Policy) -> dict[str, list[str
     prefixes[webhooks_service().name] = set(runtime)  # dedupe and its dead letters' notes
     supervisor = prefixes.get("supervisor")
     if supervisor is not None:
-        supervisor |= {_prefix(lease_key(one)), _prefix(awaiting_key(one, 0))}
+        supervisor |= {_prefix(lease_key(one)), _prefix(awaiting_key(one, 0)),
+                       _prefix(awaiting_operator_index(one))}
         supervisor |= {_prefix(key) for key in workflow.released_keys(one)}
         # its record of a success gives back what the delivery holds of pools returned on
         # success, its reading of a failure what it holds of pools no undo gives back

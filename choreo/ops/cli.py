@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -27,8 +28,8 @@ dlq_app = typer.Typer(no_args_is_help=True, help="Dead letters: list, show, redr
 topology_app = typer.Typer(no_args_is_help=True, help="The topology as data: check it, document it.")
 app.add_typer(dlq_app, name="dlq")
 app.add_typer(topology_app, name="topology")
-err = Console(stderr=True)
-out = Console()
+err = Console(stderr=True, emoji=False)
+out = Console(markup=False, emoji=False)  # what it prints comes from Redis and Kafka: never markup
 
 WORKFLOW_OPT = typer.Option("consumers.workflow:WORKFLOW", "--workflow", help="module:attr of the Workflow")
 JSON_OPT = typer.Option(False, "--json", help="one JSON document on stdout, for scripts")
@@ -50,12 +51,27 @@ def _emit_json(value: Any) -> None:
     print(json.dumps(value, default=plain, indent=2))
 
 
+def _printable(text: str) -> str:
+    """Text that came from Redis, Kafka or a header, with each control character (a terminal's
+    escape sequence) shown escaped instead of sent to the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _safe(text: str) -> str:
+    """Such text inside a message that has markup of its own."""
+    return escape(_printable(text))
+
+
+def _add_row(table: Table, *cells: str, style: str = "") -> None:
+    table.add_row(*(_printable(cell) for cell in cells), style=style)
+
+
 def _when(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] if ms else "-"
 
 
 def _fail(message: str) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}")
+    err.print(f"[bold red]error:[/] {_safe(message)}")
     raise typer.Exit(1)
 
 
@@ -126,7 +142,7 @@ def replay_cmd(
         if as_json:
             _emit_json({"group": target, "moved": spans})
         else:
-            err.print(f"group [bold]{target}[/] now starts at the range on {len(spans)} partitions; "
+            err.print(f"group [bold]{_safe(target)}[/] now starts at the range on {len(spans)} partitions; "
                       "start its service to consume from there")
         return
     try:
@@ -139,12 +155,12 @@ def replay_cmd(
         _emit_json(result)
         return
     for warning in result.warnings:
-        err.print(f"[yellow]warning:[/] {warning}")
+        err.print(f"[yellow]warning:[/] {_safe(warning)}")
     table = Table("records in range", "handled (new to the service)", "skipped (already handled)",
                   "skipped (delivery released)", "batches read again", "seconds",
                   title=f"replay into {result.service} (group {result.group})")
-    table.add_row(str(result.records), str(result.handled), str(result.duplicates), str(result.released),
-                  str(result.rewound_batches), f"{result.seconds:.2f}")
+    _add_row(table, str(result.records), str(result.handled), str(result.duplicates), str(result.released),
+             str(result.rewound_batches), f"{result.seconds:.2f}")
     out.print(table)
 
 
@@ -181,16 +197,16 @@ def rebuild_cmd(
         return
     table = Table("restored", "count", title=f"rebuild from {_when(report.since_ms)} ({report.seconds:.1f}s)")
     for name in ("records_read", "deliveries", "outcomes", "fanin_fields", "steps", "open_steps",
-                 "closed_steps", "bookings_restored", "bookings_left_free", "seen_entries", "service_records", "pool_members",
-                 "released_skipped", "awaiting_release"):
-        table.add_row(name.replace("_", " "), str(getattr(report, name)))
+                 "closed_steps", "bookings_restored", "bookings_left_free", "seen_entries", "service_records",
+                 "pool_members", "released_skipped", "awaiting_release", "awaiting_operator"):
+        _add_row(table, name.replace("_", " "), str(getattr(report, name)))
     out.print(table)
     out.print("seconds: " + ", ".join(f"{phase} {s:.1f}" for phase, s in report.phase_seconds.items()))
     out.print(f"read in {report.passes} passes, at most {report.most_deliveries_held} deliveries held at once")
     if report.one_group_because:
-        err.print(f"[yellow]not a partition at a time:[/] {report.one_group_because}")
+        err.print(f"[yellow]not a partition at a time:[/] {_safe(report.one_group_because)}")
     for conflict in report.booking_conflicts:
-        err.print(f"[red]booking conflict:[/] {conflict}")
+        err.print(f"[red]booking conflict:[/] {_safe(conflict)}")
     if report.booking_conflicts:
         raise typer.Exit(1)
 
@@ -217,17 +233,17 @@ def _decide(workflow: str, delivery_id: str, step: str, action: str, note: str, 
     except DecisionRefused as exc:
         _fail(str(exc))
     except (RuntimeError, KafkaException, redis.RedisError) as exc:
-        err.print(f"[bold red]error:[/] {str(exc)[:300]}: the decision may or may not be published; "
-                  f"look at the step (choreo ops trace {delivery_id})")
+        err.print(f"[bold red]error:[/] {_safe(str(exc)[:300])}: the decision may or may not be published; "
+                  f"look at the step (choreo ops trace {_safe(delivery_id)})")
         raise typer.Exit(3) from None
     if as_json:
         _emit_json(result)
     elif result.acted_on:
-        out.print(f"{step} of {delivery_id} is {result.status}; undo order: "
-                  + ", ".join(f"{s} {status}" for s, status in result.undo_order.items()))
+        out.print(_printable(f"{step} of {delivery_id} is {result.status}; undo order: "
+                             + ", ".join(f"{s} {status}" for s, status in result.undo_order.items())))
     else:
-        err.print(f"[yellow]published to {result.topic}; no supervisor acted on it within --wait[/] "
-                  f"(the step is {result.status or 'gone'}): none reads that topic yet, or it found the step "
+        err.print(f"[yellow]published to {_safe(result.topic)}; no supervisor acted on it within --wait[/] "
+                  f"(the step is {_safe(result.status or 'gone')}): none reads that topic yet, or it found the step "
                   "no longer compensation_failed")
     if not result.acted_on:
         raise typer.Exit(2)
@@ -285,7 +301,7 @@ def trace_cmd(
     from choreo.ops.records import parse_time
     from choreo.ops.trace import trace
 
-    with _progress(f"tracing {delivery_id}", as_json) as (_, advance):
+    with _progress(f"tracing {_safe(delivery_id)}", as_json) as (_, advance):
         result = trace(delivery_id, _workflow(workflow), since_ms=parse_time(since) if since else None,
                        partitioner=partitioner, progress=advance, extra_topics=topic)
     if as_json:
@@ -296,16 +312,16 @@ def trace_cmd(
     styles = {"dead-letter": "red", "retry": "yellow", "recovery": "magenta", "compensation": "cyan"}
     for i, hop in enumerate(result.hops, 1):
         handled = ", ".join(f"{s}{'' if ok else ' (pending)'}" for s, ok in hop.consumed_by.items())
-        table.add_row(str(i), _when(hop.time_ms), str(hop.since_previous_ms), f"{hop.topic}[{hop.partition}]@{hop.offset}",
-                      hop.producer, hop.event_type, str(hop.attempt), str(hop.hops), hop.note[:80], handled,
-                      style=styles.get(hop.kind, ""))
+        _add_row(table, str(i), _when(hop.time_ms), str(hop.since_previous_ms),
+                 f"{hop.topic}[{hop.partition}]@{hop.offset}", hop.producer, hop.event_type, str(hop.attempt),
+                 str(hop.hops), hop.note[:80], handled, style=styles.get(hop.kind, ""))
         if bodies:
-            table.add_row("", "", "", "", "", "", "", "", json.dumps(hop.body)[:300], "")
+            _add_row(table, "", "", "", "", "", "", "", "", json.dumps(hop.body)[:300], "")
     out.print(table)
     if result.state:
         state = Table("field", "value", title="state table (Redis)")
         for k, v in result.state.items():
-            state.add_row(k, v)
+            _add_row(state, k, v)
         out.print(state)
     err.print(f"scanned {result.stats.records_read} records in {result.stats.partitions} partitions in "
               f"{result.stats.seconds * 1000:.0f} ms (from {_when(result.since_ms)}, found by {result.found_start_by})")
@@ -351,14 +367,14 @@ def dlq_list(topic: list[str] = TOPIC_OPT, reason: list[str] = REASON_OPT, deliv
         return
     table = Table("dlq topic", "reason", "count", "redriven", title="dead letters")
     for row in summary(letters):
-        table.add_row(row["topic"], row["reason"], str(row["count"]), str(row["redriven"]))
+        _add_row(table, row["topic"], row["reason"], str(row["count"]), str(row["redriven"]))
     out.print(table)
     if details:
         rows = Table("position", "time (UTC)", "reason", "service", "delivery", "redriven", "error")
         for letter in letters:
-            rows.add_row(f"{letter.dlq_topic}[{letter.partition}]@{letter.offset}", _when(letter.time_ms),
-                         letter.reason, letter.service, letter.delivery_id, "yes" if letter.redriven else "",
-                         letter.error[:80])
+            _add_row(rows, f"{letter.dlq_topic}[{letter.partition}]@{letter.offset}", _when(letter.time_ms),
+                     letter.reason, letter.service, letter.delivery_id, "yes" if letter.redriven else "",
+                     letter.error[:80])
         out.print(rows)
 
 
@@ -377,11 +393,14 @@ def dlq_show(topic: str = typer.Argument(..., help="DLQ topic"), partition: int 
         return
     headers = Table("header", "value", title=f"{topic}[{partition}]@{offset} ({shown['value_bytes']} bytes)")
     for k, v in shown["headers"].items():
-        headers.add_row(k, v, style="red" if k.startswith("dlq.") else "")
+        _add_row(headers, k, v, style="red" if k.startswith("dlq.") else "")
     out.print(headers)
     if shown["dead_letter"]["problem"]:
-        err.print(f"[bold red]untrusted, never redriven:[/] {shown['dead_letter']['problem']}", highlight=False)
-    out.print_json(json.dumps(shown["body"]) if isinstance(shown["body"], dict) else json.dumps(str(shown["body"])))
+        err.print(f"[bold red]untrusted, never redriven:[/] {_safe(str(shown['dead_letter']['problem']))}",
+                  highlight=False)
+    # ASCII only: a body's control and direction characters stay escapes, not sent to the terminal
+    out.print_json(json.dumps(shown["body"] if isinstance(shown["body"], dict) else str(shown["body"])),
+                   ensure_ascii=True)
 
 
 @dlq_app.command("redrive")
@@ -405,20 +424,22 @@ def dlq_redrive(topic: list[str] = TOPIC_OPT, reason: list[str] = REASON_OPT, de
     verb = "would redrive" if dry_run else "redriven"
     table = Table("position", "→ topic", "reason", "delivery", title=f"{verb}: {len(result.redriven)}")
     for letter in result.redriven:
-        table.add_row(letter.position, letter.source_topic, letter.reason, letter.delivery_id)
+        _add_row(table, letter.position, letter.source_topic, letter.reason, letter.delivery_id)
     out.print(table)
     for letter, why in result.skipped:
-        err.print(f"[yellow]skipped[/] {letter.position}: {why}")
+        err.print(f"[yellow]skipped[/] {_safe(f'{letter.position}: {why}')}")
 
 
 # -- status -----------------------------------------------------------------------------------
 
 @app.command("status")
-def status_cmd(limit: int = typer.Option(1000, help="steps of the deadline index to look at"),
+def status_cmd(limit: int = typer.Option(1000, help="steps of the deadline index to look at, and of those "
+                                                    "waiting for an operator"),
                window: str = typer.Option("1h", help="window for recent outcome counts (e.g. 15m, 1h)"),
                lag: bool = typer.Option(True, "--lag/--no-lag", help="consumer lag per group and partition"),
                workflow: str = WORKFLOW_OPT, as_json: bool = JSON_OPT) -> None:
-    """Deliveries in flight, stuck (past deadline), failed and compensating; consumer lag."""
+    """Deliveries in flight, stuck (past deadline), failed, compensating and waiting for an
+    operator's decision on an undo failed for good; consumer lag."""
     from choreo.ops.records import parse_time
     from choreo.ops.status import status
 
@@ -427,25 +448,33 @@ def status_cmd(limit: int = typer.Option(1000, help="steps of the deadline index
     if as_json:
         _emit_json(result)
         return
-    summary = Table("in flight (deliveries)", "stuck steps", "failed steps", "compensating",
+    summary = Table("in flight (deliveries)", "stuck steps", "failed steps", "compensating", "awaiting operator",
                     *[f"{t} ({window})" for t in result.recent_outcomes], title="deliveries")
-    summary.add_row(str(result.in_flight_deliveries), str(len(result.stuck)), str(len(result.failed)),
-                    str(len(result.compensating)), *[str(n) for n in result.recent_outcomes.values()])
+    _add_row(summary, str(result.in_flight_deliveries), str(len(result.stuck)), str(len(result.failed)),
+             str(len(result.compensating)), str(len(result.awaiting_operator)),
+             *[str(n) for n in result.recent_outcomes.values()])
     out.print(summary)
+    if result.awaiting_operator:
+        table = Table("delivery", "step", "waiting s", "error",
+                      title="undos failed for good: choreo ops mark-compensated | retry-undo <delivery> <step>")
+        for v in result.awaiting_operator[:50]:
+            waiting_s = (result.now_ms - v.waiting_since_ms) / 1000
+            _add_row(table, v.delivery_id, v.step, f"{waiting_s:.0f}", v.error[:60])
+        out.print(table)
     for title, rows in (("stuck", result.stuck), ("failed", result.failed), ("compensating", result.compensating)):
         if not rows:
             continue
         table = Table("delivery", "step", "status", "overdue s", "attempt", "failures", "error", title=title)
         for v in rows[:50]:
-            table.add_row(v.delivery_id, v.step, v.status, f"{v.overdue_ms / 1000:.1f}", str(v.attempt),
-                          str(v.failures), v.error[:60])
+            _add_row(table, v.delivery_id, v.step, v.status, f"{v.overdue_ms / 1000:.1f}", str(v.attempt),
+                     str(v.failures), v.error[:60])
         out.print(table)
     if result.lag:
         table = Table("group", "topic", "partition", "committed", "end", "lag", title="consumer lag")
         for row in result.lag:
             if row.lag or row.committed < 0:
-                table.add_row(row.group, row.topic, str(row.partition), str(row.committed), str(row.end),
-                              str(row.lag), style="yellow" if row.lag > 100 else "")
+                _add_row(table, row.group, row.topic, str(row.partition), str(row.committed), str(row.end),
+                         str(row.lag), style="yellow" if row.lag > 100 else "")
         total = sum(r.lag for r in result.lag)
         out.print(table)
         err.print(f"total lag {total} over {len(result.lag)} partitions (rows with lag 0 hidden)")
@@ -479,7 +508,7 @@ def topology_check(workflow: str = WORKFLOW_OPT,
         _emit_json({"ok": not findings, "findings": findings})
     else:
         for f in findings:
-            err.print(f"[red]{f.rule}:[/] {f.message}")
+            err.print(f"[red]{_safe(f.rule)}:[/] {_safe(f.message)}")
         err.print("topology sound" if not findings else f"{len(findings)} problem(s)")
     if findings:
         raise typer.Exit(1)
@@ -519,7 +548,7 @@ def web_cmd(workflow: str = WORKFLOW_OPT,
     try:
         serve(_workflow(workflow), host, port, interval_s=interval, log_level=log_level)
     except ValueError as exc:
-        err.print(f"[bold red]refused:[/] {exc}", highlight=False)
+        err.print(f"[bold red]refused:[/] {_safe(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
 
 

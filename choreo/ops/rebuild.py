@@ -112,8 +112,8 @@ from choreo.redis_client import NodePipelines, connect, raise_first
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
 from choreo.release import awaiting_key, released
 from choreo.runtime_events import CompensationRecord, StepReport
-from choreo.state import Restored, Source, StateTable, StepStatus, delivery_key
-from choreo.supervision import CLOSED_BY_FAILURE, undo_fields
+from choreo.state import Restored, Source, StateTable, StepStatus, delivery_key, index_member
+from choreo.supervision import CLOSED_BY_FAILURE, awaiting_operator_index, undo_fields
 from choreo.workflow import Workflow
 
 READY_KEY = "choreo:state:ready"
@@ -220,6 +220,7 @@ class RebuildReport:
     bookings_restored: int = 0
     bookings_superseded: int = 0
     bookings_left_free: int = 0  # held by a step whose undo an operator marked done by hand
+    awaiting_operator: int = 0  # steps whose undo failed for good, listed again for a decision
     booking_conflicts: list[str] = field(default_factory=list)
     seen_entries: int = 0
     service_records: int = 0
@@ -648,10 +649,22 @@ class Rebuilder:
         done = released(self.client, deliveries)
         state = StateTable(self.client)
         pipes = NodePipelines(self.client)
+        now, retention, unread = now_ms(), self.workflow.retention_s, self.workflow.unread_failure_s
         for delivery, steps in self.compensation.items():
             if delivery not in done:
                 state.put(delivery, {f"{step}.status": StepStatus(status).value for step, status in steps.items()},
                           pipes)
+                # listed again as waiting for an operator, from now on as its state waits
+                waiting = {index_member(delivery, step): now for step, status in steps.items()
+                           if status == StepStatus.COMPENSATION_FAILED.value}
+                pipe = pipes.on(delivery_key(delivery))
+                if waiting:
+                    pipe.zadd(awaiting_operator_index(delivery), waiting)
+                    report.awaiting_operator += len(waiting)
+                # a failed delivery no pass held (its failure before the window) goes in time too
+                ttl = unread if waiting else retention
+                if ttl > 0:
+                    pipe.expire(delivery_key(delivery), ttl, nx=True)
         raise_first(pipes.execute())
         self.merge_fields((delivery_key(delivery), {"dead_letters": count}, 0)
                           for delivery, count in self.side_dead_letters.items() if delivery not in done)

@@ -72,6 +72,9 @@ BOUNDED = {
                    "capped by MAXLEN", {"zset": FLEET, "hash": FLEET, "string": INTEGER, "stream": HISTORY_MAX}),
     "deadlines": Bound("the deadline index: one member per open step, gone when it closes",
                        {"zset": RUN_DELIVERIES * len(ops_pipeline.WORKFLOW.steps)}),
+    "awaiting-operator": Bound("the steps whose undo failed for good, until an operator decides or the "
+                               "supervisor trims them with their state's wait",
+                               {"zset": RUN_DELIVERIES * len(ops_pipeline.WORKFLOW.steps)}),
     "ingestion": Bound("admission: the deliveries in flight, capped by INGESTION_MAX_IN_FLIGHT, and "
                        "their owners", {"zset": IN_FLIGHT_CAP, "hash": IN_FLIGHT_CAP}),
     "release": Bound("terminals awaiting release, capped per partition by the releaser",

@@ -31,19 +31,20 @@ from confluent_kafka.admin import NewPartitions
 from choreo import topology
 from choreo.kafka import admin, ensure_topics
 from choreo.join import UNREAD_FAILURE_S
+from choreo.ops import status
 from choreo.ops.rebuild import DeliveryFacts, RebuildReport, Rebuilder, rebuild
 from choreo.ops.records import partition_for
 from choreo.ops.trace import trace
 from choreo.dedupe import seen_key
-from choreo.envelope import Envelope
+from choreo.envelope import Envelope, now_ms
 from choreo.publisher import Publish, Publisher
 from choreo.redis_client import connect
 from choreo.release import Releaser, released
 from choreo.runner import RECOVERY_TOPIC
 from choreo.runtime_events import CompensationRecord
 from choreo.service import retry_topic
-from choreo.supervision import CLOSED_BY_FAILURE
-from choreo.state import StateTable, delivery_key, text
+from choreo.supervision import CLOSED_BY_FAILURE, awaiting_operator_index
+from choreo.state import StateTable, delivery_key, index_member, text
 from choreo.workflow import Workflow
 from consumers.drone_scheduler import fleet
 from consumers.workflow import WORKFLOW
@@ -392,11 +393,26 @@ def test_rebuild_keeps_a_delivery_whose_undo_failed_for_good_waiting_for_an_oper
     by hand as long as the supervisor's own state did (a day), not the retention; a failed
     delivery whose undos ended keeps the retention."""
     rebuilder = Rebuilder(WORKFLOW, private_redis)
-    waiting, done = str(uuid.uuid4()), str(uuid.uuid4())
+    waiting, done, before_window = str(uuid.uuid4()), str(uuid.uuid4()), str(uuid.uuid4())
     rebuilder.facts = {d: DeliveryFacts(outcome="failed") for d in (waiting, done)}  # both read
-    rebuilder.compensation = {waiting: {"package": "compensation_failed"}, done: {"package": "compensated"}}
-    rebuilder._write_joins(RebuildReport(since_ms=0))
+    rebuilder.compensation = {waiting: {"package": "compensation_failed"}, done: {"package": "compensated"},
+                              before_window: {"package": "compensation_failed"}}  # its failure not read
+    report = RebuildReport(since_ms=0)
+    rebuilder._write_joins(report)
     assert WORKFLOW.retention_s < private_redis.ttl(delivery_key(waiting)) <= WORKFLOW.unread_failure_s
+    assert 0 < private_redis.ttl(delivery_key(done)) <= WORKFLOW.retention_s
+    # listed again as waiting for an operator, from the rebuild on, as its state waits from then
+    before = now_ms()
+    rebuilder._write_side(report)
+    assert report.awaiting_operator == 2
+    listed = private_redis.zscore(awaiting_operator_index(waiting), index_member(waiting, "package"))
+    assert listed is not None and before <= listed <= now_ms()
+    assert private_redis.zscore(awaiting_operator_index(done), index_member(done, "package")) is None
+    view = status.deliveries(private_redis, undo_steps=status.undo_steps(WORKFLOW))
+    assert {(v.delivery_id, v.step) for v in view.awaiting_operator} == {(waiting, "package"),
+                                                                         (before_window, "package")}
+    # the state written for a failure no pass read waits as long, and then goes
+    assert WORKFLOW.retention_s < private_redis.ttl(delivery_key(before_window)) <= WORKFLOW.unread_failure_s
     assert 0 < private_redis.ttl(delivery_key(done)) <= WORKFLOW.retention_s
 
 

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
 from confluent_kafka import ConsumerGroupState, Producer
@@ -40,7 +41,8 @@ from choreo.state import StateTable, delivery_key
 from consumers.drone_scheduler import fleet
 from schemas.models import DeliveryFailed
 from tests.factories import delivery_request
-from tests.helpers import ServiceProcess, indexed, own_redis_url, read_topic, start_group_at_end, wait_for
+from tests.helpers import (ServiceProcess, free_port, indexed, own_redis_url, read_topic, start_group_at_end,
+                           wait_for)
 from tests.services import sup_pipeline
 
 pytestmark = pytest.mark.integration
@@ -74,11 +76,12 @@ class World:
         wait_for(lambda: _group_ready(group, members), timeout_s=45, what=f"{group} consuming")
         return proc
 
-    def supervisor(self, instance: str = "0", members: int = 1, **env: str) -> ServiceProcess:
+    def supervisor(self, instance: str = "0", members: int = 1, metrics_port: int = 0, **env: str) -> ServiceProcess:
         if members == 1:  # a new group joins the shared recovery topic at its end, as a
             start_group_at_end(self.name, RECOVERY_TOPIC)  # deployed one would (not at its history)
         proc = ServiceProcess("choreo.supervisor:service", instance=f"{self.name}-{instance}",
-                              env={**self.env, **env}, workflow=f"{sup_pipeline.MODULE}:WORKFLOW")
+                              env={**self.env, **env}, workflow=f"{sup_pipeline.MODULE}:WORKFLOW",
+                              args=["--metrics-port", str(metrics_port)] if metrics_port else [])
         self.procs.append(proc.start())
         wait_for(lambda: _group_ready(self.name, members), timeout_s=45, what="the supervisor consuming")
         return proc
@@ -447,6 +450,18 @@ def _ops(world: World, command: str, *args: str) -> subprocess.CompletedProcess[
                           env={**os.environ, **world.env, "COLUMNS": "400"})  # one line per message
 
 
+def _awaiting_gauge(port: int) -> float | None:
+    name = "choreo_supervisor_undos_awaiting_operator "
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return next((float(line[len(name):]) for line in text.splitlines() if line.startswith(name)), None)
+
+
+def _awaiting_operator(world: World) -> set[tuple[str, str]]:
+    listed = _ops(world, "status", "--no-lag", "--json")
+    assert listed.returncode == 0, listed.stderr
+    return {(v["delivery_id"], v["step"]) for v in json.loads(listed.stdout)["awaiting_operator"]}
+
+
 def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_drone_back(world: World) -> None:
     """The drone's undo is refused for good: the step ends compensation_failed and the drone
     stays held. The operator undoes it by hand and marks it so: the supervisor marks the step
@@ -455,14 +470,17 @@ def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_dron
     world.start("package", AGENT_WAREHOUSE_PERMANENT_RATE="1.0")  # the package fails: the drone is undone
     world.start("drone", AGENT_DISPATCH_RELEASE_PERMANENT_RATE="1.0")  # ... and its undo is refused
     world.start("delivery")
-    supervisor = world.supervisor()
+    port = free_port()
+    supervisor = world.supervisor(metrics_port=port)
     ids = world.publish(2)
     wait_for(lambda: all(world.state(d).get("drone.status") == "compensation_failed" for d in ids),
              timeout_s=60, what="compensation_failed")
     assert all(world.redis.hget(fleet.booking_key, d) for d in ids)  # held for good
+    wait_for(lambda: _awaiting_gauge(port) == 2, timeout_s=30, what="the gauge to alert on")
     # the state waits for the operator's mark as long as an unread failure waits (a day), not
     # the retention (an hour here)
     assert all(world.redis.ttl(delivery_key(d)) > 3600 for d in ids)
+    assert _awaiting_operator(world) == {(d, "drone") for d in ids}  # listed by choreo ops status
     decisions = world.topic("compensation.operator")
     # marks written to the topic past the command's checks change nothing: a step that is not
     # compensation_failed (the supervisor's script refuses it), a field of the state that is
@@ -489,6 +507,8 @@ def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_dron
         result = json.loads(done.stdout)
         assert result["status"] == "compensated" and result["undo_order"] == {"drone": "compensated"}
         assert 0 < world.redis.ttl(delivery_key(d)) <= 3600  # the retention again
+    assert _awaiting_operator(world) == set()
+    wait_for(lambda: _awaiting_gauge(port) == 0, timeout_s=30, what="the gauge back at 0")
     again = _ops(world, "mark-compensated", ids[0], "drone")  # compensated now: refused
     assert again.returncode == 1 and "is compensated" in again.stderr
     _drones_back(world, ids, "by_hand")
@@ -522,6 +542,7 @@ def test_an_undo_asked_again_once_fixed_runs_again_and_gives_the_drone_back(worl
     failed_attempt = {d: int(world.state(d)["release_drone.attempt"]) for d in ids}
     refusing.kill()
     world.start("drone")
+    assert _awaiting_operator(world) == {(d, "drone") for d in ids}
     for d in ids:
         asked = _ops(world, "retry-undo", d, "drone", "--note", "dispatch fixed", "--json", "--wait", "60")
         assert asked.returncode == 0, asked.stderr
@@ -532,6 +553,8 @@ def test_an_undo_asked_again_once_fixed_runs_again_and_gives_the_drone_back(worl
         assert int(state["release_drone.attempt"]) == failed_attempt[d] + 1
         assert 0 < world.redis.ttl(delivery_key(d)) <= 3600  # the retention again, not the day's wait
     _drones_back(world, ids, "release")
+    assert _awaiting_operator(world) == set()
+    wait_for(lambda: indexed(world.redis) == 0, timeout_s=20, what="nothing left in the deadline index")
     refused = _ops(world, "retry-undo", ids[0], "drone")  # compensated now: nothing to ask
     assert refused.returncode == 1 and "is compensated" in refused.stderr, refused.stderr
     log = wait_for(lambda: (r := world.by_delivery("compensation.log")) and

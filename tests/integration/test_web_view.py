@@ -31,8 +31,10 @@ from confluent_kafka import Producer
 from playwright.sync_api import Page, sync_playwright
 
 from choreo.config import settings
-from choreo.envelope import Envelope
+from choreo.envelope import Envelope, now_ms
 from choreo.publisher import Publisher
+from choreo.state import StateTable, index_member
+from choreo.supervision import awaiting_operator_index
 from tests.factories import delivery_request
 from tests.helpers import REPO, free_port, wait_for
 from infra.tls import ensure_certificates
@@ -175,6 +177,20 @@ def test_the_live_view_shows_the_flow_a_stopped_service_and_a_timeline(running: 
                 pass
             page.wait_for_timeout(2_500)
             assert "redriven 2, skipped 0" in page.inner_text("#redrive-result")
+
+            # an undo failed for good waits for an operator: listed, its error shown as text
+            waiting = str(uuid.uuid4())
+            StateTable(running.client).put(waiting, {"outcome": "failed", "package.status": "compensation_failed",
+                                                     "package.error": "<script>window.pwned = 1</script> [/b]"})
+            running.client.zadd(awaiting_operator_index(waiting), {index_member(waiting, "package"): now_ms() - 60_000})
+            awaiting = 'table.steps[data-kind="waiting for an operator"] tr'
+            wait_for(lambda: page.locator(awaiting, has_text=waiting).count() == 1, timeout_s=30, interval_s=0.5,
+                     what="the undo waiting for an operator on the page")
+            assert page.inner_text("#awaiting-operator") == "1"
+            assert "<script>window.pwned = 1</script> [/b]" in page.inner_text(f"{awaiting} td.error")
+            waited = page.locator(f"{awaiting} td", has_text=re.compile(r"^\d+ s$")).inner_text()
+            assert int(waited.split()[0]) >= 60  # listed a minute ago
+            assert page.evaluate("window.pwned") is None
 
             # the package service stops: its group falls behind and its steps pass their deadline
             [proc] = [p for p in running.procs if p.ref.endswith(":package")]

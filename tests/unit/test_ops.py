@@ -177,3 +177,24 @@ def test_an_operators_decision_tells_by_its_exit_code_what_happened(monkeypatch:
     monkeypatch.setattr(compensation, "decide", decide)
     result = CliRunner().invoke(cli.app, ["mark-compensated", "d-1", "drone", "--wait", "0"])
     assert result.exit_code == code, result.output
+
+
+def test_the_status_view_prints_hostile_text_from_redis_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error text or a delivery id is whatever a service, a remote or a forged record put
+    there: Rich markup in it ("[/bold]" closes no tag) crashed the command before; now it is
+    printed as text."""
+    from typer.testing import CliRunner
+
+    from choreo.ops import cli, status
+
+    hostile = "refused [/bold] [link=http://x]y[/link] \x1b[2J"
+    view = status.StepView("d-[/x]", "drone", "compensation_failed", 0, 0, 3, 6, hostile, "failed", 1_000)
+    result_view = status.Status(61_000, 1, 1, 0, awaiting_operator=[view], failed=[view])
+
+    monkeypatch.setattr(status, "status", lambda *_, **__: result_view)
+    monkeypatch.setattr(cli, "_workflow", lambda _: None)
+    result = CliRunner().invoke(cli.app, ["status", "--no-lag"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert "d-[/x]" in result.output and "refused [/bold] [link=http://x]y[/link]" in result.output
+    assert "\x1b[2J" not in result.output  # the terminal's controls are not passed through
+    assert "60" in result.output.split("d-[/x]")[1].splitlines()[0]  # failed 60 s ago

@@ -21,9 +21,9 @@ def test_every_principal_has_a_user_and_owns_only_what_it_declares() -> None:
     assert set(users["drone-scheduler"]) == STEP_STATE | {"fleet"}
     assert set(users["notifier"]) == STEP_STATE | {"notified"}
     assert set(users["delivery"]) == STEP_STATE
-    # the supervisor's lease and release queue, the records released with a delivery, and the
-    # fleet it gives a shipped delivery's drone back to
-    assert set(users["supervisor"]) == STEP_STATE | {"lease", "release", "pkg", "fleet"}
+    # the supervisor's lease, release queue and list of undos awaiting an operator, the records
+    # released with a delivery, and the fleet it gives a shipped delivery's drone back to
+    assert set(users["supervisor"]) == STEP_STATE | {"lease", "release", "awaiting-operator", "pkg", "fleet"}
     assert set(users["ingestion"]) == {"dl", "deadlines", "layout", "ingestion", "owner", "idem"}
     assert users["schema-registry"] == ["registry"] and users["ops"] == ["*"]
 

@@ -236,7 +236,8 @@ def test_an_undo_marked_done_by_hand_goes_on_with_the_chain() -> None:
                   answers={"mark_compensated": "compensated:compensation_failed:2:drone:NO_PACKAGE: x\x1f\x1f"})
     [mark] = outcome.effects  # the package's service holds nothing in a pool
     # the state's retention, which it has again once the step leaves compensation_failed
-    assert (mark.name, mark.args[0], mark.args[2:]) == ("mark_compensated", "package", ("compensation_failed", 3600))
+    assert (mark.name, mark.args[0], mark.args[2:]) == ("mark_compensated", "package",
+                                                        ("compensation_failed", 3600, "d-1|package"))
     assert log_of(outcome) == [("package", "COMPENSATED", 2)]
     assert [step for _, step, _, _ in undos_of(outcome)] == ["drone"]
     assert ("warning", "compensation.marked_by_hand") in [(log.level, log.event) for log in outcome.logs]

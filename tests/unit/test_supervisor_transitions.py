@@ -18,7 +18,7 @@ from choreo.ops import status
 from choreo.state import Begin, Source, StateTable, StepStatus, deadline_index, delivery_key, index_member
 from choreo.supervision import (
     ASK_UNDO_AGAIN, COMPENSATION, FORWARD, MARK_COMPENSATED, MARK_COMPENSATING, Action, Policies, Scanner,
-    StepPolicy, SupervisorSettings, Transitions, parse_marked,
+    AWAITING_MARGIN_S, StepPolicy, SupervisorSettings, Transitions, awaiting_operator_index, parse_marked,
 )
 from tests.helpers import indexed
 
@@ -462,6 +462,8 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
     f = _fields(client, d)
     assert f["package.status"] == "compensation_failed" and f["cancel_package.status"] == "failed"
     assert indexed(client) == 0
+    # listed as waiting for an operator's decision, since the failure
+    assert client.zscore(awaiting_operator_index(d), index_member(d, "package")) == 1_002_000
     # the compensation ended: its submitter is told failed, with the steps it was to undo
     assert (action.data["told"], action.data["undone"], f["outcome.told"]) == ("failed", "package", "failed")
     # its state waits for an operator's mark as an unread failure waits for its reading, and
@@ -471,16 +473,56 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
                                                                                    "drone"], 60)
     assert 86_000 < client.ttl(delivery_key(d)) <= 86_400
     # a mark from any other status is refused; the mark by hand gives the retention back
-    assert MARK_COMPENSATED.run(client, d, "t:m", [delivery_key(d)], ["package", 7, "compensating", 3600], 60) \
-        == "ignored:compensation_failed"
-    assert MARK_COMPENSATED.run(client, d, "t:n", [delivery_key(d)],
-                                ["package", 8, "compensation_failed", 3600], 60).startswith("compensated:")
+    assert _mark(client, d, "t:m", "package", 7, "compensating", 3600) == "ignored:compensation_failed"
+    assert client.zscore(awaiting_operator_index(d), index_member(d, "package")) == 1_002_000
+    assert _mark(client, d, "t:n", "package", 8, "compensation_failed", 3600).startswith("compensated:")
     assert 0 < client.ttl(delivery_key(d)) <= 3600 and _fields(client, d)["package.status"] == "compensated"
+    assert client.zcard(awaiting_operator_index(d)) == 0  # waits no more
+
+
+def _mark(client: redis.Redis, d: str, memo: str, step: str, now: int, *rest: str | int) -> str | None:
+    """``MARK_COMPENSATED`` as the supervisor runs it (``rest``: only-from status, retention)."""
+    args = [step, now, *rest] + ["", 0][len(rest):] + [index_member(d, step)]
+    return MARK_COMPENSATED.run(client, d, memo, [delivery_key(d), awaiting_operator_index(d)], args, 60)
+
+
+def test_the_steps_awaiting_an_operator_are_listed_however_many_are_in_flight_until_their_state_goes(
+        client: redis.Redis, lease: Lease) -> None:
+    waiting = _new(client, "cancel_package")
+    StateTable(client).put(waiting, {"outcome": "failed", "package.status": "compensating", "undo.order": "package",
+                                     "cancel_package.status": "failed", "cancel_package.tries": BUDGET})
+    undoing = _new(client, "cancel_package", now=1_001_500)  # an undo under way, due later
+    StateTable(client).put(undoing, {"outcome": "failed", "package.status": "compensating"})
+    in_flight = {_new(client, "drone", now=995_000 + i) for i in range(3)}  # the scan extends them
+    assert _scan(client, lease, 1_002_000)[(waiting, "cancel_package")].kind == "comp_failed"
+    view = status.deliveries(client, limit=2, now_ms=1_002_000, undo_steps={"cancel_package"})
+    assert [(v.delivery_id, v.step, v.waiting_since_ms) for v in view.awaiting_operator] == [
+        (waiting, "package", 1_002_000)]
+    view = status.deliveries(client, now_ms=1_002_000, undo_steps={"cancel_package"})
+    assert [(v.delivery_id, v.step, v.status) for v in view.compensating] == [(undoing, "cancel_package", "pending")]
+    assert {v.delivery_id for v in view.in_flight} == in_flight
+    # once its deadline passed, an undo is stuck (its service may be down), not compensating
+    view = status.deliveries(client, now_ms=1_002_600, undo_steps={"cancel_package"})
+    assert [(v.delivery_id, v.step) for v in view.stuck] == [(undoing, "cancel_package")] and not view.compensating
+    # a listed step whose record says otherwise (decided by an older version, rebuilt) is
+    # neither shown nor counted, and the count takes it out
+    stale = index_member(undoing, "package")
+    client.zadd(awaiting_operator_index(undoing), {stale: 1_002_500})
+    assert status.deliveries(client, now_ms=1_003_000).awaiting_operator[0].delivery_id == waiting
+    scanner = Scanner(client, SETTINGS)
+    assert scanner.awaiting(1_003_000, 86_400) == 1
+    assert client.zscore(awaiting_operator_index(undoing), stale) is None
+    # kept while its state waits (a day, and a margin for the clocks), trimmed once it cannot
+    day_and_margin = (86_400 + AWAITING_MARGIN_S) * 1000
+    assert scanner.awaiting(1_002_000 + day_and_margin, 86_400) == 1
+    assert scanner.awaiting(1_002_001 + day_and_margin, 86_400) == 0
+    assert client.zcard(awaiting_operator_index(waiting)) == 0
 
 
 def test_an_undo_asked_again_is_a_new_attempt_with_a_full_budget_from_compensation_failed_alone(
         client: redis.Redis) -> None:
     d = _new(client, "release_drone")
+    client.zadd(awaiting_operator_index(d), {index_member(d, "drone"): 1_900_000})  # listed as awaiting an operator
     StateTable(client).put(d, {"outcome": "failed", "drone.status": "compensation_failed", "undo.order": "drone",
                                "undo.reason": "NO_PACKAGE: x", "drone.error": "release_drone failed after 10 tries",
                                "release_drone.status": "failed", "release_drone.attempt": 3,
@@ -488,16 +530,18 @@ def test_an_undo_asked_again_is_a_new_attempt_with_a_full_budget_from_compensati
                                "release_drone.source": "undo.drone|0|7"})
     client.expire(delivery_key(d), 86_400)
     args = ["drone", "release_drone", 2_000_000, 30_000, index_member(d, "release_drone"), 3600]
-    answer = ASK_UNDO_AGAIN.run(client, d, "t:a", [delivery_key(d), deadline_index(d)], args, 60)
+    keys_of = [delivery_key(d), deadline_index(d), awaiting_operator_index(d)]
+    answer = ASK_UNDO_AGAIN.run(client, d, "t:a", keys_of, args, 60)
     assert answer == "asked:4:NO_PACKAGE: x"
     f = _fields(client, d)
     assert f["drone.status"] == "compensating" and "drone.error" not in f
     assert (f["release_drone.status"], f["release_drone.attempt"], f["release_drone.tries"]) == ("pending", "4", "0")
     assert "release_drone.source" not in f and "release_drone.error" not in f  # not seen yet: the scan waits
     assert client.zscore(deadline_index(d), index_member(d, "release_drone")) == 2_030_000
+    assert client.zcard(awaiting_operator_index(d)) == 0  # waits no more for an operator
     assert 0 < client.ttl(delivery_key(d)) <= 3600
     # asked twice (a second decision), or of a step in any other status: nothing
-    assert ASK_UNDO_AGAIN.run(client, d, "t:b", [delivery_key(d), deadline_index(d)], args, 60) \
+    assert ASK_UNDO_AGAIN.run(client, d, "t:b", keys_of, args, 60) \
         == "ignored:compensating"
     assert _fields(client, d)["release_drone.attempt"] == "4"
 
@@ -505,16 +549,14 @@ def test_an_undo_asked_again_is_a_new_attempt_with_a_full_budget_from_compensati
 def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis) -> None:
     d = _new(client, "package")
     StateTable(client).put(d, {"package.status": "completed"})
-    assert MARK_COMPENSATED.run(client, d, "t:1", [delivery_key(d)], ["package", 5], 60) \
-        == "compensated:completed:1::\x1f\x1f"
+    assert _mark(client, d, "t:1", "package", 5) == "compensated:completed:1::\x1f\x1f"
     raw = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), deadline_index(d)],
                                 [6, d, "drone", "FAILED", 3600, "package"], 60)
     assert parse_marked(raw).steps == [] and parse_marked(raw).next == ""
     assert parse_marked(raw).told == "compensated"  # it ended before the failure was read
     assert _fields(client, d)["package.status"] == "compensated"
     # a replay of either is told the same answer
-    assert MARK_COMPENSATED.run(client, d, "t:1", [delivery_key(d)], ["package", 5], 60) \
-        == "compensated:completed:1::\x1f\x1f"
+    assert _mark(client, d, "t:1", "package", 5) == "compensated:completed:1::\x1f\x1f"
 
 
 def test_reading_a_failure_gives_its_waiting_state_the_retention(client: redis.Redis) -> None:
@@ -537,7 +579,7 @@ def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.
                                "drone.status": "completed"})
 
     def undone(step: str, memo: str) -> str:
-        answer = MARK_COMPENSATED.run(client, d, memo, [delivery_key(d)], [step, 7], 60) or ""
+        answer = _mark(client, d, memo, step, 7) or ""
         following = answer.split(":")[3]
         told, order = answer.split("\x1f")[1:3]
         # only the last undo ends the compensation, and it says which steps it covered

@@ -133,7 +133,8 @@ class Sampler:
         except Exception as exc:  # noqa: BLE001 - shown on the page, the loop goes on
             snap.problems["kafka"] = _say(exc)
         try:
-            snap.deliveries = ops_status.deliveries(self._redis, MAX_STEPS)
+            snap.deliveries = ops_status.deliveries(self._redis, MAX_STEPS,
+                                                    undo_steps=ops_status.undo_steps(self.workflow))
         except Exception as exc:  # noqa: BLE001
             snap.problems["redis"] = _say(exc)
         try:
