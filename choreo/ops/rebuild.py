@@ -666,7 +666,9 @@ class Rebuilder:
                 if ttl > 0:
                     pipe.expire(delivery_key(delivery), ttl, nx=True)
         raise_first(pipes.execute())
-        self.merge_fields((delivery_key(delivery), {"dead_letters": count}, 0)
+        # no pass held the delivery: its other records are older than the window, and its
+        # dead letters count for a redrive as long as a copy could still be told apart
+        self.merge_fields((delivery_key(delivery), {"dead_letters": count}, settings().dedupe_ttl_s)
                           for delivery, count in self.side_dead_letters.items() if delivery not in done)
         self._merge_seen(self.side_seen, done, report)
 

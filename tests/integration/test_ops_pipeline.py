@@ -29,6 +29,7 @@ from confluent_kafka import ConsumerGroupState
 from confluent_kafka.admin import NewPartitions
 
 from choreo import topology
+from choreo.config import settings
 from choreo.kafka import admin, ensure_topics
 from choreo.join import UNREAD_FAILURE_S
 from choreo.ops import status
@@ -411,6 +412,12 @@ def test_rebuild_keeps_a_delivery_whose_undo_failed_for_good_waiting_for_an_oper
     view = status.deliveries(private_redis, undo_steps=status.undo_steps(WORKFLOW))
     assert {(v.delivery_id, v.step) for v in view.awaiting_operator} == {(waiting, "package"),
                                                                          (before_window, "package")}
+    # a dead letter of a delivery no pass held is counted for a while, not forever
+    lonely = str(uuid.uuid4())
+    rebuilder.side_dead_letters = {lonely: 1}
+    rebuilder._write_side(report)
+    assert text(private_redis.hget(delivery_key(lonely), "dead_letters")) == "1"
+    assert 0 < private_redis.ttl(delivery_key(lonely)) <= settings().dedupe_ttl_s
     # the state written for a failure no pass read waits as long, and then goes
     assert WORKFLOW.retention_s < private_redis.ttl(delivery_key(before_window)) <= WORKFLOW.unread_failure_s
     assert 0 < private_redis.ttl(delivery_key(done)) <= WORKFLOW.retention_s
