@@ -496,8 +496,15 @@ class Rebuilder:
             facts.outcome = facts.outcome or outcome
             if outcome == FAILED:  # unread too when its reader runs outside the workflow
                 readers = self.handlers.get(r.topic, [])
-                facts.failure_unread = facts.failure_unread or not readers or not all(
-                    consumed_by(service) for service, _, _, _ in readers)
+                read = bool(readers) and all(consumed_by(service) for service, _, _, _ in readers)
+                facts.failure_unread = facts.failure_unread or not read
+                if read and facts.outcome == FAILED:
+                    # its reading gave back what the delivery held in the pools of services
+                    # none of whose steps it lists, with no event of the pools' own
+                    # (``Workflow.pools_not_undone``): a failure written by hand may leave out
+                    # a completed step, whose hold would otherwise be restored for good
+                    listed = [s for s in body.get("compensate") or () if s in self.compensable]
+                    facts.ended.update(pool.name for pool in self.workflow.pools_not_undone(listed))
             if outcome == FAILED and not facts.undo:
                 # the order the supervisor asks the undos in, as it recorded it on reading this
                 facts.undo = undo_fields((s for s in body.get("compensate") or () if s in self.compensable),

@@ -34,7 +34,7 @@ from choreo.kafka import admin, ensure_topics
 from choreo.join import UNREAD_FAILURE_S
 from choreo.ops import status
 from choreo.ops.rebuild import DeliveryFacts, RebuildReport, Rebuilder, rebuild
-from choreo.ops.records import partition_for
+from choreo.ops.records import Rec, partition_for
 from choreo.ops.trace import trace
 from choreo.dedupe import seen_key
 from choreo.envelope import Envelope, now_ms
@@ -421,6 +421,36 @@ def test_rebuild_keeps_a_delivery_whose_undo_failed_for_good_waiting_for_an_oper
     # the state written for a failure no pass read waits as long, and then goes
     assert WORKFLOW.retention_s < private_redis.ttl(delivery_key(before_window)) <= WORKFLOW.unread_failure_s
     assert 0 < private_redis.ttl(delivery_key(done)) <= WORKFLOW.retention_s
+
+
+def test_rebuild_leaves_free_the_drone_a_read_failure_gave_back_though_its_step_completed(
+        private_redis: redis.Redis) -> None:
+    """A failure written by hand left out the completed drone step: the supervisor's reading
+    gave the drone back at once (no step it lists undoes the drone scheduler's work), with no
+    ``drone.released``. The rebuild leaves that drone free; a failure that lists the step
+    keeps its drone held for the undo, and one no supervisor has read yet for that reading."""
+    rebuilder = Rebuilder(WORKFLOW, private_redis)
+    omitted, listed, unread = (str(uuid.uuid4()) for _ in range(3))
+    drones = {omitted: "drone-00001", listed: "drone-00002", unread: "drone-00003"}
+    for offset, (delivery, drone) in enumerate(drones.items()):
+        facts = rebuilder.facts.setdefault(delivery, DeliveryFacts())
+        scheduled = DroneScheduled(delivery_id=delivery, drone_id=drone, scheduled_at=datetime.now(UTC))
+        rebuilder._declared_fact(rebuilder.declared[DroneScheduled.topic], facts, _rec(DroneScheduled.topic, offset),
+                                 scheduled.model_dump(), lambda _: True)
+        failure = DeliveryFailed(delivery_id=delivery, reason="WRITTEN_BY_HAND", detail="", failed_step="package",
+                                 compensate=["drone", "package"] if delivery == listed else ["package"],
+                                 failed_at=datetime.now(UTC))
+        rebuilder._declared_fact(rebuilder.declared[DeliveryFailed.topic], facts, _rec(DeliveryFailed.topic, offset),
+                                 failure.model_dump(), lambda _, read=delivery != unread: read)
+    rebuilder._keep_holds()
+    report = RebuildReport(since_ms=0)
+    rebuilder._write_holds(report)
+    assert _bookings(private_redis) == {listed: "drone-00002", unread: "drone-00003"}
+    assert report.bookings_restored == 2
+
+
+def _rec(topic: str, offset: int) -> Rec:
+    return Rec(topic, 0, offset, now_ms(), None, None)
 
 
 def _consuming(group: str) -> bool:
