@@ -200,6 +200,9 @@ class DeliveryFacts:
     undo: dict[str, str] = field(default_factory=dict)  # the failure's undo order and reason
     holds: dict[str, Hold] = field(default_factory=dict)  # pool -> this delivery's hold
     ended: set[str] = field(default_factory=set)  # pools whose hold of it ended (in any order)
+    # pool -> when the latest failure read by the supervisor gave back what the delivery held
+    # there (a hold recorded after it was not given back)
+    given_back: dict[str, int] = field(default_factory=dict)
     records: dict[str, dict[str, str]] = field(default_factory=dict)  # record name -> fields
     triggers: dict[str, Trigger] = field(default_factory=dict)  # step -> latest trigger
     dead_letters: int = 0  # its events in dead-letter topics: the state stays for a redrive
@@ -504,7 +507,8 @@ class Rebuilder:
                     # (``Workflow.pools_not_undone``): a failure written by hand may leave out
                     # a completed step, whose hold would otherwise be restored for good
                     listed = [s for s in body.get("compensate") or () if s in self.compensable]
-                    facts.ended.update(pool.name for pool in self.workflow.pools_not_undone(listed))
+                    for pool in self.workflow.pools_not_undone(listed):
+                        facts.given_back[pool.name] = max(facts.given_back.get(pool.name, 0), r.timestamp_ms)
             if outcome == FAILED and not facts.undo:
                 # the order the supervisor asks the undos in, as it recorded it on reading this
                 facts.undo = undo_fields((s for s in body.get("compensate") or () if s in self.compensable),
@@ -626,7 +630,7 @@ class Rebuilder:
             for name, hold in facts.holds.items():
                 latest = self.latest_holds.setdefault(name, {})
                 latest[hold.member] = max(latest.get(hold.member, (0, "")), (hold.since_ms, delivery))
-                if name not in facts.ended:
+                if name not in facts.ended and hold.since_ms > facts.given_back.get(name, -1):
                     self.open_holds.append((name, delivery, hold.member))
 
     def _write_holds(self, report: RebuildReport) -> None:
@@ -654,6 +658,9 @@ class Rebuilder:
         letters and dedupe entries of deliveries no pass held."""
         deliveries = {*self.compensation, *self.side_dead_letters, *(d for d, _, _ in self.side_seen)}
         done = released(self.client, deliveries)
+        # a state written here for the first time (no pass held its delivery: its other
+        # records are older than the window) goes in time; one that is there keeps its TTL
+        new = self._absent({*self.compensation, *self.side_dead_letters} - done)
         state = StateTable(self.client)
         pipes = NodePipelines(self.client)
         now, retention, unread = now_ms(), self.workflow.retention_s, self.workflow.unread_failure_s
@@ -668,16 +675,24 @@ class Rebuilder:
                 if waiting:
                     pipe.zadd(awaiting_operator_index(delivery), waiting)
                     report.awaiting_operator += len(waiting)
-                # a failed delivery no pass held (its failure before the window) goes in time too
+                # a failure's state waits as the supervisor's own would
                 ttl = unread if waiting else retention
-                if ttl > 0:
-                    pipe.expire(delivery_key(delivery), ttl, nx=True)
+                if delivery in new and ttl > 0:
+                    pipe.expire(delivery_key(delivery), ttl)
         raise_first(pipes.execute())
-        # no pass held the delivery: its other records are older than the window, and its
         # dead letters count for a redrive as long as a copy could still be told apart
-        self.merge_fields((delivery_key(delivery), {"dead_letters": count}, settings().dedupe_ttl_s)
+        self.merge_fields((delivery_key(delivery), {"dead_letters": count},
+                           settings().dedupe_ttl_s if delivery in new and delivery not in self.compensation else 0)
                           for delivery, count in self.side_dead_letters.items() if delivery not in done)
         self._merge_seen(self.side_seen, done, report)
+
+    def _absent(self, deliveries: Iterable[str]) -> set[str]:
+        """The deliveries with no state in Redis (one round trip)."""
+        ordered = list(deliveries)
+        pipes = NodePipelines(self.client)
+        for delivery in ordered:
+            pipes.on(delivery_key(delivery)).exists(delivery_key(delivery))
+        return {delivery for delivery, found in zip(ordered, raise_first(pipes.execute())) if not found}
 
     def _write_records(self, report: RebuildReport) -> None:
         writes: list[tuple[str, Mapping[str, str | int], int]] = []

@@ -412,12 +412,16 @@ def test_rebuild_keeps_a_delivery_whose_undo_failed_for_good_waiting_for_an_oper
     view = status.deliveries(private_redis, undo_steps=status.undo_steps(WORKFLOW))
     assert {(v.delivery_id, v.step) for v in view.awaiting_operator} == {(waiting, "package"),
                                                                          (before_window, "package")}
-    # a dead letter of a delivery no pass held is counted for a while, not forever
-    lonely = str(uuid.uuid4())
-    rebuilder.side_dead_letters = {lonely: 1}
+    # a dead letter of a delivery no pass held is counted for a while, not forever; the state
+    # of a delivery in flight (no TTL: a rebuild on a live Redis) keeps its life
+    lonely, in_flight = str(uuid.uuid4()), str(uuid.uuid4())
+    StateTable(private_redis).put(in_flight, {"package.status": "pending"})
+    rebuilder.side_dead_letters = {lonely: 1, in_flight: 1, before_window: 1}
     rebuilder._write_side(report)
     assert text(private_redis.hget(delivery_key(lonely), "dead_letters")) == "1"
     assert 0 < private_redis.ttl(delivery_key(lonely)) <= settings().dedupe_ttl_s
+    assert text(private_redis.hget(delivery_key(in_flight), "dead_letters")) == "1"
+    assert private_redis.ttl(delivery_key(in_flight)) == -1
     # the state written for a failure no pass read waits as long, and then goes
     assert WORKFLOW.retention_s < private_redis.ttl(delivery_key(before_window)) <= WORKFLOW.unread_failure_s
     assert 0 < private_redis.ttl(delivery_key(done)) <= WORKFLOW.retention_s
@@ -430,27 +434,28 @@ def test_rebuild_leaves_free_the_drone_a_read_failure_gave_back_though_its_step_
     ``drone.released``. The rebuild leaves that drone free; a failure that lists the step
     keeps its drone held for the undo, and one no supervisor has read yet for that reading."""
     rebuilder = Rebuilder(WORKFLOW, private_redis)
-    omitted, listed, unread = (str(uuid.uuid4()) for _ in range(3))
-    drones = {omitted: "drone-00001", listed: "drone-00002", unread: "drone-00003"}
+    omitted, listed, unread, held_after = (str(uuid.uuid4()) for _ in range(4))
+    drones = {omitted: "drone-00001", listed: "drone-00002", unread: "drone-00003", held_after: "drone-00004"}
+    now = now_ms()
     for offset, (delivery, drone) in enumerate(drones.items()):
         facts = rebuilder.facts.setdefault(delivery, DeliveryFacts())
-        scheduled = DroneScheduled(delivery_id=delivery, drone_id=drone, scheduled_at=datetime.now(UTC))
-        rebuilder._declared_fact(rebuilder.declared[DroneScheduled.topic], facts, _rec(DroneScheduled.topic, offset),
-                                 scheduled.model_dump(), lambda _: True)
         failure = DeliveryFailed(delivery_id=delivery, reason="WRITTEN_BY_HAND", detail="", failed_step="package",
                                  compensate=["drone", "package"] if delivery == listed else ["package"],
                                  failed_at=datetime.now(UTC))
-        rebuilder._declared_fact(rebuilder.declared[DeliveryFailed.topic], facts, _rec(DeliveryFailed.topic, offset),
-                                 failure.model_dump(), lambda _, read=delivery != unread: read)
+        rebuilder._declared_fact(rebuilder.declared[DeliveryFailed.topic], facts,
+                                 Rec(DeliveryFailed.topic, 0, offset, now, None, None), failure.model_dump(),
+                                 lambda _, read=delivery != unread: read)
+        # read in any order; held_after's drone was taken after its failure was read (a step
+        # the failure left open): that reading did not give it back
+        scheduled = DroneScheduled(delivery_id=delivery, drone_id=drone, scheduled_at=datetime.now(UTC))
+        rebuilder._declared_fact(rebuilder.declared[DroneScheduled.topic], facts,
+                                 Rec(DroneScheduled.topic, 0, offset, now + (1 if delivery == held_after else -1),
+                                     None, None), scheduled.model_dump(), lambda _: True)
     rebuilder._keep_holds()
     report = RebuildReport(since_ms=0)
     rebuilder._write_holds(report)
-    assert _bookings(private_redis) == {listed: "drone-00002", unread: "drone-00003"}
-    assert report.bookings_restored == 2
-
-
-def _rec(topic: str, offset: int) -> Rec:
-    return Rec(topic, 0, offset, now_ms(), None, None)
+    assert _bookings(private_redis) == {listed: "drone-00002", unread: "drone-00003", held_after: "drone-00004"}
+    assert report.bookings_restored == 3
 
 
 def _consuming(group: str) -> bool:
