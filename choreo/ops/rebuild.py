@@ -135,6 +135,9 @@ _MERGE = """
 for i = 2, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
 """
+# how far apart two producers' record times (CreateTime) may be: a hold recorded about when a
+# failure gave it back is taken as recorded after (held again: a drone kept, never booked twice)
+CLOCK_SLACK_MS = 5_000
 SHARED = {RECOVERY_TOPIC, CompensationRecord.topic}  # never prefixed
 # read before the partition passes and kept: keyed otherwise, or partitioned apart from the
 # workflow's topics, and holding failures only
@@ -191,6 +194,7 @@ class Trigger:
 class Hold:
     member: str
     since_ms: int  # when this holder's hold was first recorded
+    last_ms: int  # ... and last (a copy, a replay)
 
 
 @dataclass(slots=True)
@@ -200,8 +204,8 @@ class DeliveryFacts:
     undo: dict[str, str] = field(default_factory=dict)  # the failure's undo order and reason
     holds: dict[str, Hold] = field(default_factory=dict)  # pool -> this delivery's hold
     ended: set[str] = field(default_factory=set)  # pools whose hold of it ended (in any order)
-    # pool -> when the latest failure read by the supervisor gave back what the delivery held
-    # there (a hold recorded after it was not given back)
+    # pool -> when the first failure read by the supervisor gave back what the delivery held
+    # there (a hold recorded after it, or about then, is not taken as given back)
     given_back: dict[str, int] = field(default_factory=dict)
     records: dict[str, dict[str, str]] = field(default_factory=dict)  # record name -> fields
     triggers: dict[str, Trigger] = field(default_factory=dict)  # step -> latest trigger
@@ -507,8 +511,9 @@ class Rebuilder:
                     # (``Workflow.pools_not_undone``): a failure written by hand may leave out
                     # a completed step, whose hold would otherwise be restored for good
                     listed = [s for s in body.get("compensate") or () if s in self.compensable]
-                    for pool in self.workflow.pools_not_undone(listed):
-                        facts.given_back[pool.name] = max(facts.given_back.get(pool.name, 0), r.timestamp_ms)
+                    for pool in self.workflow.pools_not_undone(listed):  # the first reading gave it back
+                        facts.given_back[pool.name] = min(facts.given_back.get(pool.name, r.timestamp_ms),
+                                                          r.timestamp_ms)
             if outcome == FAILED and not facts.undo:
                 # the order the supervisor asks the undos in, as it recorded it on reading this
                 facts.undo = undo_fields((s for s in body.get("compensate") or () if s in self.compensable),
@@ -523,7 +528,9 @@ class Rebuilder:
             if member and (hold is None or hold.member != member):
                 # the first record of a hold dates it: a copy (a replay, a redrive) comes later
                 # and would make an earlier holder look like the member's latest
-                facts.holds[pool.name] = Hold(member, r.timestamp_ms)
+                facts.holds[pool.name] = Hold(member, r.timestamp_ms, r.timestamp_ms)
+            elif member and hold is not None:
+                hold.last_ms = max(hold.last_ms, r.timestamp_ms)
         for pool, service, when_consumed in declared.ends:
             if not when_consumed or consumed_by(service):
                 facts.ended.add(pool.name)
@@ -630,7 +637,9 @@ class Rebuilder:
             for name, hold in facts.holds.items():
                 latest = self.latest_holds.setdefault(name, {})
                 latest[hold.member] = max(latest.get(hold.member, (0, "")), (hold.since_ms, delivery))
-                if name not in facts.ended and hold.since_ms > facts.given_back.get(name, -1):
+                given_back = facts.given_back.get(name)
+                kept = given_back is None or hold.last_ms >= given_back - CLOCK_SLACK_MS
+                if name not in facts.ended and kept:
                     self.open_holds.append((name, delivery, hold.member))
 
     def _write_holds(self, report: RebuildReport) -> None:
@@ -658,9 +667,9 @@ class Rebuilder:
         letters and dedupe entries of deliveries no pass held."""
         deliveries = {*self.compensation, *self.side_dead_letters, *(d for d, _, _ in self.side_seen)}
         done = released(self.client, deliveries)
-        # a state written here for the first time (no pass held its delivery: its other
-        # records are older than the window) goes in time; one that is there keeps its TTL
-        new = self._absent({*self.compensation, *self.side_dead_letters} - done)
+        # dead letters alone make a state here for the first time (no pass held its delivery:
+        # its other records are older than the window), which goes in time
+        new = self._absent(set(self.side_dead_letters) - set(self.compensation) - done)
         state = StateTable(self.client)
         pipes = NodePipelines(self.client)
         now, retention, unread = now_ms(), self.workflow.retention_s, self.workflow.unread_failure_s
@@ -675,14 +684,15 @@ class Rebuilder:
                 if waiting:
                     pipe.zadd(awaiting_operator_index(delivery), waiting)
                     report.awaiting_operator += len(waiting)
-                # a failure's state waits as the supervisor's own would
+                # a failure's state waits as the supervisor's own would, which always has a TTL
+                # (one made here, or by a pass from an undo's records alone, would have none)
                 ttl = unread if waiting else retention
-                if delivery in new and ttl > 0:
-                    pipe.expire(delivery_key(delivery), ttl)
+                if ttl > 0:
+                    pipe.expire(delivery_key(delivery), ttl, nx=True)
         raise_first(pipes.execute())
         # dead letters count for a redrive as long as a copy could still be told apart
-        self.merge_fields((delivery_key(delivery), {"dead_letters": count},
-                           settings().dedupe_ttl_s if delivery in new and delivery not in self.compensation else 0)
+        ttl = settings().dedupe_ttl_s
+        self.merge_fields((delivery_key(delivery), {"dead_letters": count}, ttl if delivery in new else 0)
                           for delivery, count in self.side_dead_letters.items() if delivery not in done)
         self._merge_seen(self.side_seen, done, report)
 

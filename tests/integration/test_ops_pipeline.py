@@ -402,6 +402,8 @@ def test_rebuild_keeps_a_delivery_whose_undo_failed_for_good_waiting_for_an_oper
     rebuilder._write_joins(report)
     assert WORKFLOW.retention_s < private_redis.ttl(delivery_key(waiting)) <= WORKFLOW.unread_failure_s
     assert 0 < private_redis.ttl(delivery_key(done)) <= WORKFLOW.retention_s
+    # a pass made before_window's state from its undo's records alone (no outcome: no TTL)
+    StateTable(private_redis).put(before_window, {"cancel_package.status": "failed"})
     # listed again as waiting for an operator, from the rebuild on, as its state waits from then
     before = now_ms()
     rebuilder._write_side(report)
@@ -422,7 +424,7 @@ def test_rebuild_keeps_a_delivery_whose_undo_failed_for_good_waiting_for_an_oper
     assert 0 < private_redis.ttl(delivery_key(lonely)) <= settings().dedupe_ttl_s
     assert text(private_redis.hget(delivery_key(in_flight), "dead_letters")) == "1"
     assert private_redis.ttl(delivery_key(in_flight)) == -1
-    # the state written for a failure no pass read waits as long, and then goes
+    # the state of a failure no pass read waits as the supervisor's would, and then goes
     assert WORKFLOW.retention_s < private_redis.ttl(delivery_key(before_window)) <= WORKFLOW.unread_failure_s
     assert 0 < private_redis.ttl(delivery_key(done)) <= WORKFLOW.retention_s
 
@@ -434,28 +436,36 @@ def test_rebuild_leaves_free_the_drone_a_read_failure_gave_back_though_its_step_
     ``drone.released``. The rebuild leaves that drone free; a failure that lists the step
     keeps its drone held for the undo, and one no supervisor has read yet for that reading."""
     rebuilder = Rebuilder(WORKFLOW, private_redis)
-    omitted, listed, unread, held_after = (str(uuid.uuid4()) for _ in range(4))
-    drones = {omitted: "drone-00001", listed: "drone-00002", unread: "drone-00003", held_after: "drone-00004"}
     now = now_ms()
-    for offset, (delivery, drone) in enumerate(drones.items()):
+    # delivery -> (its drone, its holds' record times, its failure lists the drone step, read)
+    cases = {
+        "omitted": ("drone-00001", [now - 10_000], False, True),  # given back by the reading
+        "listed": ("drone-00002", [now - 10_000], True, True),  # its undo gives it back
+        "unread": ("drone-00003", [now - 10_000], False, False),  # its reading is still to come
+        "held after": ("drone-00004", [now + 1], False, True),  # taken after: not given back
+        "about then": ("drone-00005", [now - 1_000], False, True),  # within the clocks' slack
+        "copied after": ("drone-00006", [now - 10_000, now + 1], False, True),  # a replay's copy
+    }
+    ids = {name: str(uuid.uuid4()) for name in cases}
+    for offset, (name, (drone, times, lists_drone, read)) in enumerate(cases.items()):
+        delivery = ids[name]
         facts = rebuilder.facts.setdefault(delivery, DeliveryFacts())
         failure = DeliveryFailed(delivery_id=delivery, reason="WRITTEN_BY_HAND", detail="", failed_step="package",
-                                 compensate=["drone", "package"] if delivery == listed else ["package"],
+                                 compensate=["drone", "package"] if lists_drone else ["package"],
                                  failed_at=datetime.now(UTC))
-        rebuilder._declared_fact(rebuilder.declared[DeliveryFailed.topic], facts,
-                                 Rec(DeliveryFailed.topic, 0, offset, now, None, None), failure.model_dump(),
-                                 lambda _, read=delivery != unread: read)
-        # read in any order; held_after's drone was taken after its failure was read (a step
-        # the failure left open): that reading did not give it back
+        for at in (now, now + 20_000):  # the failure and a later copy: the first reading counts
+            rebuilder._declared_fact(rebuilder.declared[DeliveryFailed.topic], facts,
+                                     Rec(DeliveryFailed.topic, 0, offset, at, None, None), failure.model_dump(),
+                                     lambda _, read=read: read)
         scheduled = DroneScheduled(delivery_id=delivery, drone_id=drone, scheduled_at=datetime.now(UTC))
-        rebuilder._declared_fact(rebuilder.declared[DroneScheduled.topic], facts,
-                                 Rec(DroneScheduled.topic, 0, offset, now + (1 if delivery == held_after else -1),
-                                     None, None), scheduled.model_dump(), lambda _: True)
+        for at in times:  # read after the failure: the order across topics is not defined
+            rebuilder._declared_fact(rebuilder.declared[DroneScheduled.topic], facts,
+                                     Rec(DroneScheduled.topic, 0, offset, at, None, None), scheduled.model_dump(),
+                                     lambda _: True)
     rebuilder._keep_holds()
     report = RebuildReport(since_ms=0)
     rebuilder._write_holds(report)
-    assert _bookings(private_redis) == {listed: "drone-00002", unread: "drone-00003", held_after: "drone-00004"}
-    assert report.bookings_restored == 3
+    assert _bookings(private_redis) == {ids[name]: drone for name, (drone, *_) in cases.items() if name != "omitted"}
 
 
 def _consuming(group: str) -> bool:
