@@ -31,8 +31,8 @@ The transitions, for a step found due (deadline passed, or failed and re-indexed
 * past the retry budget: a forward step fails the delivery (``outcome`` = failed, only if
   nobody decided first) with the list of steps to compensate; a compensation step ends
   ``compensation_failed`` on the step it was undoing, with an alert, and lists that step in
-  its shard's ``awaiting-operator`` set (``choreo ops status`` reads it) until an operator's decision
-  takes it out, or the state's expiry (the set is trimmed past the wait).
+  its shard's ``awaiting-operator`` set (``choreo ops status`` reads it) until an operator's
+  decision takes it out, or the state's expiry (the set is trimmed past the wait).
 
 One end-to-end retry budget per step: the runner's ``<step>.tries`` already counts every
 in-process try, redelivery and requeue that reached the service; the supervisor compares
@@ -446,7 +446,7 @@ return cjson.encode(answer)
 # now, optionally the only status it is marked from (an operator's mark by hand:
 # 'compensation_failed'; any other status is answered 'ignored:<status>'), and the decided
 # state's retention (s, 0: none), which a step leaving compensation_failed gives it again, and
-# its member in the shard's awaiting set (KEYS[2]), which it leaves.
+# its member in the shard's awaiting-operator set (KEYS[2], ARGV[5]), which it leaves.
 UNIT = "\x1f"  # what separates the answer's appended fields (Lua's '\31')
 MARK_COMPENSATED = OnceEffect("mark_compensated", with_steps(_SETTLE + _NEXT_UNDO + """
 local st = step_get(KEYS[1], ARGV[1], 'status')
@@ -468,7 +468,7 @@ return 'compensated:' .. st .. ':' .. (step_get(KEYS[1], ARGV[1], 'attempt') or 
 # with a full budget and a deadline, in the index, and not yet seen by its service (so the
 # scan waits for the new request before it claims); what the failed attempts left (their
 # error, report, requeue) goes, and the state has the retention again, as a failure's
-# undos have from its reading; it leaves the shard's awaiting set (KEYS[3]). ARGV: the
+# undos have from its reading; it leaves the shard's awaiting-operator set (KEYS[3]). ARGV: the
 # forward step, its undo step, now, the undo's deadline (ms), the undo's member in the
 # index, the retention (s, 0: none). The answer:
 # 'asked:<attempt>:<the failure's reason>' or 'ignored:<status>'.

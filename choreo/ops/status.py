@@ -5,10 +5,9 @@ The delivery view reads the state table's deadline index (``deadlines``), never 
 open and due steps are exactly its members, oldest deadline first, so ``--limit`` bounds
 the work whatever the backlog (the same O(due) property the supervisor relies on). The
 steps whose undo failed for good, waiting for an operator's decision, are read from the
-supervisor's ``awaiting-operator`` sets (``choreo.supervision``), however many steps are in flight.
-Recent
-outcomes are counted from the terminal topics over a time window (keys only, nothing
-decoded). Lag is the high watermark minus the group's committed offset; under exactly-once
+supervisor's ``awaiting-operator`` sets (``choreo.supervision``), however many steps are in
+flight. Recent outcomes are counted from the terminal topics over a time window (keys only,
+nothing decoded). Lag is the high watermark minus the group's committed offset; under exactly-once
 every transaction leaves one commit marker, so a caught-up partition may show a lag of 1.
 """
 
