@@ -173,18 +173,19 @@ def _rt(ctx: Context) -> _Runtime:
 
 
 def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int, reason: str,
-            told: str = "", undone: Sequence[str] = (), cause: Envelope | None = None, again: str = "") -> None:
+            told: str = "", undone: Sequence[str] = (), cause: Envelope | None = None, run: str = "") -> None:
     """One compensation log record; its id is stable, so a replayed batch writes the same one.
     The record that ends a delivery's compensation says what its submitter is told (``told``,
     ``choreo.outcomes``: the runner copies it to the reply topic in this transaction); it has
     an id of its own, apart from any record of the same step and status written before, as
-    has the record of an undo asked again (``again``: its attempt)."""
+    have the records an operator's retry can bring again (``run``: the undo's attempt), its
+    request and the undo's failure: a reader that skips a seen id would miss the second."""
     ctx.emit(
         KeyedCompensationRecord(delivery_id=delivery_id, step=step, status=status,
                                 attempt=attempt, reason=reason[:500], recorded_at=datetime.now(UTC),
                                 outcome=told, undone=list(undone) if told else []),
         topic=COMPENSATION_LOG, event_id=derived_id(delivery_id, step, status, *((told,) if told else ()),
-                                                    *(("again", again) if again else ())),
+                                                    *(("again", run) if run else ())),
         cause=cause,
     )
     COMPENSATIONS.labels(step, status).inc()
@@ -316,7 +317,7 @@ def _undo_again(ctx: Context, step: str, by: str) -> None:
         return
     attempt, _, reason = rest.partition(":")
     _record(ctx, delivery_id, step, "COMPENSATING", int(attempt), "undo asked again by an operator",
-            again=attempt)
+            run=attempt)
     ctx.log.warning("compensation.undo_asked_again", step=step, by=by[:80], undo_attempt=int(attempt))
     # a request of its own: its service runs it afresh and calls its remote with a new call id
     # (the old one's refusal may be remembered there), at the new attempt the step waits for
@@ -417,7 +418,7 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
             _record(ctx, action.delivery_id, target, "COMPENSATION_FAILED", int(data["attempt"]),
                     str(data["detail"]), told, split_list(str(data.get("undone", ""))),
                     # the input its undo was given carries the reply topic its outcome goes to
-                    _story(ctx, rt, action.delivery_id) if told else None)
+                    _story(ctx, rt, action.delivery_id) if told else None, run=str(data["attempt"]))
             COMPENSATION_FAILURES.labels(target).inc()
             log.error("alert.compensation_failed", target=target, tries=data["tries"],
                       detail=data["detail"],

@@ -529,9 +529,11 @@ def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_dron
 
 def test_an_undo_asked_again_once_fixed_runs_again_and_gives_the_drone_back(world: World) -> None:
     """The drone's undo was refused for good (dispatch refused every release): its step ended
-    compensation_failed, the drone held. Dispatch is fixed (the drone scheduler runs again
-    without the refusals) and the operator asks the undo again: it runs at a new attempt, the
-    drone comes back by it, and the compensation log tells the story."""
+    compensation_failed, the drone held. Asked again twice before dispatch is fixed, it fails
+    again each time, listed again, with a failure record of its own (the first told the
+    submitter, the others did not: the third is where an id could repeat). Dispatch is fixed (the drone scheduler
+    runs again without the refusals) and the operator asks the undo again: it runs at a new
+    attempt, the drone comes back by it, and the compensation log tells the story."""
     world.start("package", AGENT_WAREHOUSE_PERMANENT_RATE="1.0")  # the package fails: the drone is undone
     refusing = world.start("drone", AGENT_DISPATCH_RELEASE_PERMANENT_RATE="1.0")  # ... and its undo refused
     world.start("delivery")
@@ -539,6 +541,12 @@ def test_an_undo_asked_again_once_fixed_runs_again_and_gives_the_drone_back(worl
     ids = world.publish(2)
     wait_for(lambda: all(world.state(d).get("drone.status") == "compensation_failed" for d in ids),
              timeout_s=60, what="compensation_failed")
+    for d in ids * 2:
+        asked = _ops(world, "retry-undo", d, "drone", "--note", "not fixed yet", "--json", "--wait", "60")
+        assert asked.returncode == 0, asked.stderr
+        result = json.loads(asked.stdout)
+        assert result["acted_on"] and result["status"] == "compensation_failed"
+    assert _awaiting_operator(world) == {(d, "drone") for d in ids}
     failed_attempt = {d: int(world.state(d)["release_drone.attempt"]) for d in ids}
     refusing.kill()
     world.start("drone")
@@ -558,11 +566,13 @@ def test_an_undo_asked_again_once_fixed_runs_again_and_gives_the_drone_back(worl
     refused = _ops(world, "retry-undo", ids[0], "drone")  # compensated now: nothing to ask
     assert refused.returncode == 1 and "is compensated" in refused.stderr, refused.stderr
     log = wait_for(lambda: (r := world.by_delivery("compensation.log")) and
-                   all(len(r.get(d, [])) >= 4 for d in ids) and r, what="compensation log")
+                   all(len(r.get(d, [])) >= 8 for d in ids) and r, what="compensation log")
     for d in ids:
         statuses = [Decoder(CompensationRecord, world.topic("compensation.log"), registry_client())(
             rec.value).status for rec in log[d]]
-        assert statuses == ["COMPENSATING", "COMPENSATION_FAILED", "COMPENSATING", "COMPENSATED"]
+        assert statuses == ["COMPENSATING", "COMPENSATION_FAILED"] * 3 + ["COMPENSATING", "COMPENSATED"]
+        # each its own event: a reader that skips an id it has seen misses none of them
+        assert len({rec.header("event_id") for rec in log[d]}) == 8
     released = world.by_delivery("drone.released")
     assert all(len(released[d]) == 1 for d in ids)
 
