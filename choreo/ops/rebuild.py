@@ -502,6 +502,7 @@ class Rebuilder:
             join, outcome = declared.outcome
             facts.outcome = facts.outcome or outcome
             if outcome == FAILED:  # unread too when its reader runs outside the workflow
+                listed = [s for s in body.get("compensate") or () if s in self.compensable]
                 readers = self.handlers.get(r.topic, [])
                 read = bool(readers) and all(consumed_by(service) for service, _, _, _ in readers)
                 facts.failure_unread = facts.failure_unread or not read
@@ -510,14 +511,12 @@ class Rebuilder:
                     # none of whose steps it lists, with no event of the pools' own
                     # (``Workflow.pools_not_undone``): a failure written by hand may leave out
                     # a completed step, whose hold would otherwise be restored for good
-                    listed = [s for s in body.get("compensate") or () if s in self.compensable]
                     for pool in self.workflow.pools_not_undone(listed):  # the first reading gave it back
                         facts.given_back[pool.name] = min(facts.given_back.get(pool.name, r.timestamp_ms),
                                                           r.timestamp_ms)
-            if outcome == FAILED and not facts.undo:
-                # the order the supervisor asks the undos in, as it recorded it on reading this
-                facts.undo = undo_fields((s for s in body.get("compensate") or () if s in self.compensable),
-                                         f"{body.get('reason', '')}: {body.get('detail', '')}")
+                if not facts.undo:
+                    # the order the supervisor asks the undos in, as it recorded it on reading this
+                    facts.undo = undo_fields(listed, f"{body.get('reason', '')}: {body.get('detail', '')}")
             if outcome == join.outcome and facts.terminal is None:
                 facts.terminal = (r.topic, r.partition, r.offset)
         for pool, _ in declared.holds:
@@ -566,8 +565,13 @@ class Rebuilder:
     def _unreleased(self) -> Iterable[tuple[str, DeliveryFacts]]:
         return ((d, f) for d, f in self.facts.items() if d not in self.released)
 
+    def _failure_ttl(self, waiting: bool) -> int:
+        """How long a failed delivery's state lives, as the supervisor sets it: while its
+        failure waits to be read or an undo failed for good waits for an operator's decision,
+        as long as an unread failure waits; else the retention."""
+        return self.workflow.unread_failure_s if waiting else self.workflow.retention_s
+
     def _write_joins(self, report: RebuildReport) -> None:
-        retention, unread = self.workflow.retention_s, self.workflow.unread_failure_s
         writes: list[tuple[str, Mapping[str, str | int], int]] = []
         for delivery, facts in self._unreleased():
             fields: dict[str, str | int] = {**facts.undo, **fanin_fields(facts.results)}
@@ -579,11 +583,9 @@ class Rebuilder:
                 report.outcomes += 1
             report.fanin_fields += len(facts.results)
             # as the join does when it decides: a decided delivery's state goes in time,
-            # rebuilt or not (it stayed forever, for every delivery of the window); a failure
-            # not read yet waits for the supervisor's reading, which sets the retention, and
-            # an undo failed for good waits for an operator's decision as long
+            # rebuilt or not (it stayed forever, for every delivery of the window)
             waiting = "compensation_failed" in self.compensation.get(delivery, {}).values()
-            ttl = unread if facts.failure_unread or waiting else retention
+            ttl = self._failure_ttl(facts.failure_unread or waiting)
             writes.append((delivery_key(delivery), fields, ttl if facts.outcome else 0))
         self.merge_fields(writes)
 
@@ -672,7 +674,7 @@ class Rebuilder:
         new = self._absent(set(self.side_dead_letters) - set(self.compensation) - done)
         state = StateTable(self.client)
         pipes = NodePipelines(self.client)
-        now, retention, unread = now_ms(), self.workflow.retention_s, self.workflow.unread_failure_s
+        now = now_ms()
         for delivery, steps in self.compensation.items():
             if delivery not in done:
                 state.put(delivery, {f"{step}.status": StepStatus(status).value for step, status in steps.items()},
@@ -686,7 +688,7 @@ class Rebuilder:
                     report.awaiting_operator += len(waiting)
                 # a failure's state waits as the supervisor's own would, which always has a TTL
                 # (one made here, or by a pass from an undo's records alone, would have none)
-                ttl = unread if waiting else retention
+                ttl = self._failure_ttl(bool(waiting))
                 if ttl > 0:
                     pipe.expire(delivery_key(delivery), ttl, nx=True)
         raise_first(pipes.execute())
