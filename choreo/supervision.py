@@ -402,8 +402,11 @@ end
 # Recording facts seen on topics: safe on any instance (not fenced), remembered per event id
 # so an aborted-and-replayed batch is told the same answer and writes the same log records.
 # ARGV: now, delivery, the failed step, the reason, the decided state's retention (s, 0:
-# none), then the steps to undo, newest first. A failed delivery's state waits for this
-# reading (``Join.unread_failure_s``); read, it has the retention from now on, for its undos.
+# none), the steps that have an undo (comma-separated), then the steps to undo, newest
+# first. A failed delivery's state waits for this reading (``Join.unread_failure_s``); read,
+# it has the retention from now on, for its undos. A step with an undo that has not begun
+# and is not to be undone is closed, as the supervisor's own failure closes it: a failure
+# written by hand may leave it out, and its queued trigger would take what nothing gives back.
 MARK_COMPENSATING = OnceEffect("mark_compensating", with_steps(_SETTLE + _NEXT_UNDO + """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   -- its state is gone (past its retention): nothing is left to undo it from
@@ -415,13 +418,13 @@ redis.call('HSET', KEYS[1], 'fail.seen', now)
 if not redis.call('HGET', KEYS[1], 'outcome') then redis.call('HSET', KEYS[1], 'outcome', 'failed') end
 if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], delivery .. '|' .. ARGV[3]) end
 redis.call('HSETNX', KEYS[1], 'undo.reason', ARGV[4])
-redis.call('HSETNX', KEYS[1], 'undo.order', table.concat({select(6, unpack(ARGV))}, ','))
+redis.call('HSETNX', KEYS[1], 'undo.order', table.concat({select(7, unpack(ARGV))}, ','))
 -- (not while an undo failed for good waits for an operator's decision: a second failure event)
 if tonumber(ARGV[5]) > 0 and redis.call('HGET', KEYS[1], 'outcome') == 'failed' and not awaits_operator(KEYS[1]) then
   redis.call('EXPIRE', KEYS[1], ARGV[5])
 end
 local marked = {}
-for i = 6, #ARGV do
+for i = 7, #ARGV do
   local s = ARGV[i]
   local st = step_get(KEYS[1], s, 'status')
   if st and st ~= 'compensating' and st ~= 'compensated' and st ~= 'compensation_failed' then
@@ -430,10 +433,23 @@ for i = 6, #ARGV do
     table.insert(marked, {step = s, before = st, attempt = step_get(KEYS[1], s, 'attempt') or 1})
   end
 end
-local answer = {next = next_undo(KEYS[1]), told = settle(KEYS[1]), outcome = redis.call('HGET', KEYS[1], 'outcome')}
+local outcome = redis.call('HGET', KEYS[1], 'outcome')
+local closed = {}
+if outcome == 'failed' then
+  for s in string.gmatch(ARGV[6], '[^,]+') do
+    if s ~= ARGV[3] and step_get(KEYS[1], s, 'status') == 'pending' then
+      step_set(KEYS[1], s, {status = 'failed', attempt = (step_get(KEYS[1], s, 'attempt') or 1) + 1, updated = now,
+               error = '%s'})
+      redis.call('ZREM', KEYS[2], delivery .. '|' .. s)
+      table.insert(closed, s)
+    end
+  end
+end
+local answer = {next = next_undo(KEYS[1]), told = settle(KEYS[1]), outcome = outcome}
 if #marked > 0 then answer.marked = marked end
+if #closed > 0 then answer.closed = closed end
 return cjson.encode(answer)
-"""))
+""" % CLOSED_BY_FAILURE))
 
 # The undo is a fact whatever order the topics are read in: a cancellation read before the
 # delivery.failed that asked for it still marks the step compensated (and that one then
@@ -782,13 +798,15 @@ def undo_fields(order: Iterable[str], reason: str) -> dict[str, str]:
 class Marked:
     """MARK_COMPENSATING's answer: the steps it marked (step, status before, attempt) and
     the step whose undo to ask for now ('' when none is due), the outcome the delivery's
-    submitter is told when its compensation ended already ('' when not), and the delivery's
-    outcome ('' when its state is gone, or in an answer remembered by a version before)."""
+    submitter is told when its compensation ended already ('' when not), the delivery's
+    outcome ('' when its state is gone, or in an answer remembered by a version before),
+    and the steps it closed before they began."""
 
     steps: list[dict[str, Any]]
     next: str
     told: str = ""
     outcome: str = ""
+    closed: tuple[str, ...] = ()
 
     def undone_with_holds(self, undone: Sequence[str]) -> list[str]:
         """The steps of ``undone`` whose undo gives back what they hold: all but those marked
@@ -802,7 +820,7 @@ class Marked:
 def parse_marked(raw: str | None) -> Marked:
     value = json.loads(raw or "{}")
     return Marked(list(value.get("marked") or []), str(value.get("next") or ""), str(value.get("told") or ""),
-                  str(value.get("outcome") or ""))
+                  str(value.get("outcome") or ""), tuple(str(s) for s in value.get("closed") or ()))
 
 
 def split_list(raw: str) -> list[str]:

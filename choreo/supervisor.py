@@ -215,8 +215,10 @@ def on_delivery_failed(failure: Any, ctx: Context) -> Effects[None]:
     undone = undoes(failure.compensate, watched().flow)
     raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), deadline_index(failure.delivery_id)],
                    args=[now_ms(), failure.delivery_id, failure.failed_step, reason,
-                         watched().flow.retention_s, *undone])
+                         watched().flow.retention_s, ",".join(_rt(ctx).policies.compensable), *undone])
     marked = parse_marked(raw)
+    if marked.closed:  # left out of a failure written by hand: they must not begin now
+        ctx.log.warning("compensation.closed_unlisted", steps=list(marked.closed))
     for step in marked.steps:
         _record(ctx, failure.delivery_id, str(step["step"]), "COMPENSATING", int(step["attempt"]), reason)
         ctx.log.info("compensation.requested", step=step["step"], was=step["before"],

@@ -18,7 +18,8 @@ from choreo.ops import status
 from choreo.state import Begin, Source, StateTable, StepStatus, deadline_index, delivery_key, index_member
 from choreo.supervision import (
     ASK_UNDO_AGAIN, COMPENSATION, FORWARD, MARK_COMPENSATED, MARK_COMPENSATING, Action, Policies, Scanner,
-    AWAITING_MARGIN_S, StepPolicy, SupervisorSettings, Transitions, awaiting_operator_index, parse_marked,
+    AWAITING_MARGIN_S, CLOSED_BY_FAILURE, StepPolicy, SupervisorSettings, Transitions, awaiting_operator_index,
+    parse_marked,
 )
 from tests.helpers import indexed
 
@@ -38,6 +39,7 @@ POLICIES = Policies(
     compensable=("package", "drone"), decider="delivery", unread_failure_s=86_400,
 )
 SETTINGS = SupervisorSettings(backoff_base_s=0.1, backoff_max_s=10, confirm_s=5)
+UNDOABLE = ",".join(POLICIES.compensable)  # MARK_COMPENSATING's ARGV[6], as the supervisor gives it
 
 
 @pytest.fixture()
@@ -380,7 +382,7 @@ def test_budget_spent_fails_the_delivery_once_with_compensations_newest_first(
     assert again.kind == "fail" and again.data["again"] == 1
     # seen: marked compensating, and nothing left in the index
     raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), deadline_index(d)],
-                                [1_000_060, d, "drone", "DEADLINE_MISSED", 3600, "package"], 60)
+                                [1_000_060, d, "drone", "DEADLINE_MISSED", 3600, UNDOABLE, "package"], 60)
     assert [m["step"] for m in parse_marked(raw).steps] == ["package"]
     assert parse_marked(raw).next == "package"
     assert parse_marked(raw).outcome == "failed"  # what the drone's give-back waits for
@@ -470,7 +472,7 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
     # a second failure event read meanwhile does not cut that wait to the retention
     assert 86_000 < client.ttl(delivery_key(d)) <= 86_400
     MARK_COMPENSATING.run(client, d, "t:f", [delivery_key(d), deadline_index(d)], [6, d, "drone", "AGAIN", 3600,
-                                                                                   "drone"], 60)
+                                                                                   UNDOABLE, "drone"], 60)
     assert 86_000 < client.ttl(delivery_key(d)) <= 86_400
     # a mark from any other status is refused; the mark by hand gives the retention back
     assert _mark(client, d, "t:m", "package", 7, "compensating", 3600) == "ignored:compensation_failed"
@@ -551,7 +553,7 @@ def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis
     StateTable(client).put(d, {"package.status": "completed"})
     assert _mark(client, d, "t:1", "package", 5) == "compensated:completed:1::\x1f\x1f"
     raw = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), deadline_index(d)],
-                                [6, d, "drone", "FAILED", 3600, "package"], 60)
+                                [6, d, "drone", "FAILED", 3600, UNDOABLE, "package"], 60)
     assert parse_marked(raw).steps == [] and parse_marked(raw).next == ""
     assert parse_marked(raw).told == "compensated"  # it ended before the failure was read
     assert _fields(client, d)["package.status"] == "compensated"
@@ -568,9 +570,38 @@ def test_reading_a_failure_gives_its_waiting_state_the_retention(client: redis.R
     StateTable(client).put(undecided, {"package.status": "completed"})
     for d in (waiting, undecided):
         MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
-                              [5, d, "package", "r", 60, "package"], 60)
+                              [5, d, "package", "r", 60, UNDOABLE, "package"], 60)
     # one the reading failed itself (a failure written by hand) goes in time too
     assert all(0 < client.ttl(delivery_key(d)) <= 60 for d in (waiting, undecided))
+
+
+def test_a_failure_closes_the_steps_with_an_undo_it_leaves_out_before_they_begin(client: redis.Redis) -> None:
+    """A failure written by hand lists the package alone while the drone's step has not
+    begun: the reading closes it with a new token, so its queued trigger takes no drone that
+    nothing would give back; a step without an undo (the join) is left as it is, and so is
+    every step of a delivery that shipped."""
+    d = _new(client, "package", "drone", "delivery")
+    table = StateTable(client)
+    table.put(d, {"package.status": "completed"})
+    raw = MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
+                                [5, d, "delivery", "BY_HAND: x", 3600, UNDOABLE, "package"], 60)
+    marked = parse_marked(raw)
+    assert [m["step"] for m in marked.steps] == ["package"] and marked.closed == ("drone",)
+    fields = _fields(client, d)
+    assert (fields["drone.status"], fields["drone.attempt"], fields["drone.error"]) == \
+        ("failed", "2", CLOSED_BY_FAILURE)
+    assert fields["delivery.status"] == "pending"
+    assert client.zscore(deadline_index(d), index_member(d, "drone")) is None
+    assert table.begin(d, "drone", 1, 1_000_100, DEADLINE, BUDGET, "r|r|0|1") == Begin.STALE
+    # the same reading again (a replayed batch) is told the same
+    assert parse_marked(MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
+                                              [9, d, "delivery", "BY_HAND: x", 3600, UNDOABLE, "package"],
+                                              60)).closed == ("drone",)
+    shipped = _new(client, "drone")
+    table.put(shipped, {"outcome": "shipped"})
+    raw = MARK_COMPENSATING.run(client, shipped, "t:0", [delivery_key(shipped), deadline_index(shipped)],
+                                [5, shipped, "delivery", "REDRIVEN: x", 3600, UNDOABLE], 60)
+    assert parse_marked(raw).closed == () and _fields(client, shipped)["drone.status"] == "pending"
 
 
 def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.Redis) -> None:
@@ -587,7 +618,7 @@ def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.
         return following
 
     raw = MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
-                                [5, d, "delivery", "FLIGHT_REFUSED: no", 3600, "drone", "customs", "package"], 60)
+                                [5, d, "delivery", "FLIGHT_REFUSED: no", 3600, UNDOABLE, "drone", "customs", "package"], 60)
     assert [m["step"] for m in parse_marked(raw).steps] == ["drone", "customs", "package"]
     assert parse_marked(raw).next == "drone"  # only the newest: the others wait for it
     assert undone("drone", "t:1") == "customs"
@@ -602,15 +633,15 @@ def test_an_undo_that_failed_for_good_stops_the_chain(client: redis.Redis) -> No
     d = _new(client, "package", "drone")
     StateTable(client).put(d, {"package.status": "completed", "drone.status": "completed"})
     MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
-                          [5, d, "delivery", "r", 3600, "drone", "package"], 60)
+                          [5, d, "delivery", "r", 3600, UNDOABLE, "drone", "package"], 60)
     StateTable(client).put(d, {"drone.status": "compensation_failed"})
     raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), deadline_index(d)],
-                                [6, d, "delivery", "r", 3600, "drone", "package"], 60)
+                                [6, d, "delivery", "r", 3600, UNDOABLE, "drone", "package"], 60)
     assert parse_marked(raw).next == ""  # package is never asked: the alert is raised on drone
     assert _fields(client, d)["package.status"] == "compensating"
     assert parse_marked(raw).told == "failed"  # an undo failed for good: the submitter is told so, once
     again = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), deadline_index(d)],
-                                  [7, d, "delivery", "r", 3600, "drone", "package"], 60)
+                                  [7, d, "delivery", "r", 3600, UNDOABLE, "drone", "package"], 60)
     assert parse_marked(again).told == ""
 
 
