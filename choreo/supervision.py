@@ -404,13 +404,14 @@ end
 # ARGV: now, delivery, the failed step, the reason, the decided state's retention (s, 0:
 # none), the steps that have an undo (comma-separated), then the steps to undo, newest
 # first. A failed delivery's state waits for this reading (``Join.unread_failure_s``); read,
-# it has the retention from now on, for its undos. A step with an undo that has not begun
-# and is not to be undone is closed, as the supervisor's own failure closes it: a failure
-# written by hand may leave it out, and its queued trigger would take what nothing gives back.
+# it has the retention from now on, for its undos. A step with an undo that is pending (not
+# begun, or claimed for a requeue) and not listed is closed with a new token, the failed step
+# too, as the supervisor's own failure closes it: a failure written by hand may leave it out,
+# and its queued trigger or requeue would take what nothing gives back.
 MARK_COMPENSATING = OnceEffect("mark_compensating", with_steps(_SETTLE + _NEXT_UNDO + """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   -- its state is gone (past its retention): nothing is left to undo it from
-  if #ARGV >= 6 then return cjson.encode({told = 'failed'}) end
+  if #ARGV >= 7 then return cjson.encode({told = 'failed'}) end
   return '{}'
 end
 local now, delivery = tonumber(ARGV[1]), ARGV[2]
@@ -437,7 +438,7 @@ local outcome = redis.call('HGET', KEYS[1], 'outcome')
 local closed = {}
 if outcome == 'failed' then
   for s in string.gmatch(ARGV[6], '[^,]+') do
-    if s ~= ARGV[3] and step_get(KEYS[1], s, 'status') == 'pending' then
+    if step_get(KEYS[1], s, 'status') == 'pending' then
       step_set(KEYS[1], s, {status = 'failed', attempt = (step_get(KEYS[1], s, 'attempt') or 1) + 1, updated = now,
                error = '%s'})
       redis.call('ZREM', KEYS[2], delivery .. '|' .. s)
@@ -800,7 +801,7 @@ class Marked:
     the step whose undo to ask for now ('' when none is due), the outcome the delivery's
     submitter is told when its compensation ended already ('' when not), the delivery's
     outcome ('' when its state is gone, or in an answer remembered by a version before),
-    and the steps it closed before they began."""
+    and the steps it closed while they were pending."""
 
     steps: list[dict[str, Any]]
     next: str

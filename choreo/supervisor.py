@@ -211,13 +211,16 @@ def on_delivery_failed(failure: Any, ctx: Context) -> Effects[None]:
     delivery holds in a pool comes back now, unless an undo will give it back: a step that
     failed (or was closed) after taking a member has no undo, and an abandoned one's undo
     may never be asked (``Marked.undone_with_holds``, ``Workflow.pools_not_undone``)."""
+    if failure.delivery_id != ctx.delivery_id:  # its envelope names the delivery it acts on
+        ctx.log.warning("compensation.failure_ignored", why="its body names another delivery")
+        return
     reason = f"{failure.reason}: {failure.detail}"[:500]
     undone = undoes(failure.compensate, watched().flow)
     raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), deadline_index(failure.delivery_id)],
                    args=[now_ms(), failure.delivery_id, failure.failed_step, reason,
-                         watched().flow.retention_s, ",".join(_rt(ctx).policies.compensable), *undone])
+                         watched().flow.retention_s, ",".join(watched().flow.compensations()), *undone])
     marked = parse_marked(raw)
-    if marked.closed:  # left out of a failure written by hand: they must not begin now
+    if marked.closed:  # left out of a failure written by hand: they must not run now
         ctx.log.warning("compensation.closed_unlisted", steps=list(marked.closed))
     for step in marked.steps:
         _record(ctx, failure.delivery_id, str(step["step"]), "COMPENSATING", int(step["attempt"]), reason)

@@ -204,12 +204,13 @@ class Outcome:
 def run(service: Service, event: Event, *, topic: str | None = None,
         answers: Mapping[str, Any] | None = None, event_id: str | None = None,
         attempt: int = 1, deadline_ms: int = 0, try_no: int = 1, partition: int = 0,
-        offset: int = 0) -> Outcome:
+        offset: int = 0, delivery_id: str | None = None) -> Outcome:
     """Run ``service``'s handler of ``topic`` on ``event`` once, answering what it asks from
     ``answers`` (effect name -> answer, see ``_Script``). ``topic`` defaults to the event's
     own, or else to the one topic where the service reads its type.
 
-    The envelope is made up: the delivery id is the event's key, the event id ``event_id``
+    The envelope is made up: the delivery id is ``delivery_id`` (default: the event's key;
+    another one is what a forged event's envelope says), the event id ``event_id``
     (default: derived from the delivery and topic, stable across runs), with ``attempt`` and
     ``deadline_ms``; ``try_no`` is the in-process try (an agent's failures depend on it).
     A ``Retryable`` or ``Rejected`` is reported in ``error``, not raised: retrying and
@@ -222,7 +223,7 @@ def run(service: Service, event: Event, *, topic: str | None = None,
     if not isinstance(event, handler.model):
         raise HarnessError(f"{service.name} reads {target!r} as {handler.model.__name__}, "
                            f"not {type(event).__name__}")
-    delivery_id = event.key
+    delivery_id = delivery_id or event.key
     envelope = Envelope(event_id=event_id or derived_id(delivery_id, target, "choreo.testing"),
                         correlation_id=delivery_id, attempt=attempt, deadline_ms=deadline_ms,
                         event_type=type(event).__name__, producer="choreo.testing")

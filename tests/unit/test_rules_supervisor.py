@@ -76,9 +76,11 @@ def test_a_failed_delivery_marks_its_steps_logs_them_and_asks_the_newest_to_undo
 
     [mark] = outcome.effects
     assert mark.name == "mark_compensating"
-    # after the time: the delivery, the failed step, the reason, then the steps to undo newest first
-    # the workflow's retention: the failed delivery's state has it from this reading
-    assert mark.args[1:] == ("d-1", "delivery", "FLIGHT_REFUSED: it broke", 3600, "drone", "package")
+    # after the time: the delivery, the failed step, the reason, the workflow's retention (the
+    # failed delivery's state has it from this reading), the steps with an undo (closed while
+    # pending when not listed), then the steps to undo newest first
+    assert mark.args[1:] == ("d-1", "delivery", "FLIGHT_REFUSED: it broke", 3600, "package,drone",
+                             "drone", "package")
     assert log_of(outcome) == [("drone", "COMPENSATING", 1), ("package", "COMPENSATING", 2)]
     assert [e.event.key for e in outcome.emitted[:2]] == ["d-1|drone", "d-1|package"]  # one per step
     assert [e.event_id for e in outcome.emitted[:2]] == [
@@ -128,10 +130,19 @@ def test_a_failure_of_a_delivery_that_shipped_gives_nothing_back() -> None:
     assert [effect.name for effect in outcome.effects] == ["mark_compensating"]
 
 
+def test_a_failure_whose_body_names_another_delivery_than_its_envelope_changes_nothing() -> None:
+    """A forged failure: the state it would change is the body's delivery, its remembered
+    answer the envelope's. It is read and left alone."""
+    outcome = run(supervisor.service, failure("X", "delivery", ["drone", "package"]),
+                  topic=supervisor.watched().failed_topic, delivery_id="d-2")
+    assert outcome.effects == [] and outcome.emitted == []
+    assert [(log.level, log.event) for log in outcome.logs] == [("warning", "compensation.failure_ignored")]
+
+
 def test_only_declared_compensations_are_marked() -> None:
     outcome = run(supervisor.service, failure("X", "delivery", ["delivery", "drone", "unknown"]),
                   topic=supervisor.watched().failed_topic, answers={"mark_compensating": "{}"})
-    assert outcome.effects[0].args[5:] == ("drone",)
+    assert outcome.effects[0].args[6:] == ("drone",)
 
 
 @pytest.mark.parametrize("answer", ["{}", '{"next": ""}'])

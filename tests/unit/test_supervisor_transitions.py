@@ -576,15 +576,15 @@ def test_reading_a_failure_gives_its_waiting_state_the_retention(client: redis.R
 
 
 def test_a_failure_closes_the_steps_with_an_undo_it_leaves_out_before_they_begin(client: redis.Redis) -> None:
-    """A failure written by hand lists the package alone while the drone's step has not
-    begun: the reading closes it with a new token, so its queued trigger takes no drone that
-    nothing would give back; a step without an undo (the join) is left as it is, and so is
-    every step of a delivery that shipped."""
+    """A failure written by hand names the drone's step failed and lists the package alone
+    while the drone's step has not begun: the reading closes it with a new token, so its
+    queued trigger takes no drone that nothing would give back; a step without an undo (the
+    join) is left as it is, and so is every step of a delivery that shipped."""
     d = _new(client, "package", "drone", "delivery")
     table = StateTable(client)
     table.put(d, {"package.status": "completed"})
     raw = MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
-                                [5, d, "delivery", "BY_HAND: x", 3600, UNDOABLE, "package"], 60)
+                                [5, d, "drone", "BY_HAND: x", 3600, UNDOABLE, "package"], 60)
     marked = parse_marked(raw)
     assert [m["step"] for m in marked.steps] == ["package"] and marked.closed == ("drone",)
     fields = _fields(client, d)
@@ -592,10 +592,11 @@ def test_a_failure_closes_the_steps_with_an_undo_it_leaves_out_before_they_begin
         ("failed", "2", CLOSED_BY_FAILURE)
     assert fields["delivery.status"] == "pending"
     assert client.zscore(deadline_index(d), index_member(d, "drone")) is None
+    assert client.zscore(deadline_index(d), index_member(d, "delivery")) is not None
     assert table.begin(d, "drone", 1, 1_000_100, DEADLINE, BUDGET, "r|r|0|1") == Begin.STALE
     # the same reading again (a replayed batch) is told the same
     assert parse_marked(MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
-                                              [9, d, "delivery", "BY_HAND: x", 3600, UNDOABLE, "package"],
+                                              [9, d, "drone", "BY_HAND: x", 3600, UNDOABLE, "package"],
                                               60)).closed == ("drone",)
     shipped = _new(client, "drone")
     table.put(shipped, {"outcome": "shipped"})
