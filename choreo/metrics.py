@@ -54,9 +54,6 @@ OFFSET_COMMIT_REFUSALS = Counter("choreo_offset_commit_refusals_total",
                                  "Plain offset commits refused (the group moved on): the batch is read again",
                                  ["service"])
 TXN_ABORTS = Counter("choreo_transaction_aborts_total", "Aborted transactions (replayed)", ["service"])
-TICK_OUTPUTS_DROPPED = Counter("choreo_tick_outputs_dropped_total",
-                               "Outputs of periodic tasks whose transactions aborted, dropped past the bound "
-                               "kept for the next tick", ["service"])
 LAG = Gauge("choreo_consumer_lag", "Consumer lag per partition", ["service", "topic", "partition"])
 
 

@@ -52,11 +52,6 @@ from choreo.workflow import Workflow
 # in-process tries of a replayed completed step before its batch is read again
 REPLAY_TRIES = 5
 TRANSIENT_OR_REGISTRY: tuple[type[Exception], ...] = (*TRANSIENT, RegistryUnavailable)
-# outputs of aborted ticks kept for the next ticks (``Runner._tick``): at most so many, each
-# sent again at most so many times (a tick a second or so: about a minute of Kafka refusals)
-MAX_UNSENT = 10_000
-UNSENT_TRIES = 60
-SEND_ERRORS: tuple[type[Exception], ...] = (*TRANSIENT_OR_REGISTRY, KafkaException)
 
 RECOVERY_TOPIC = "recovery"
 LAG_PERIOD_S = 10.0
@@ -242,8 +237,6 @@ class Runner:
         self.replies = ReplyTopics(self._topic_exists)
         self.running = False
         self._revocations = 0  # partitions taken from this member so far (``_next_batch``)
-        # outputs of ticks whose transaction aborted, with how often each was sent again (``_tick``)
-        self._unsent: list[tuple[Emitted, int]] = []
         self.consumer = Consumer(transactional_consumer_config(
             service.name, f"{service.name}-{self.options.instance}"))
         self.producer = self._new_producer()
@@ -447,19 +440,9 @@ class Runner:
         return True
 
     def _tick(self, periodic: Periodic) -> None:
-        """One run of a periodic task, its output in one transaction (no input offsets).
-
-        A tick has no input to read again: what it wrote to Redis stands when its
-        transaction aborts (a supervisor's decision is not taken twice), so its outputs
-        would be lost (a ``COMPENSATION_FAILED`` record, the outcome it tells). They are
-        sent again before the next ticks, in a transaction of their own (one that cannot be
-        sent does not hold the ticks' own back), with their ids, so a reader skips a copy
-        of one committed after all: while the process lives, up to ``UNSENT_TRIES`` times
-        and ``MAX_UNSENT`` outputs."""
+        """One run of a periodic task, its output in one transaction (no input offsets)."""
         tick = Envelope.first(derived_id(self.service.name, str(time.time_ns())), "",
                               "Tick", self.service.name)
-        if self._unsent:
-            self._send_unsent(tick)
         ctx = Context(self.service.name, tick, "", -1, -1, self.redis, self.log)
         try:
             self.producer.begin_transaction()
@@ -471,38 +454,10 @@ class Runner:
         except TRANSIENT_OR_REGISTRY as exc:
             self.log.warning("tick.transient", error=str(exc))
             self._abort([])
-            self._keep_unsent([(emitted, 0) for emitted in ctx.emitted])
         except KafkaException as exc:
             self._stop_if_fatal(exc)
             self.log.warning("tick.abort", error=str(exc))
             self._abort([])
-            self._keep_unsent([(emitted, 0) for emitted in ctx.emitted])
-
-    def _send_unsent(self, tick: Envelope) -> None:
-        """The outputs of ticks whose transactions aborted, in one transaction."""
-        unsent, self._unsent = self._unsent, []
-        try:
-            self.producer.begin_transaction()
-            for emitted, _ in unsent:
-                self._produce(emitted, tick)
-            self._commit()
-            self.log.info("tick.outputs_sent_again", count=len(unsent))
-        except SEND_ERRORS as exc:
-            if isinstance(exc, KafkaException):
-                self._stop_if_fatal(exc)
-            self.log.warning("tick.outputs_not_sent_again", error=str(exc), count=len(unsent))
-            self._abort([])
-            self._keep_unsent([(emitted, tries + 1) for emitted, tries in unsent])
-
-    def _keep_unsent(self, outputs: list[tuple[Emitted, int]]) -> None:
-        """Keep outputs (each with how often it was sent again) for the next tick: the
-        newest ``MAX_UNSENT`` of those tried fewer than ``UNSENT_TRIES`` times. One Kafka
-        never takes (too large, a topic gone) and a Kafka down for long end there."""
-        offered = [*self._unsent, *outputs]
-        self._unsent = [(emitted, tries) for emitted, tries in offered if tries < UNSENT_TRIES][-MAX_UNSENT:]
-        if len(offered) > len(self._unsent):
-            self.log.error("tick.outputs_dropped", count=len(offered) - len(self._unsent))
-            metrics.child(metrics.TICK_OUTPUTS_DROPPED, self.service.name).inc(len(offered) - len(self._unsent))
 
     def _abort(self, batch: list[Message]) -> None:
         metrics.TXN_ABORTS.labels(self.service.name).inc()
