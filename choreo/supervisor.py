@@ -179,7 +179,11 @@ def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int
     ``choreo.outcomes``: the runner copies it to the reply topic in this transaction); it has
     an id of its own, apart from any record of the same step and status written before, as
     have the records an operator's retry can bring again (``run``: the undo's attempt), its
-    request and the undo's failure: a reader that skips a seen id would miss the second."""
+    request and the undo's failure: a reader that skips a seen id would miss the second.
+    A scan's record (its tick names no delivery) has an envelope of its own that names the
+    delivery, as every event's does: the compacted log's readers find it by it."""
+    if cause is None and not ctx.delivery_id:
+        cause = Envelope.first(derived_id(delivery_id, NAME, "record"), delivery_id, "SupervisorDecision", NAME)
     ctx.emit(
         KeyedCompensationRecord(delivery_id=delivery_id, step=step, status=status,
                                 attempt=attempt, reason=reason[:500], recorded_at=datetime.now(UTC),

@@ -473,7 +473,11 @@ class Rebuilder:
         if isinstance(body, dict) and r.topic == RECOVERY_TOPIC and (report := _event(StepReport, body)):
             self.reports.setdefault(delivery, {})[(report.step, report.attempt)] = f"{report.kind}: {report.error}"
         if isinstance(body, dict) and r.topic == CompensationRecord.topic and (record := _event(CompensationRecord, body)):
-            self.compensation.setdefault(delivery, {})[record.step] = str(record.status).lower()
+            # a scan's record written before its envelope named the delivery gives its key
+            # alone, ``<delivery>|<step>``: filed under that delivery, not one of that name
+            keyed = delivery == f"{record.delivery_id}|{record.step}"
+            owner = record.delivery_id if keyed else delivery
+            self.compensation.setdefault(owner, {})[record.step] = str(record.status).lower()
         for service, _, _, _ in self.handlers.get(r.topic, ()):
             if env is not None and consumed_by(service):
                 self.side_seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))

@@ -573,6 +573,8 @@ def test_an_undo_asked_again_once_fixed_runs_again_and_gives_the_drone_back(worl
         assert statuses == ["COMPENSATING", "COMPENSATION_FAILED"] * 3 + ["COMPENSATING", "COMPENSATED"]
         # each its own event: a reader that skips an id it has seen misses none of them
         assert len({rec.header("event_id") for rec in log[d]}) == 8
+        # each names its delivery, those the scan wrote too (rebuild-state files it by it)
+        assert {rec.header("correlation_id") for rec in log[d]} == {d}
     released = world.by_delivery("drone.released")
     assert all(len(released[d]) == 1 for d in ids)
 

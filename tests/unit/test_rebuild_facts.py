@@ -59,3 +59,18 @@ def test_a_failure_the_supervisor_has_not_read_keeps_its_state_waiting_for_it() 
     unread._fact(failure, {(name, "delivery.failed", 0): 5 for name in readers})
     assert read.facts["d-1"].outcome == unread.facts["d-1"].outcome == "failed"
     assert (read.facts["d-1"].failure_unread, unread.facts["d-1"].failure_unread) == (False, True)
+
+
+def test_a_compensation_record_whose_envelope_names_no_delivery_is_filed_under_its_key() -> None:
+    """The supervisor's scan wrote some records with an empty correlation id (before they had
+    an envelope of their own): keyed ``<delivery>|<step>``, they are the delivery's, not a
+    delivery of that name's."""
+    record = {"delivery_id": "d-1", "step": "package", "status": "COMPENSATION_FAILED", "attempt": 1,
+              "reason": "", "recorded_at": "2026-12-05T00:00:00+00:00", "outcome": "", "undone": []}
+    scan = Envelope.first("e-3", "", "Tick", "supervisor")
+    for correlation, headers in (("", _headers(scan)), ("d-1", _headers(scan.child("e-4", "X", "supervisor")))):
+        rebuilder = _rebuilder(record)
+        if correlation:
+            headers = [(k, b"d-1" if k == H_CORRELATION_ID else v) for k, v in headers]
+        rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|package", b"\x00body", headers), {})
+        assert rebuilder.compensation == {"d-1": {"package": "compensation_failed"}}
