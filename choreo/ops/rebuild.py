@@ -475,7 +475,7 @@ class Rebuilder:
         if isinstance(body, dict) and r.topic == CompensationRecord.topic and (record := _event(CompensationRecord, body)):
             # a scan's record written before its envelope named the delivery gives its key
             # alone, ``<delivery>|<step>``: filed under that delivery, not one of that name
-            keyed = delivery == f"{record.delivery_id}|{record.step}"
+            keyed = env is None and delivery == f"{record.delivery_id}|{record.step}"
             owner = record.delivery_id if keyed else delivery
             self.compensation.setdefault(owner, {})[record.step] = str(record.status).lower()
         for service, _, _, _ in self.handlers.get(r.topic, ()):

@@ -68,9 +68,8 @@ def test_a_compensation_record_whose_envelope_names_no_delivery_is_filed_under_i
     record = {"delivery_id": "d-1", "step": "package", "status": "COMPENSATION_FAILED", "attempt": 1,
               "reason": "", "recorded_at": "2026-12-05T00:00:00+00:00", "outcome": "", "undone": []}
     scan = Envelope.first("e-3", "", "Tick", "supervisor")
-    for correlation, headers in (("", _headers(scan)), ("d-1", _headers(scan.child("e-4", "X", "supervisor")))):
+    for correlation, filed in (("", "d-1"), ("d-1", "d-1"), ("d-2", "d-2")):  # the last as the services read it
         rebuilder = _rebuilder(record)
-        if correlation:
-            headers = [(k, b"d-1" if k == H_CORRELATION_ID else v) for k, v in headers]
+        headers = [(k, correlation.encode() if k == H_CORRELATION_ID else v) for k, v in _headers(scan)]
         rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|package", b"\x00body", headers), {})
-        assert rebuilder.compensation == {"d-1": {"package": "compensation_failed"}}
+        assert rebuilder.compensation == {filed: {"package": "compensation_failed"}}
