@@ -81,12 +81,14 @@ def test_a_stopped_service_closes_the_door_and_nothing_accepted_is_lost(
         assert refusal is not None and refusal.status_code == 429, seen
         assert refusal.json()["error"] == "overloaded" and refusal.json()["reason"] == "backlog"
         assert 1 <= int(refusal.headers["retry-after"]) <= 30
-        # the door closed at the limit, not a measurement later, and stayed closed while
+        # the door closed at the limit, not a measurement later, and let no more in while
         # nothing drained. It counts a record published during a measurement twice (in the
         # measurement and since it), so it may close a few early, and open for as many once
-        # the next measurement counts them once.
+        # the next measurement counts them once: whenever that measurement lands (a
+        # measurement under load can outlast hundreds of refusals), the total stays within
+        # the limit, and the backlog ends at it
         assert BACKLOG_LIMIT // 2 <= len(accepted) <= BACKLOG_LIMIT, seen
-        assert 429 not in codes[:BACKLOG_LIMIT // 2] and 202 not in codes[FLOOD // 2:], seen
+        assert 429 not in codes[:BACKLOG_LIMIT // 2], seen
         assert backlog(client) >= BACKLOG_LIMIT
 
         # the Python API meets the same door, with the same reason
