@@ -142,6 +142,8 @@ SHARED = {RECOVERY_TOPIC, CompensationRecord.topic}  # never prefixed
 # read before the partition passes and kept: keyed otherwise, or partitioned apart from the
 # workflow's topics, and holding failures only
 SIDE = SHARED | {dlq_topic(t) for t in SHARED}
+# what the supervisor's scan wrote to the compensation log with an empty correlation id
+SCAN_STATUSES = {"COMPENSATING", "COMPENSATION_FAILED"}
 
 
 @dataclass(frozen=True)
@@ -473,10 +475,12 @@ class Rebuilder:
         if isinstance(body, dict) and r.topic == RECOVERY_TOPIC and (report := _event(StepReport, body)):
             self.reports.setdefault(delivery, {})[(report.step, report.attempt)] = f"{report.kind}: {report.error}"
         if isinstance(body, dict) and r.topic == CompensationRecord.topic and (record := _event(CompensationRecord, body)):
-            # a scan's record written before its envelope named the delivery gives its key
-            # alone, ``<delivery>|<step>``: filed under that delivery, not one of that name
-            keyed = env is None and delivery == f"{record.delivery_id}|{record.step}"
-            owner = record.delivery_id if keyed else delivery
+            # a scan's record written before its envelope named the delivery (a request or a
+            # failure, with an empty correlation id) gives its key alone, ``<delivery>|<step>``:
+            # filed under that delivery, not one of that name. No other record without a
+            # delivery in its envelope counts for one (a COMPENSATED frees a pool member)
+            keyed = delivery == f"{record.delivery_id}|{record.step}" and record.status in SCAN_STATUSES
+            owner = record.delivery_id if keyed and not header_value(r.headers, H_CORRELATION_ID) else delivery
             self.compensation.setdefault(owner, {})[record.step] = str(record.status).lower()
         for service, _, _, _ in self.handlers.get(r.topic, ()):
             if env is not None and consumed_by(service):

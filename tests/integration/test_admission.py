@@ -86,7 +86,8 @@ def test_a_stopped_service_closes_the_door_and_nothing_accepted_is_lost(
         # measurement and since it), so it may close a few early, and open for as many once
         # the next measurement counts them once: whenever that measurement lands (a
         # measurement under load can outlast hundreds of refusals), the total stays within
-        # the limit, and the backlog ends at it
+        # the limit, and the backlog ends at it (or above, by what a measurement under way
+        # counts twice)
         assert BACKLOG_LIMIT // 2 <= len(accepted) <= BACKLOG_LIMIT, seen
         assert 429 not in codes[:BACKLOG_LIMIT // 2], seen
         assert backlog(client) >= BACKLOG_LIMIT

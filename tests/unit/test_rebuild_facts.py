@@ -73,3 +73,8 @@ def test_a_compensation_record_whose_envelope_names_no_delivery_is_filed_under_i
         headers = [(k, correlation.encode() if k == H_CORRELATION_ID else v) for k, v in _headers(scan)]
         rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|package", b"\x00body", headers), {})
         assert rebuilder.compensation == {filed: {"package": "compensation_failed"}}
+    # the scan never wrote a COMPENSATED one: such a record names no delivery (it would free a drone)
+    rebuilder = _rebuilder({**record, "status": "COMPENSATED"})
+    headers = [(k, b"" if k == H_CORRELATION_ID else v) for k, v in _headers(scan)]
+    rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|package", b"\x00body", headers), {})
+    assert rebuilder.compensation == {"d-1|package": {"package": "compensated"}}
