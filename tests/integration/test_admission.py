@@ -49,6 +49,15 @@ def runs(codes: list[int]) -> str:
     return " ".join(f"{code}×{n}" for code, n in out)
 
 
+def _measured(api: DeliveryClient) -> DeliveryClient:
+    """The client once its backlog is measured. Until then its door refuses nothing (a stale
+    measurement never does, by design): an HTTP client meets only an instance that reports
+    ready, and a new client's first measurement can fail while a fresh broker's group
+    coordinator is still loading (seen in a clean clone's first test)."""
+    wait_for(api.submitter.admission.fresh, 30, 0.1, "the client's first backlog measurement")
+    return api
+
+
 def test_a_stopped_service_closes_the_door_and_nothing_accepted_is_lost(
         pipeline: Pipeline, unique: str) -> None:
     owner = f"flood-{unique}"
@@ -92,15 +101,15 @@ def test_a_stopped_service_closes_the_door_and_nothing_accepted_is_lost(
         assert 429 not in codes[:BACKLOG_LIMIT // 2], seen
         assert backlog(client) >= BACKLOG_LIMIT
 
-        # the Python API meets the same door, with the same reason
+        # the Python API meets the same door, with the same reason, once measured
         with DeliveryClient(cfg) as api, pytest.raises(AdmissionRefused) as refused:
-            api.submit(request_body(owner_id=owner))
+            _measured(api).submit(request_body(owner_id=owner))
         assert refused.value.reason == "backlog" and refused.value.retry_after_s >= 1
 
         # a batch gets only the room left: one of 200 through a door twice as wide
         wider = ingestion_settings(unique, INGESTION_MAX_BACKLOG=2 * BACKLOG_LIMIT)
         with DeliveryClient(wider) as api, pytest.raises(AdmissionRefused) as refused:
-            api.submit_many([request_body(owner_id=owner) for _ in range(200)])
+            _measured(api).submit_many([request_body(owner_id=owner) for _ in range(200)])
         assert refused.value.reason == "backlog"
         batch = refused.value.accepted
         assert 1 <= len(batch) and len(accepted) + len(batch) <= 2 * BACKLOG_LIMIT, len(batch)
