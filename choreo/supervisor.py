@@ -172,6 +172,12 @@ def _rt(ctx: Context) -> _Runtime:
     return _runtime
 
 
+def _decision(delivery_id: str, what: str) -> Envelope:
+    """The envelope of an event the supervisor's scan starts for a delivery (its tick names
+    none): it names the delivery, so its readers find it by it."""
+    return Envelope.first(derived_id(delivery_id, NAME, what), delivery_id, "SupervisorDecision", NAME)
+
+
 def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int, reason: str,
             told: str = "", undone: Sequence[str] = (), cause: Envelope | None = None, run: str = "") -> None:
     """One compensation log record; its id is stable, so a replayed batch writes the same one.
@@ -183,7 +189,7 @@ def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int
     A scan's record (its tick names no delivery) has an envelope of its own that names the
     delivery, as every event's does: the compacted log's readers find it by it."""
     if cause is None and not ctx.delivery_id:
-        cause = Envelope.first(derived_id(delivery_id, NAME, "record"), delivery_id, "SupervisorDecision", NAME)
+        cause = _decision(delivery_id, "record")
     ctx.emit(
         KeyedCompensationRecord(delivery_id=delivery_id, step=step, status=status,
                                 attempt=attempt, reason=reason[:500], recorded_at=datetime.now(UTC),
@@ -403,8 +409,7 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
         _requeue(ctx, rt, action, log)
     elif action.kind == "fail":
         compensate = split_list(str(data.get("compensate", "")))
-        cause = _story(ctx, rt, action.delivery_id) or Envelope.first(
-            derived_id(action.delivery_id, NAME, "fail"), action.delivery_id, "SupervisorDecision", NAME)
+        cause = _story(ctx, rt, action.delivery_id) or _decision(action.delivery_id, "fail")
         ctx.emit(
             watched().failure.model_validate({"delivery_id": action.delivery_id, "reason": str(data["reason"]),
                                     "detail": str(data["detail"])[:500], "failed_step": action.step,

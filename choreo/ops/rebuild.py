@@ -574,9 +574,9 @@ class Rebuilder:
         return ((d, f) for d, f in self.facts.items() if d not in self.released)
 
     def _failure_ttl(self, waiting: bool) -> int:
-        """How long a failed delivery's state lives, as the supervisor sets it: while its
-        failure waits to be read or an undo failed for good waits for an operator's decision,
-        as long as an unread failure waits; else the retention."""
+        """How long a decided delivery's state lives, as the join and the supervisor set it:
+        while a failure waits to be read or an undo failed for good waits for an operator's
+        decision, as long as an unread failure waits; else the retention."""
         return self.workflow.unread_failure_s if waiting else self.workflow.retention_s
 
     def _write_joins(self, report: RebuildReport) -> None:
