@@ -451,7 +451,7 @@ class Rebuilder:
         if declared is not None and env is not None:
             body = self.decode(r.topic, r.value)
             if isinstance(body, dict) and body:
-                self._declared_fact(declared, facts, r, body, consumed_by)
+                self._declared_fact(declared, delivery, facts, r, body, consumed_by)
         for service, step, origin, deadline_ms in self.handlers.get(r.topic, ()):
             if env is not None and consumed_by(service):
                 self.seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))
@@ -499,14 +499,16 @@ class Rebuilder:
                                                 f"{letter.source_offset}"))
         return bool(letter.event_id)
 
-    def _declared_fact(self, declared: Declared, facts: DeliveryFacts, r: Rec, body: dict[str, Any],
-                       consumed_by: Callable[[str], bool]) -> None:
+    def _declared_fact(self, declared: Declared, delivery: str, facts: DeliveryFacts, r: Rec,
+                       body: dict[str, Any], consumed_by: Callable[[str], bool]) -> None:
         """What the declarations say this event restores (see the module doc)."""
         for _, part, ok, model in declared.parts:
             event = _event(model, body)
             if event is not None and part not in facts.results:
                 facts.results[part] = (r.timestamp_ms, ok, result_text(event))
-        if declared.outcome is not None:
+        # a failure whose body names another delivery than its envelope is ignored by the
+        # supervisor, its only reader (``on_delivery_failed``): it failed no delivery
+        if declared.outcome is not None and not (declared.outcome[1] == FAILED and body.get("delivery_id") != delivery):
             join, outcome = declared.outcome
             facts.outcome = facts.outcome or outcome
             if outcome == FAILED:  # unread too when its reader runs outside the workflow

@@ -78,3 +78,13 @@ def test_a_compensation_record_whose_envelope_names_no_delivery_is_filed_under_i
     headers = [(k, b"" if k == H_CORRELATION_ID else v) for k, v in _headers(scan)]
     rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|package", b"\x00body", headers), {})
     assert rebuilder.compensation == {"d-1|package": {"package": "compensated"}}
+
+
+def test_a_failure_whose_body_names_another_delivery_fails_none() -> None:
+    """The supervisor ignores such a failure (``compensation.failure_ignored``): the rebuild
+    neither fails the delivery its envelope names nor the one its body names."""
+    envelope = Envelope.first("e-4", "d-2", "DeliveryFailed", "delivery")
+    rebuilder = _rebuilder(FAILURE)  # its body names d-1
+    rebuilder._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-2", b"\x00body", _headers(envelope)), {})
+    assert not rebuilder.facts["d-2"].outcome and not rebuilder.facts["d-2"].undo
+    assert "d-1" not in rebuilder.facts
