@@ -443,7 +443,7 @@ class Runner:
         """One run of a periodic task, its output in one transaction (no input offsets)."""
         tick = Envelope.first(derived_id(self.service.name, str(time.time_ns())), "",
                               "Tick", self.service.name)
-        ctx = Context(self.service.name, tick, "", -1, -1, self.redis, self.log)
+        ctx = Context(self.service.name, tick, "", -1, -1, self.redis, self.log, periodic=True)
         try:
             self.producer.begin_transaction()
             periodic.fn(ctx)
@@ -458,6 +458,12 @@ class Runner:
             self._stop_if_fatal(exc)
             self.log.warning("tick.abort", error=str(exc))
             self._abort([])
+        else:
+            for fn in ctx.committed:
+                try:
+                    fn()
+                except TRANSIENT as exc:  # what it marks is safe to find unmarked (``after_commit``)
+                    self.log.warning("tick.after_commit_failed", error=str(exc)[:300])
 
     def _abort(self, batch: list[Message]) -> None:
         metrics.TXN_ABORTS.labels(self.service.name).inc()

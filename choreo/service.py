@@ -126,10 +126,22 @@ class Context:
     refuse_released: bool = False  # a workflow service: see choreo.effects
     asked: dict[str, int] = field(default_factory=dict)  # effects asked for so far, by kind
     writes: list[Op[Any]] = field(default_factory=list)  # left to the step's finish (choreo.runner)
+    periodic: bool = False  # a periodic task's run (``Service.every``), not a handler's
+    committed: list[Callable[[], object]] = field(default_factory=list)  # see ``after_commit``
 
     def defer(self, op: Op[Any]) -> None:
         """Leave ``op``, a write whose answer says nothing, to the step's finish (``choreo.runner``)."""
         self.writes.append(op)
+
+    def after_commit(self, fn: Callable[[], object]) -> None:
+        """Call ``fn`` once the transaction that carries this periodic run's outputs has
+        committed (never if it aborts; not at all if the process dies in between, so what
+        ``fn`` marks must be safe to find unmarked): a decision a tick wrote in Redis may wait
+        for its events to be known published. A handler's input is read again after an
+        abort, a tick's is not: only a tick needs it."""
+        if not self.periodic:
+            raise TypeError("after_commit is for a periodic task's run (Service.every)")
+        self.committed.append(fn)
 
     def keep_open(self) -> None:
         """The step is not done with this input (a fan-in still waiting for its other half):

@@ -190,7 +190,12 @@ end
 # closes such a step as the supervisor did: ``choreo.ops.rebuild``)
 CLOSED_BY_FAILURE = "closed: its delivery failed first"
 
-_SUPERVISE = with_steps(_SETTLE + """
+# a step whose undo failed for good, in its delivery's hash while the compensation record
+# the scan wrote of it is not known committed: [the undo's attempt, the step's status before,
+# the outcome that record tells] (``_SUPERVISE``, ``_RECORDED``)
+UNRECORDED = "undo.unrecorded."
+
+_SUPERVISE = with_steps(_SETTLE + "local UNRECORDED = '%s'\n" % UNRECORDED + """
 if redis.call('GET', KEYS[3]) ~= ARGV[1] then return cjson.encode({a = 'fenced'}) end
 local step, member, now = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local score = redis.call('ZSCORE', KEYS[2], member)
@@ -228,6 +233,29 @@ if role == 'forward' and outcome then
   if published then
     redis.call('ZREM', KEYS[2], member)
     return cjson.encode({a = 'drop', why = 'outcome ' .. outcome})
+  end
+end
+if role == 'compensation' then
+  -- an undo failed for good whose record is not known committed (``recorded``): the scan's
+  -- transaction that carried it may have aborted, so it is written again (the same ids)
+  -- while its step still waits for an operator; decided since, it is not (a late
+  -- COMPENSATION_FAILED after a COMPENSATED would end the compacted log wrong)
+  local field = UNRECORDED .. ARGV[11]
+  local raw = get(field)
+  if raw then
+    local unrecorded = cjson.decode(raw)
+    if status == 'failed' and of(step, 'attempt') == unrecorded[1] + 1 then
+      if of(ARGV[11], 'status') == 'compensation_failed' then
+        redis.call('ZADD', KEYS[2], now + tonumber(ARGV[9]), member)
+        return cjson.encode({a = 'comp_failed', again = 1, target = ARGV[11], before = unrecorded[2],
+          attempt = unrecorded[1], tries = of(step, 'tries') or 0, detail = of(ARGV[11], 'error') or '',
+          told = unrecorded[3], undone = get('undo.order') or ''})
+      end
+      redis.call('HDEL', KEYS[1], field)
+      redis.call('ZREM', KEYS[2], member)
+      return cjson.encode({a = 'drop', why = 'decided before its record was known written'})
+    end
+    redis.call('HDEL', KEYS[1], field)  -- an earlier attempt's: the undo was asked again since
   end
 end
 if status ~= 'pending' and status ~= 'processing' and status ~= 'failed' then
@@ -291,7 +319,6 @@ if tries >= tonumber(ARGV[5]) then
   if err then detail = detail .. ': ' .. err end
   if role == 'compensation' then
     set({status = 'failed', attempt = attempt + 1, updated = now})
-    redis.call('ZREM', KEYS[2], member)
     local target = ARGV[11]
     local before = of(target, 'status') or ''
     -- the undo failed for good, whether or not its request was recorded yet (topics race)
@@ -305,6 +332,11 @@ if tries >= tonumber(ARGV[5]) then
       -- ``retry-undo``) as long as an unread failure waits for its reading; either gives it
       -- the retention again
       if tonumber(ARGV[16]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[16]) end
+      -- watched until its record is known committed (above)
+      redis.call('HSET', KEYS[1], UNRECORDED .. target, cjson.encode({attempt, before, told}))
+      redis.call('ZADD', KEYS[2], now + tonumber(ARGV[9]), member)
+    else
+      redis.call('ZREM', KEYS[2], member)
     end
     return cjson.encode({a = 'comp_failed', target = target, before = before, attempt = attempt,
       tries = tries, detail = detail, told = told, undone = get('undo.order') or ''})
@@ -377,6 +409,23 @@ if ARGV[6] ~= '' then step_set(K, step, {error = ARGV[6]}) end
 redis.call('ZADD', KEYS[2], 'LT', ARGV[4], ARGV[5])
 return 'due'
 """)
+
+# The scan's record of an undo failed for good committed (``Transitions.recorded``): the
+# step leaves the index, unless its undo was asked again since. ARGV: the forward step, its
+# undo step, the undo's member in the index, the undo's attempt that failed. The answer: 1
+# when it was waiting for this record.
+_RECORDED = with_steps("""
+local field = '%s' .. ARGV[1]
+local raw = redis.call('HGET', KEYS[1], field)
+if not raw then return 0 end
+local unrecorded = cjson.decode(raw)
+if unrecorded[1] ~= tonumber(ARGV[4]) then return 0 end
+redis.call('HDEL', KEYS[1], field)
+if step_get(KEYS[1], ARGV[2], 'status') == 'failed' and step_get(KEYS[1], ARGV[2], 'attempt') == unrecorded[1] + 1 then
+  redis.call('ZREM', KEYS[2], ARGV[3])
+end
+return 1
+""" % UNRECORDED)
 
 # The steps of a failed delivery are undone one after another, newest completed first: its
 # ``undo.order`` lists them; the next to ask is the first still ``compensating`` (not asked
@@ -554,6 +603,7 @@ class Transitions:
         self.client = client
         self.supervise = client.register_script(_SUPERVISE)
         self._record_report = client.register_script(_RECORD_REPORT)
+        self._recorded = client.register_script(_RECORDED)
 
     def record_report(self, delivery_id: str, step: str, attempt: int, kind: str, now_ms: int,
                       error: str) -> str:
@@ -565,6 +615,12 @@ class Transitions:
         result = write_waited(self.client, keys[0],
                               lambda pipe: self._record_report(keys=keys, args=args, client=pipe))
         return result.decode() if isinstance(result, bytes) else str(result)
+
+    def recorded(self, delivery_id: str, step: str, undo: str, attempt: int) -> bool:
+        """The scan's record of ``step``'s undo failed for good at ``attempt`` is committed:
+        the scan need not write it again (``_SUPERVISE``). Whether it was waiting for it."""
+        keys = [delivery_key(delivery_id), deadline_index(delivery_id)]
+        return bool(self._recorded(keys=keys, args=[step, undo, index_member(delivery_id, undo), attempt]))
 
 
 class Scanner:

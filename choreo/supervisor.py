@@ -425,14 +425,20 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
         target = str(data["target"])
         before = str(data.get("before", ""))
         if before not in ("", "compensated", "compensation_failed"):
+            attempt = int(data["attempt"])
             if before != "compensating":  # its request is not logged yet: log it first
-                _record(ctx, action.delivery_id, target, "COMPENSATING", int(data["attempt"]),
-                        "request logged with its failure")
+                _record(ctx, action.delivery_id, target, "COMPENSATING", attempt, "request logged with its failure")
             told = str(data.get("told") or "")
-            _record(ctx, action.delivery_id, target, "COMPENSATION_FAILED", int(data["attempt"]),
+            _record(ctx, action.delivery_id, target, "COMPENSATION_FAILED", attempt,
                     str(data["detail"]), told, split_list(str(data.get("undone", ""))),
                     # the input its undo was given carries the reply topic its outcome goes to
-                    _story(ctx, rt, action.delivery_id) if told else None, run=str(data["attempt"]))
+                    _story(ctx, rt, action.delivery_id) if told else None, run=str(attempt))
+            # the step is watched until this transaction is known committed (else written again)
+            ctx.after_commit(lambda: rt.transitions.recorded(action.delivery_id, target, action.step, attempt))
+            if data.get("again"):
+                log.warning("compensation.failure_recorded_again", target=target, undo_attempt=attempt,
+                            note="its first record's transaction is not known to have committed")
+                return
             COMPENSATION_FAILURES.labels(target).inc()
             log.error("alert.compensation_failed", target=target, tries=data["tries"],
                       detail=data["detail"],

@@ -476,6 +476,9 @@ def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_dron
     wait_for(lambda: all(world.state(d).get("drone.status") == "compensation_failed" for d in ids),
              timeout_s=60, what="compensation_failed")
     assert all(world.redis.hget(fleet.booking_key, d) for d in ids)  # held for good
+    # the scan's records of the undos failed for good are known committed: nothing is left
+    # in the deadline index, and nothing is written again (the log's records below)
+    wait_for(lambda: indexed(world.redis) == 0, timeout_s=10, what="the failed undos' records known committed")
     wait_for(lambda: _awaiting_gauge(port) == 2, timeout_s=30, what="the gauge to alert on")
     # the state waits for the operator's mark as long as an unread failure waits (a day), not
     # the retention (an hour here)

@@ -1,7 +1,8 @@
 """How a batch's offsets are committed (``Runner._process``), with Kafka's clients faked: in
 the transaction when the batch wrote a record, plainly when it wrote none; a plain commit
 that fails rewinds the batch without counting an aborted transaction (the consumer's errors
-carry no retriable flag: librdkafka retried already)."""
+carry no retriable flag: librdkafka retried already). And when a periodic task's
+``after_commit`` runs (``Runner._tick``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from prometheus_client import REGISTRY
 
 from choreo import metrics
+from choreo.envelope import Envelope
 from choreo.runner import Runner
+from choreo.service import Context
 
 
 class _Producer:
@@ -165,3 +168,31 @@ def test_a_fatal_consumer_error_on_a_plain_commit_stops_the_service() -> None:
     with pytest.raises(SystemExit, match="fatal Kafka error"):
         _runner(producer, consumer)._process([_Message(5), _Message(6)])
     assert consumer.seeks == []
+
+
+def _ticked(producer: _Producer) -> list[str]:
+    """What a periodic task's ``after_commit`` saw of the producer when it ran."""
+    seen: list[str] = []
+    runner = _runner(producer, _Consumer())
+    runner.redis, runner._open_steps = None, lambda emitted: None
+    runner._tick(SimpleNamespace(fn=lambda ctx: ctx.after_commit(lambda: seen.append(producer.calls[-1]))))
+    return seen
+
+
+def test_a_ticks_after_commit_runs_once_its_transaction_committed_and_never_after_an_abort() -> None:
+    assert _ticked(_Producer(True)) == ["commit"]
+    refused = _Producer(True)
+
+    def refuse(*_: Any) -> None:
+        refused.calls.append("commit refused")
+        raise KafkaException(KafkaError(KafkaError.INVALID_TXN_STATE))
+
+    refused.commit_transaction = refuse  # type: ignore[method-assign]
+    assert _ticked(refused) == [] and refused.calls == ["begin", "commit refused", "abort"]
+
+
+def test_only_a_periodic_task_may_wait_for_its_commit() -> None:
+    """A handler's input is read again after an abort; nothing would call its hook."""
+    ctx = Context("s", Envelope.first("e", "d", "T", "s"), "t", 0, 5, None, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="periodic"):
+        ctx.after_commit(lambda: None)

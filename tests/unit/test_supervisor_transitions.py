@@ -463,7 +463,8 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
     assert action.data["before"] == "compensating" and "warehouse refused" in action.data["detail"]
     f = _fields(client, d)
     assert f["package.status"] == "compensation_failed" and f["cancel_package.status"] == "failed"
-    assert indexed(client) == 0
+    # watched until the record the scan writes of it is known committed (the next test)
+    assert indexed(client) == 1 and client.zscore(deadline_index(d), index_member(d, "cancel_package")) == 1_007_000
     # listed as waiting for an operator's decision, since the failure
     assert client.zscore(awaiting_operator_index(d), index_member(d, "package")) == 1_002_000
     # the compensation ended: its submitter is told failed, with the steps it was to undo
@@ -480,6 +481,59 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
     assert _mark(client, d, "t:n", "package", 8, "compensation_failed", 3600).startswith("compensated:")
     assert 0 < client.ttl(delivery_key(d)) <= 3600 and _fields(client, d)["package.status"] == "compensated"
     assert client.zcard(awaiting_operator_index(d)) == 0  # waits no more
+
+
+def _failed_for_good(client: redis.Redis, lease: Lease) -> tuple[str, Action]:
+    """A delivery whose undo of ``package`` the scan at 1,002,000 finds failed for good."""
+    d = _new(client, "cancel_package")
+    StateTable(client).put(d, {"outcome": "failed", "package.status": "compensating", "undo.order": "package",
+                               "cancel_package.status": "failed", "cancel_package.tries": BUDGET,
+                               "cancel_package.error": "warehouse refused"})
+    action = _scan(client, lease, 1_002_000)[(d, "cancel_package")]
+    assert action.kind == "comp_failed" and action.data["told"] == "failed"
+    return d, action
+
+
+def test_an_undo_failed_for_good_is_recorded_again_until_its_record_is_known_committed(
+        client: redis.Redis, lease: Lease) -> None:
+    """The scan's transaction that carries the COMPENSATION_FAILED record, and the outcome it
+    tells, may abort after its Redis transition: the step stays watched and the record is
+    written again, telling the same, until the supervisor knows it committed; an undo decided
+    meanwhile is not written again, and an undo asked again is supervised as any."""
+    d, first = _failed_for_good(client, lease)
+    assert _scan(client, lease, 1_006_999) == {}  # confirm_s (5 s) not over
+    again = _scan(client, lease, 1_007_000)[(d, "cancel_package")]
+    assert again.kind == "comp_failed" and again.data["again"] == 1 and "warehouse refused" in again.data["detail"]
+    same = ("target", "before", "attempt", "told", "undone")
+    assert {k: again.data[k] for k in same} == {k: first.data[k] for k in same} == {
+        "target": "package", "before": "compensating", "attempt": 1, "told": "failed", "undone": "package"}
+    assert client.zscore(deadline_index(d), index_member(d, "cancel_package")) == 1_012_000
+    transitions = Transitions(client)
+    assert not transitions.recorded(d, "package", "cancel_package", 2)  # not the attempt that failed
+    assert transitions.recorded(d, "package", "cancel_package", 1)
+    assert indexed(client) == 0 and "undo.unrecorded.package" not in _fields(client, d)
+    assert not transitions.recorded(d, "package", "cancel_package", 1)  # once
+    assert _scan(client, lease, 1_013_000) == {}
+    assert _fields(client, d)["package.status"] == "compensation_failed"  # still waits for an operator
+
+    # marked compensated before its record was known written: never written again after it
+    decided, _ = _failed_for_good(client, lease)
+    assert _mark(client, decided, "t:m", "package", 8, "compensation_failed", 3600).startswith("compensated:")
+    dropped = _scan(client, lease, 1_007_000)[(decided, "cancel_package")]
+    assert dropped.kind == "drop" and indexed(client) == 0
+    assert "undo.unrecorded.package" not in _fields(client, decided)
+
+    # asked again before it: the new attempt's failure is supervised as any (claimed, not
+    # taken for the old record), and the old attempt's mark goes
+    asked, _ = _failed_for_good(client, lease)
+    keys_of = [delivery_key(asked), deadline_index(asked), awaiting_operator_index(asked)]
+    assert ASK_UNDO_AGAIN.run(client, asked, "t:a", keys_of, ["package", "cancel_package", 1_003_000, DEADLINE,
+                                                              index_member(asked, "cancel_package"), 3600], 60) \
+        == "asked:3:"
+    StateTable(client).put(asked, {"cancel_package.status": "failed", "cancel_package.source": "undo.package|0|9"})
+    retried = _scan(client, lease, 1_004_000)[(asked, "cancel_package")]
+    assert retried.kind == "claim" and retried.data["attempt"] == 4
+    assert "undo.unrecorded.package" not in _fields(client, asked)
 
 
 def _mark(client: redis.Redis, d: str, memo: str, step: str, now: int, *rest: str | int) -> str | None:
