@@ -77,6 +77,14 @@ def _new(client: redis.Redis, *steps: str, now: int = 1_000_000, shard: int | No
     return delivery_id
 
 
+def _read_failure(client: redis.Redis, d: str, memo: str, now: int, failed_step: str, reason: str,
+                  retention_s: int, *undo: str) -> str | None:
+    """The supervisor's reading of ``d``'s failure (``MARK_COMPENSATING``, as ``on_delivery_failed``
+    runs it): the steps to undo, newest first."""
+    return MARK_COMPENSATING.run(client, d, memo, [delivery_key(d), deadline_index(d)],
+                                 [now, d, failed_step, reason, retention_s, UNDOABLE, *undo], 60)
+
+
 def test_pending_step_is_extended_without_a_new_token(client: redis.Redis, lease: Lease) -> None:
     d = _new(client, "drone")
     actions = _scan(client, lease, 1_002_000)
@@ -381,8 +389,7 @@ def test_budget_spent_fails_the_delivery_once_with_compensations_newest_first(
     again = _scan(client, lease, 1_000_050 + 5_001)[(d, "drone")]
     assert again.kind == "fail" and again.data["again"] == 1
     # seen: marked compensating, and nothing left in the index
-    raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), deadline_index(d)],
-                                [1_000_060, d, "drone", "DEADLINE_MISSED", 3600, UNDOABLE, "package"], 60)
+    raw = _read_failure(client, d, "t:1", 1_000_060, "drone", "DEADLINE_MISSED", 3600, "package")
     assert [m["step"] for m in parse_marked(raw).steps] == ["package"]
     assert parse_marked(raw).next == "package"
     assert parse_marked(raw).outcome == "failed"  # what the drone's give-back waits for
@@ -472,8 +479,7 @@ def test_compensation_past_its_budget_ends_compensation_failed(client: redis.Red
     # its state waits for an operator's mark as an unread failure waits for its reading, and
     # a second failure event read meanwhile does not cut that wait to the retention
     assert 86_000 < client.ttl(delivery_key(d)) <= 86_400
-    MARK_COMPENSATING.run(client, d, "t:f", [delivery_key(d), deadline_index(d)], [6, d, "drone", "AGAIN", 3600,
-                                                                                   UNDOABLE, "drone"], 60)
+    _read_failure(client, d, "t:f", 6, "drone", "AGAIN", 3600, "drone")
     assert 86_000 < client.ttl(delivery_key(d)) <= 86_400
     # a mark from any other status is refused; the mark by hand gives the retention back
     assert _mark(client, d, "t:m", "package", 7, "compensating", 3600) == "ignored:compensation_failed"
@@ -606,8 +612,7 @@ def test_undo_seen_before_the_request_still_ends_compensated(client: redis.Redis
     d = _new(client, "package")
     StateTable(client).put(d, {"package.status": "completed"})
     assert _mark(client, d, "t:1", "package", 5) == "compensated:completed:1::\x1f\x1f"
-    raw = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), deadline_index(d)],
-                                [6, d, "drone", "FAILED", 3600, UNDOABLE, "package"], 60)
+    raw = _read_failure(client, d, "t:2", 6, "drone", "FAILED", 3600, "package")
     assert parse_marked(raw).steps == [] and parse_marked(raw).next == ""
     assert parse_marked(raw).told == "compensated"  # it ended before the failure was read
     assert _fields(client, d)["package.status"] == "compensated"
@@ -623,8 +628,7 @@ def test_reading_a_failure_gives_its_waiting_state_the_retention(client: redis.R
     client.expire(delivery_key(waiting), 86_400)
     StateTable(client).put(undecided, {"package.status": "completed"})
     for d in (waiting, undecided):
-        MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
-                              [5, d, "package", "r", 60, UNDOABLE, "package"], 60)
+        _read_failure(client, d, "t:0", 5, "package", "r", 60, "package")
     # one the reading failed itself (a failure written by hand) goes in time too
     assert all(0 < client.ttl(delivery_key(d)) <= 60 for d in (waiting, undecided))
 
@@ -637,8 +641,7 @@ def test_a_failure_closes_the_steps_with_an_undo_it_leaves_out_before_they_begin
     d = _new(client, "package", "drone", "delivery")
     table = StateTable(client)
     table.put(d, {"package.status": "completed"})
-    raw = MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
-                                [5, d, "drone", "BY_HAND: x", 3600, UNDOABLE, "package"], 60)
+    raw = _read_failure(client, d, "t:0", 5, "drone", "BY_HAND: x", 3600, "package")
     marked = parse_marked(raw)
     assert [m["step"] for m in marked.steps] == ["package"] and marked.closed == ("drone",)
     fields = _fields(client, d)
@@ -649,14 +652,27 @@ def test_a_failure_closes_the_steps_with_an_undo_it_leaves_out_before_they_begin
     assert client.zscore(deadline_index(d), index_member(d, "delivery")) is not None
     assert table.begin(d, "drone", 1, 1_000_100, DEADLINE, BUDGET, "r|r|0|1") == Begin.STALE
     # the same reading again (a replayed batch) is told the same
-    assert parse_marked(MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
-                                              [9, d, "drone", "BY_HAND: x", 3600, UNDOABLE, "package"],
-                                              60)).closed == ("drone",)
+    assert parse_marked(_read_failure(client, d, "t:0", 9, "drone", "BY_HAND: x", 3600, "package")).closed == ("drone",)
     shipped = _new(client, "drone")
     table.put(shipped, {"outcome": "shipped"})
-    raw = MARK_COMPENSATING.run(client, shipped, "t:0", [delivery_key(shipped), deadline_index(shipped)],
-                                [5, shipped, "delivery", "REDRIVEN: x", 3600, UNDOABLE], 60)
+    raw = _read_failure(client, shipped, "t:0", 5, "delivery", "REDRIVEN: x", 3600)
     assert parse_marked(raw).closed == () and _fields(client, shipped)["drone.status"] == "pending"
+
+
+def test_a_failure_closes_a_step_claimed_for_a_requeue_it_leaves_out(client: redis.Redis, lease: Lease) -> None:
+    """Claimed by the scan (pending at a new token, re-published after its back-off), a step
+    with an undo that the failure leaves out is closed all the same: its requeue never goes."""
+    d = _new(client, "package", "drone")
+    StateTable(client).put(d, {"package.status": "completed", "drone.status": "failed", "drone.source": "r|r|0|1"})
+    claim = _scan(client, lease, 1_001_000)[(d, "drone")]
+    assert claim.kind == "claim" and claim.data["attempt"] == 2
+    marked = parse_marked(_read_failure(client, d, "t:0", 1_001_050, "delivery", "BY_HAND: x", 3600, "package"))
+    assert [m["step"] for m in marked.steps] == ["package"] and marked.closed == ("drone",)
+    fields = _fields(client, d)
+    assert (fields["drone.status"], fields["drone.attempt"], fields["drone.error"]) == \
+        ("failed", "3", CLOSED_BY_FAILURE)
+    assert client.zscore(deadline_index(d), index_member(d, "drone")) is None
+    assert (d, "drone") not in _scan(client, lease, 1_010_000)  # nothing requeued
 
 
 def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.Redis) -> None:
@@ -672,8 +688,7 @@ def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.
         assert (told, order) == ("compensated" if step == "package" else "", "drone,customs,package")
         return following
 
-    raw = MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
-                                [5, d, "delivery", "FLIGHT_REFUSED: no", 3600, UNDOABLE, "drone", "customs", "package"], 60)
+    raw = _read_failure(client, d, "t:0", 5, "delivery", "FLIGHT_REFUSED: no", 3600, "drone", "customs", "package")
     assert [m["step"] for m in parse_marked(raw).steps] == ["drone", "customs", "package"]
     assert parse_marked(raw).next == "drone"  # only the newest: the others wait for it
     assert undone("drone", "t:1") == "customs"
@@ -687,16 +702,13 @@ def test_undos_are_asked_one_after_another_newest_completed_first(client: redis.
 def test_an_undo_that_failed_for_good_stops_the_chain(client: redis.Redis) -> None:
     d = _new(client, "package", "drone")
     StateTable(client).put(d, {"package.status": "completed", "drone.status": "completed"})
-    MARK_COMPENSATING.run(client, d, "t:0", [delivery_key(d), deadline_index(d)],
-                          [5, d, "delivery", "r", 3600, UNDOABLE, "drone", "package"], 60)
+    _read_failure(client, d, "t:0", 5, "delivery", "r", 3600, "drone", "package")
     StateTable(client).put(d, {"drone.status": "compensation_failed"})
-    raw = MARK_COMPENSATING.run(client, d, "t:1", [delivery_key(d), deadline_index(d)],
-                                [6, d, "delivery", "r", 3600, UNDOABLE, "drone", "package"], 60)
+    raw = _read_failure(client, d, "t:1", 6, "delivery", "r", 3600, "drone", "package")
     assert parse_marked(raw).next == ""  # package is never asked: the alert is raised on drone
     assert _fields(client, d)["package.status"] == "compensating"
     assert parse_marked(raw).told == "failed"  # an undo failed for good: the submitter is told so, once
-    again = MARK_COMPENSATING.run(client, d, "t:2", [delivery_key(d), deadline_index(d)],
-                                  [7, d, "delivery", "r", 3600, UNDOABLE, "drone", "package"], 60)
+    again = _read_failure(client, d, "t:2", 7, "delivery", "r", 3600, "drone", "package")
     assert parse_marked(again).told == ""
 
 
