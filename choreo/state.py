@@ -783,7 +783,8 @@ def check_step_name(step: str) -> str:
 
 def is_step_record(name: str, value: str) -> bool:
     """Whether a field of a delivery's hash is a step's record (the others are plain values:
-    ``outcome``, ``fanin.*``, ``fail.*``, ``undo.*``, ``done``, ``dead_letters``; none is a JSON array)."""
+    ``outcome``, ``fanin.*``, ``fail.*``, ``undo.*``, ``done``, ``dead_letters``: each has a dot in
+    its name or is no JSON array)."""
     return "." not in name and value.startswith("[")
 
 

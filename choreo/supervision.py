@@ -410,16 +410,16 @@ redis.call('ZADD', KEYS[2], 'LT', ARGV[4], ARGV[5])
 return 'due'
 """)
 
-# The scan's record of an undo failed for good committed (``Transitions.recorded``): the
-# step leaves the index, unless its undo was asked again since. ARGV: the forward step, its
-# undo step, the undo's member in the index, the undo's attempt that failed. The answer: 1
-# when it was waiting for this record.
+# The scan's record of an undo failed for good committed (``Transitions.recorded_many``):
+# the step leaves the index, unless its undo was asked again since. ARGV: the forward step,
+# its undo step, the undo's member in the index, the undo's attempt that failed. The
+# answer: 1 when it was waiting for this record.
 _RECORDED = with_steps("""
 local field = '%s' .. ARGV[1]
 local raw = redis.call('HGET', KEYS[1], field)
 if not raw then return 0 end
 local unrecorded = cjson.decode(raw)
-if unrecorded[1] ~= tonumber(ARGV[4]) then return 0 end
+if tonumber(unrecorded[1]) ~= tonumber(ARGV[4]) then return 0 end
 redis.call('HDEL', KEYS[1], field)
 if step_get(KEYS[1], ARGV[2], 'status') == 'failed' and step_get(KEYS[1], ARGV[2], 'attempt') == unrecorded[1] + 1 then
   redis.call('ZREM', KEYS[2], ARGV[3])
@@ -569,6 +569,16 @@ return 0
 # -- results -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Unrecorded:
+    """An undo failed for good whose record a scan wrote: ``step``'s undo ``undo`` at ``attempt``."""
+
+    delivery_id: str
+    step: str
+    undo: str
+    attempt: int
+
+
+@dataclass(frozen=True)
 class Action:
     """One decision of a scan, for the caller to carry out in Kafka (requeue, fail, log)."""
 
@@ -616,11 +626,17 @@ class Transitions:
                               lambda pipe: self._record_report(keys=keys, args=args, client=pipe))
         return result.decode() if isinstance(result, bytes) else str(result)
 
-    def recorded(self, delivery_id: str, step: str, undo: str, attempt: int) -> bool:
-        """The scan's record of ``step``'s undo failed for good at ``attempt`` is committed:
-        the scan need not write it again (``_SUPERVISE``). Whether it was waiting for it."""
-        keys = [delivery_key(delivery_id), deadline_index(delivery_id)]
-        return bool(self._recorded(keys=keys, args=[step, undo, index_member(delivery_id, undo), attempt]))
+    def recorded_many(self, items: Sequence[Unrecorded]) -> list[bool]:
+        """The scan's records of these undos failed for good are committed: the scan need not
+        write them again (``_SUPERVISE``). One round trip per Redis node; whether each was
+        waiting for its record."""
+        pipes = NodePipelines(self.client)
+        for item in items:
+            key = delivery_key(item.delivery_id)
+            self._recorded(keys=[key, deadline_index(item.delivery_id)],
+                           args=[item.step, item.undo, index_member(item.delivery_id, item.undo), item.attempt],
+                           client=pipes.on(key))
+        return [bool(answer) for answer in raise_first(pipes.execute())]
 
 
 class Scanner:

@@ -47,8 +47,8 @@ from choreo.state import StateTable, Source, StepStatus, deadline_index, deliver
 from choreo.supervision import (
     ASK_UNDO_AGAIN, COMPENSATION, COMPENSATION_FAILURES, COMPENSATIONS, FORWARD, LEADER, MARK_COMPENSATED,
     MARK_COMPENSATING, REPORTS, REQUEUES, Action, KeyedCompensationRecord, Policies, Scanner,
-    UNIT, SourceReader, StepPolicy, SupervisorSettings, Transitions, awaiting_operator_index, labels, parse_marked,
-    split_list,
+    UNIT, SourceReader, StepPolicy, SupervisorSettings, Transitions, Unrecorded, awaiting_operator_index, labels,
+    parse_marked, split_list,
 )
 from choreo.join import FAILED
 from choreo.workflow import Workflow, load_workflow
@@ -390,19 +390,22 @@ def scan(ctx: Context) -> None:
         rt.leading = False
         LEADER.set(0)
         ctx.log.warning("supervisor.fenced", note="lease lost mid-scan; decisions stop here")
+    recorded: list[Unrecorded] = []
     for action in result.actions:
         try:
-            _carry_out(ctx, rt, action)
+            _carry_out(ctx, rt, action, recorded)
         except (DecodeFailure, ValueError, KeyError) as exc:
             ctx.log.error("supervisor.action_failed", delivery_id=action.delivery_id,
                           step=action.step, action=action.kind, error=str(exc)[:300])
+    if recorded:  # those undos are watched until this scan's transaction is known committed
+        ctx.after_commit(lambda: rt.transitions.recorded_many(recorded))
     if result.stats.due or result.stats.capped:
         ctx.log.info("supervisor.scan", due=result.stats.due, pages=result.stats.pages,
                      seconds=round(result.stats.seconds, 4), capped=result.stats.capped,
                      actions=labels(result.actions), backlog=rt.scanner.backlog(now))
 
 
-def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
+def _carry_out(ctx: Context, rt: _Runtime, action: Action, recorded: list[Unrecorded]) -> None:
     data: dict[str, Any] = action.data
     log = ctx.log.bind(delivery_id=action.delivery_id, step=action.step)
     if action.kind == "requeue":
@@ -433,8 +436,7 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action) -> None:
                     str(data["detail"]), told, split_list(str(data.get("undone", ""))),
                     # the input its undo was given carries the reply topic its outcome goes to
                     _story(ctx, rt, action.delivery_id) if told else None, run=str(attempt))
-            # the step is watched until this transaction is known committed (else written again)
-            ctx.after_commit(lambda: rt.transitions.recorded(action.delivery_id, target, action.step, attempt))
+            recorded.append(Unrecorded(action.delivery_id, target, action.step, attempt))
             if data.get("again"):
                 log.warning("compensation.failure_recorded_again", target=target, undo_attempt=attempt,
                             note="its first record's transaction is not known to have committed")

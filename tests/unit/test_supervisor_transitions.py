@@ -18,8 +18,8 @@ from choreo.ops import status
 from choreo.state import Begin, Source, StateTable, StepStatus, deadline_index, delivery_key, index_member
 from choreo.supervision import (
     ASK_UNDO_AGAIN, COMPENSATION, FORWARD, MARK_COMPENSATED, MARK_COMPENSATING, Action, Policies, Scanner,
-    AWAITING_MARGIN_S, CLOSED_BY_FAILURE, StepPolicy, SupervisorSettings, Transitions, awaiting_operator_index,
-    parse_marked,
+    AWAITING_MARGIN_S, CLOSED_BY_FAILURE, StepPolicy, SupervisorSettings, Transitions, Unrecorded,
+    awaiting_operator_index, parse_marked,
 )
 from tests.helpers import indexed
 
@@ -515,10 +515,11 @@ def test_an_undo_failed_for_good_is_recorded_again_until_its_record_is_known_com
         "target": "package", "before": "compensating", "attempt": 1, "told": "failed", "undone": "package"}
     assert client.zscore(deadline_index(d), index_member(d, "cancel_package")) == 1_012_000
     transitions = Transitions(client)
-    assert not transitions.recorded(d, "package", "cancel_package", 2)  # not the attempt that failed
-    assert transitions.recorded(d, "package", "cancel_package", 1)
+    # (the attempt after the one that failed is not it)
+    assert transitions.recorded_many([Unrecorded(d, "package", "cancel_package", 2),
+                                      Unrecorded(d, "package", "cancel_package", 1)]) == [False, True]
     assert indexed(client) == 0 and "undo.unrecorded.package" not in _fields(client, d)
-    assert not transitions.recorded(d, "package", "cancel_package", 1)  # once
+    assert transitions.recorded_many([Unrecorded(d, "package", "cancel_package", 1)]) == [False]  # once
     assert _scan(client, lease, 1_013_000) == {}
     assert _fields(client, d)["package.status"] == "compensation_failed"  # still waits for an operator
 
