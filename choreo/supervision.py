@@ -190,12 +190,22 @@ end
 # closes such a step as the supervisor did: ``choreo.ops.rebuild``)
 CLOSED_BY_FAILURE = "closed: its delivery failed first"
 
+# A pending step of a failed delivery must not begin (its trigger may still be queued, or its
+# requeue on the way): closed with a new token, out of the deadline index ``index``.
+_CLOSE_PENDING = """
+local function close_pending(key, index, delivery, step, now)
+  step_set(key, step, {status = 'failed', attempt = (step_get(key, step, 'attempt') or 1) + 1, updated = now,
+           error = '%s'})
+  redis.call('ZREM', index, delivery .. '|' .. step)
+end
+""" % CLOSED_BY_FAILURE
+
 # a step whose undo failed for good, in its delivery's hash while the compensation record
 # the scan wrote of it is not known committed: [the undo's attempt, the step's status before,
 # the outcome that record tells] (``_SUPERVISE``, ``_RECORDED``)
 UNRECORDED = "undo.unrecorded."
 
-_SUPERVISE = with_steps(_SETTLE + "local UNRECORDED = '%s'\n" % UNRECORDED + """
+_SUPERVISE = with_steps(_SETTLE + _CLOSE_PENDING + "local UNRECORDED = '%s'\n" % UNRECORDED + """
 if redis.call('GET', KEYS[3]) ~= ARGV[1] then return cjson.encode({a = 'fenced'}) end
 local step, member, now = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local score = redis.call('ZSCORE', KEYS[2], member)
@@ -342,9 +352,8 @@ if tries >= tonumber(ARGV[5]) then
       tries = tries, detail = detail, told = told, undone = get('undo.order') or ''})
   end
   -- fail the delivery: steps that may have side effects, the abandoned ones first, then
-  -- the completed ones newest first (reverse order of completion). A step of them still
-  -- pending must not begin for a failed delivery (its trigger may still be queued, or its
-  -- requeue on the way): closed here, with a new token
+  -- the completed ones newest first (reverse order of completion); one still pending is
+  -- closed
   local done, abandoned, closed = {}, {}, {}
   for name in string.gmatch(ARGV[12], '[^,]+') do
     local st = of(name, 'status')
@@ -353,9 +362,7 @@ if tries >= tonumber(ARGV[5]) then
     elseif st == 'processing' then
       table.insert(abandoned, name)
     elseif st == 'pending' and name ~= step then
-      step_set(KEYS[1], name, {status = 'failed', attempt = (of(name, 'attempt') or 1) + 1, updated = now,
-               error = '%s'})
-      redis.call('ZREM', KEYS[2], string.sub(member, 1, #member - #step) .. name)
+      close_pending(KEYS[1], KEYS[2], string.sub(member, 1, #member - #step - 1), name, now)
       table.insert(closed, name)
     end
   end
@@ -396,7 +403,7 @@ set({attempt = claimed, status = 'pending', requeue = claimed, complete_by = now
 redis.call('ZADD', KEYS[2], now + backoff, member)
 return cjson.encode({a = 'claim', attempt = claimed, backoff = backoff, tries = tries,
   failures = failures, was = status})
-""" % CLOSED_BY_FAILURE)
+""")
 
 _RECORD_REPORT = with_steps("""
 local K, step = KEYS[1], ARGV[1]
@@ -457,7 +464,7 @@ end
 # begun, or claimed for a requeue) and not listed is closed with a new token, the failed step
 # too, as the supervisor's own failure closes it: a failure written by hand may leave it out,
 # and its queued trigger or requeue would take what nothing gives back.
-MARK_COMPENSATING = OnceEffect("mark_compensating", with_steps(_SETTLE + _NEXT_UNDO + """
+MARK_COMPENSATING = OnceEffect("mark_compensating", with_steps(_SETTLE + _NEXT_UNDO + _CLOSE_PENDING + """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   -- its state is gone (past its retention): nothing is left to undo it from
   if #ARGV >= 7 then return cjson.encode({told = 'failed'}) end
@@ -488,9 +495,7 @@ local closed = {}
 if outcome == 'failed' then
   for s in string.gmatch(ARGV[6], '[^,]+') do
     if step_get(KEYS[1], s, 'status') == 'pending' then
-      step_set(KEYS[1], s, {status = 'failed', attempt = (step_get(KEYS[1], s, 'attempt') or 1) + 1, updated = now,
-               error = '%s'})
-      redis.call('ZREM', KEYS[2], delivery .. '|' .. s)
+      close_pending(KEYS[1], KEYS[2], delivery, s, now)
       table.insert(closed, s)
     end
   end
@@ -499,7 +504,7 @@ local answer = {next = next_undo(KEYS[1]), told = settle(KEYS[1]), outcome = out
 if #marked > 0 then answer.marked = marked end
 if #closed > 0 then answer.closed = closed end
 return cjson.encode(answer)
-""" % CLOSED_BY_FAILURE))
+"""))
 
 # The undo is a fact whatever order the topics are read in: a cancellation read before the
 # delivery.failed that asked for it still marks the step compensated (and that one then
