@@ -206,6 +206,9 @@ def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int
 @service.on(RECOVERY_TOPIC, produces=[CompensationRecord])
 def on_report(report: StepReport, ctx: Context) -> None:
     """A service could not finish a step: make it due now so the leader's next scan acts."""
+    if report.delivery_id != ctx.delivery_id:  # its envelope names the delivery it acts on
+        ctx.log.warning("step.report_ignored", step=report.step[:80], why="its body names another delivery")
+        return
     verdict = _rt(ctx).transitions.record_report(report.delivery_id, report.step, report.attempt,
                                                  report.kind, now_ms(), report.error)
     REPORTS.labels(report.kind, verdict).inc()

@@ -14,6 +14,7 @@ from choreo.envelope import derived_id
 from choreo.outcomes import told
 from choreo.events import Event
 from choreo.release import awaiting_key
+from choreo.runner import RECOVERY_TOPIC
 from choreo.service import deadline_scale
 from choreo.supervision import COMPENSATION, FORWARD
 from choreo.runtime_events import CompensationRecord, StepReport, UndoByOperator, UndoRequested, undo_topic
@@ -137,6 +138,17 @@ def test_a_failure_whose_body_names_another_delivery_than_its_envelope_changes_n
                   topic=supervisor.watched().failed_topic, delivery_id="d-2")
     assert outcome.effects == [] and outcome.emitted == []
     assert [(log.level, log.event) for log in outcome.logs] == [("warning", "compensation.failure_ignored")]
+
+
+def test_a_report_whose_body_names_another_delivery_than_its_envelope_changes_nothing() -> None:
+    """The runner names the same delivery in both; a report that does not is left alone
+    (read in memory: had it reached Redis, the harness would have refused)."""
+    report = StepReport(delivery_id="d-1", step="drone", kind="FAILED", attempt=1, service="drone-scheduler",
+                        source_topic="delivery.requested", source_event_id="e-1", error="x",
+                        reported_at=datetime.now(UTC))
+    outcome = run(supervisor.service, report, topic=RECOVERY_TOPIC, delivery_id="d-2")
+    assert outcome.effects == [] and outcome.emitted == []
+    assert [(log.level, log.event) for log in outcome.logs] == [("warning", "step.report_ignored")]
 
 
 def test_only_declared_compensations_are_marked() -> None:
