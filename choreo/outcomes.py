@@ -5,10 +5,12 @@ carries it on (a requeue too). The runner that produces an event that decides a 
 (``Workflow.outcome_labels``: the deciding join's outcomes) writes one ``DeliveryOutcome`` to that topic in the same
 transaction: the outcome event and its copy commit or abort together, and the copy's id is
 derived from the outcome event's, so a replay writes the same record again, never a second
-outcome (``read_committed`` readers see exactly one). The one exception: the supervisor's
-scan writes an undo's failure that tells an outcome again, under the same ids, when it
-cannot know its first transaction committed (RELIABILITY.md, "An undo that fails past its
-budget"), so a reader that keeps the first record of an id is told once.
+outcome (``read_committed`` readers see exactly one). Two exceptions, both from the
+supervisor's scan, which has no input to read again: it writes its own ``delivery.failed``
+again until it reads it back, and an undo's failure record until its transaction is known
+committed (RELIABILITY.md, "An undo that fails past its budget"). Each is written again
+under the same ids, its outcome's copy too, so a reader that keeps the first record of an id
+is told once.
 
 The header may have been forged at any hop, so the writer trusts it no more than the HTTP
 edge trusts the request: only a legal topic name under the configured prefix

@@ -462,8 +462,8 @@ class Runner:
             for fn in ctx.committed:
                 try:
                     fn()
-                except TRANSIENT as exc:  # what it marks is safe to find unmarked (``after_commit``)
-                    self.log.warning("tick.after_commit_failed", error=str(exc)[:300])
+                except Exception as exc:  # what it marks is safe to find unmarked (``after_commit``)
+                    self.log.error("tick.after_commit_failed", error=str(exc)[:300])
 
     def _abort(self, batch: list[Message]) -> None:
         metrics.TXN_ABORTS.labels(self.service.name).inc()

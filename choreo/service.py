@@ -135,9 +135,10 @@ class Context:
 
     def after_commit(self, fn: Callable[[], object]) -> None:
         """Call ``fn`` once the transaction that carries this periodic run's outputs has
-        committed (never if it aborts; not at all if the process dies in between, so what
-        ``fn`` marks must be safe to find unmarked): a decision a tick wrote in Redis may wait
-        for its events to be known published. A handler's input is read again after an
+        committed. Never if it aborts, nor if its commit is reported failed though it went
+        through, nor if the process dies in between, nor again if ``fn`` fails (logged): what
+        ``fn`` marks must be safe to find unmarked. A decision a tick wrote in Redis may wait
+        for its events to be known published; a handler's input is read again after an
         abort, a tick's is not: only a tick needs it."""
         if not self.periodic:
             raise TypeError("after_commit is for a periodic task's run (Service.every)")

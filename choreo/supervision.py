@@ -246,7 +246,7 @@ if role == 'forward' and outcome then
   end
 end
 if role == 'compensation' then
-  -- an undo failed for good whose record is not known committed (``recorded``): the scan's
+  -- an undo failed for good whose record is not known committed (``_RECORDED``): the scan's
   -- transaction that carried it may have aborted, so it is written again (the same ids)
   -- while its step still waits for an operator; decided since, it is not (a late
   -- COMPENSATION_FAILED after a COMPENSATED would end the compacted log wrong)
@@ -257,7 +257,7 @@ if role == 'compensation' then
     if status == 'failed' and of(step, 'attempt') == unrecorded[1] + 1 then
       if of(ARGV[11], 'status') == 'compensation_failed' then
         redis.call('ZADD', KEYS[2], now + tonumber(ARGV[9]), member)
-        return cjson.encode({a = 'comp_failed', again = 1, target = ARGV[11], before = unrecorded[2],
+        return cjson.encode({a = 'comp_failed_again', target = ARGV[11], before = unrecorded[2],
           attempt = unrecorded[1], tries = of(step, 'tries') or 0, detail = of(ARGV[11], 'error') or '',
           told = unrecorded[3], undone = get('undo.order') or ''})
       end
@@ -587,7 +587,7 @@ class Unrecorded:
 class Action:
     """One decision of a scan, for the caller to carry out in Kafka (requeue, fail, log)."""
 
-    kind: str  # drop | park | wait | extend | claim | requeue | fail | comp_failed | gone | error
+    kind: str  # drop | park | wait | extend | claim | requeue | fail | comp_failed | comp_failed_again | gone | error
     delivery_id: str
     step: str
     data: dict[str, Any]

@@ -427,7 +427,7 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action, recorded: list[Unreco
         log.warning("delivery.failed_by_supervisor", reason=data["reason"], detail=data["detail"],
                     tries=data.get("tries"), compensate=compensate, again=bool(data.get("again")),
                     closed=data.get("closed", ""))
-    elif action.kind == "comp_failed":
+    elif action.kind in ("comp_failed", "comp_failed_again"):
         target = str(data["target"])
         before = str(data.get("before", ""))
         if before not in ("", "compensated", "compensation_failed"):
@@ -440,7 +440,7 @@ def _carry_out(ctx: Context, rt: _Runtime, action: Action, recorded: list[Unreco
                     # the input its undo was given carries the reply topic its outcome goes to
                     _story(ctx, rt, action.delivery_id) if told else None, run=str(attempt))
             recorded.append(Unrecorded(action.delivery_id, target, action.step, attempt))
-            if data.get("again"):
+            if action.kind == "comp_failed_again":
                 log.warning("compensation.failure_recorded_again", target=target, undo_attempt=attempt,
                             note="its first record's transaction is not known to have committed")
                 return

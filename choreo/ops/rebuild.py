@@ -472,7 +472,9 @@ class Rebuilder:
                 self.side_dead_letters[delivery] = self.side_dead_letters.get(delivery, 0) + 1
             return
         body = self.decode(r.topic, r.value)
-        if isinstance(body, dict) and r.topic == RECOVERY_TOPIC and (report := _event(StepReport, body)):
+        # (a report whose body names another delivery than its envelope, the supervisor ignores)
+        if (isinstance(body, dict) and r.topic == RECOVERY_TOPIC and (report := _event(StepReport, body))
+                and report.delivery_id == delivery):
             self.reports.setdefault(delivery, {})[(report.step, report.attempt)] = f"{report.kind}: {report.error}"
         if isinstance(body, dict) and r.topic == CompensationRecord.topic and (record := _event(CompensationRecord, body)):
             # a scan's record written before its envelope named the delivery (a request or a

@@ -88,3 +88,17 @@ def test_a_failure_whose_body_names_another_delivery_fails_none() -> None:
     rebuilder._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-2", b"\x00body", _headers(envelope)), {})
     assert not rebuilder.facts["d-2"].outcome and not rebuilder.facts["d-2"].undo
     assert "d-1" not in rebuilder.facts
+
+
+def test_a_report_whose_body_names_another_delivery_is_not_filed() -> None:
+    """The supervisor ignores such a report (``step.report_ignored``); a report whose body
+    agrees is kept for the step it names."""
+    report = {"delivery_id": "d-1", "step": "drone", "kind": "FAILED", "attempt": 1, "service": "drone-scheduler",
+              "source_topic": "delivery.requested", "source_event_id": "e-0", "error": "x",
+              "reported_at": "2026-12-05T00:00:00+00:00"}
+    for correlation, filed in (("d-2", {}), ("d-1", {"d-1": {("drone", 1): "FAILED: x"}})):
+        rebuilder = _rebuilder(report)
+        envelope = Envelope.first("e-5", correlation, "StepReport", "drone-scheduler")
+        rebuilder._fact(Rec("recovery", 0, 5, 1_800_000_000_000, correlation.encode(), b"\x00body",
+                            _headers(envelope)), {})
+        assert rebuilder.reports == filed

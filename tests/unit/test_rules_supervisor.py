@@ -9,14 +9,16 @@ import json
 from datetime import UTC, datetime
 
 import pytest
+from prometheus_client import REGISTRY
 
-from choreo.envelope import derived_id
+from choreo.envelope import Envelope, derived_id
+from choreo.logs import get_logger
 from choreo.outcomes import told
 from choreo.events import Event
 from choreo.release import awaiting_key
 from choreo.runner import RECOVERY_TOPIC
-from choreo.service import deadline_scale
-from choreo.supervision import COMPENSATION, FORWARD
+from choreo.service import Context, deadline_scale
+from choreo.supervision import COMPENSATION, FORWARD, Action, Unrecorded
 from choreo.runtime_events import CompensationRecord, StepReport, UndoByOperator, UndoRequested, undo_topic
 from choreo.testing import HarnessError, Outcome, run
 from choreo import supervisor
@@ -342,3 +344,23 @@ def test_a_report_needs_the_state_table_itself(monkeypatch: pytest.MonkeyPatch) 
                         reported_at=NOW)
     with pytest.raises(HarnessError, match="ctx.redis"):
         run(supervisor.service, report, topic="recovery")
+
+
+def test_an_undo_failure_written_again_has_the_first_ones_ids_and_raises_no_second_alert() -> None:
+    """The scan writes an undo's failure record again while its first transaction is not
+    known committed: the same record under the same id, watched the same way, alerted once."""
+    data = {"target": "drone", "before": "compensating", "attempt": 1, "tries": 6, "detail": "refused",
+            "told": "", "undone": "drone"}
+    alerts = REGISTRY.get_sample_value("choreo_supervisor_compensation_failures_total", {"step": "drone"}) or 0.0
+    runs = []
+    for kind in ("comp_failed", "comp_failed_again"):
+        ctx = Context("supervisor", Envelope.first("tick", "", "Tick", "supervisor"), "", -1, -1,
+                      None, get_logger(), periodic=True)  # type: ignore[arg-type]
+        recorded: list[Unrecorded] = []
+        action = Action(kind, "d-1", "release_drone", dict(data))
+        supervisor._carry_out(ctx, None, action, recorded)  # type: ignore[arg-type]
+        runs.append(([(e.topic, e.event_id, e.event.status) for e in ctx.emitted], recorded))
+    assert runs[0] == runs[1]
+    assert [status for _, _, status in runs[0][0]] == ["COMPENSATION_FAILED"]
+    assert runs[0][1] == [Unrecorded("d-1", "drone", "release_drone", 1)]
+    assert REGISTRY.get_sample_value("choreo_supervisor_compensation_failures_total", {"step": "drone"}) == alerts + 1

@@ -18,8 +18,8 @@ from choreo.ops import status
 from choreo.state import Begin, Source, StateTable, StepStatus, deadline_index, delivery_key, index_member
 from choreo.supervision import (
     ASK_UNDO_AGAIN, COMPENSATION, FORWARD, MARK_COMPENSATED, MARK_COMPENSATING, Action, Policies, Scanner,
-    AWAITING_MARGIN_S, CLOSED_BY_FAILURE, StepPolicy, SupervisorSettings, Transitions, Unrecorded,
-    awaiting_operator_index, parse_marked,
+    AWAITING_MARGIN_S, CLOSED_BY_FAILURE, StepPolicy, SupervisorSettings, Transitions, UNRECORDED,
+    Unrecorded, awaiting_operator_index, parse_marked,
 )
 from tests.helpers import indexed
 
@@ -509,7 +509,7 @@ def test_an_undo_failed_for_good_is_recorded_again_until_its_record_is_known_com
     d, first = _failed_for_good(client, lease)
     assert _scan(client, lease, 1_006_999) == {}  # confirm_s (5 s) not over
     again = _scan(client, lease, 1_007_000)[(d, "cancel_package")]
-    assert again.kind == "comp_failed" and again.data["again"] == 1 and "warehouse refused" in again.data["detail"]
+    assert again.kind == "comp_failed_again" and "warehouse refused" in again.data["detail"]
     same = ("target", "before", "attempt", "told", "undone")
     assert {k: again.data[k] for k in same} == {k: first.data[k] for k in same} == {
         "target": "package", "before": "compensating", "attempt": 1, "told": "failed", "undone": "package"}
@@ -518,7 +518,7 @@ def test_an_undo_failed_for_good_is_recorded_again_until_its_record_is_known_com
     # (the attempt after the one that failed is not it)
     assert transitions.recorded_many([Unrecorded(d, "package", "cancel_package", 2),
                                       Unrecorded(d, "package", "cancel_package", 1)]) == [False, True]
-    assert indexed(client) == 0 and "undo.unrecorded.package" not in _fields(client, d)
+    assert indexed(client) == 0 and UNRECORDED + "package" not in _fields(client, d)
     assert transitions.recorded_many([Unrecorded(d, "package", "cancel_package", 1)]) == [False]  # once
     assert _scan(client, lease, 1_013_000) == {}
     assert _fields(client, d)["package.status"] == "compensation_failed"  # still waits for an operator
@@ -528,7 +528,7 @@ def test_an_undo_failed_for_good_is_recorded_again_until_its_record_is_known_com
     assert _mark(client, decided, "t:m", "package", 8, "compensation_failed", 3600).startswith("compensated:")
     dropped = _scan(client, lease, 1_007_000)[(decided, "cancel_package")]
     assert dropped.kind == "drop" and indexed(client) == 0
-    assert "undo.unrecorded.package" not in _fields(client, decided)
+    assert UNRECORDED + "package" not in _fields(client, decided)
 
     # asked again before it: the new attempt's failure is supervised as any (claimed, not
     # taken for the old record), and the old attempt's mark goes
@@ -540,7 +540,7 @@ def test_an_undo_failed_for_good_is_recorded_again_until_its_record_is_known_com
     StateTable(client).put(asked, {"cancel_package.status": "failed", "cancel_package.source": "undo.package|0|9"})
     retried = _scan(client, lease, 1_004_000)[(asked, "cancel_package")]
     assert retried.kind == "claim" and retried.data["attempt"] == 4
-    assert "undo.unrecorded.package" not in _fields(client, asked)
+    assert UNRECORDED + "package" not in _fields(client, asked)
 
 
 def _mark(client: redis.Redis, d: str, memo: str, step: str, now: int, *rest: str | int) -> str | None:
