@@ -459,7 +459,7 @@ class Runner:
             self.log.warning("tick.abort", error=str(exc))
             self._abort([])
         else:
-            for fn in ctx.committed:
+            for fn in ctx.committed or ():
                 try:
                     fn()
                 except Exception as exc:  # what it marks is safe to find unmarked (``after_commit``)

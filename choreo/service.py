@@ -127,7 +127,9 @@ class Context:
     asked: dict[str, int] = field(default_factory=dict)  # effects asked for so far, by kind
     writes: list[Op[Any]] = field(default_factory=list)  # left to the step's finish (choreo.runner)
     periodic: bool = False  # a periodic task's run (``Service.every``), not a handler's
-    committed: list[Callable[[], object]] = field(default_factory=list)  # see ``after_commit``
+    # see ``after_commit``; made by its first call (a handler's context, made for every
+    # event, never needs one)
+    committed: list[Callable[[], object]] | None = None
 
     def defer(self, op: Op[Any]) -> None:
         """Leave ``op``, a write whose answer says nothing, to the step's finish (``choreo.runner``)."""
@@ -142,6 +144,8 @@ class Context:
         abort, a tick's is not: only a tick needs it."""
         if not self.periodic:
             raise TypeError("after_commit is for a periodic task's run (Service.every)")
+        if self.committed is None:
+            self.committed = []
         self.committed.append(fn)
 
     def keep_open(self) -> None:
