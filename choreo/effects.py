@@ -5,9 +5,13 @@ after Redis recorded an effect, the replay must be told the same outcome (e.g. "
 "drone-7"), or the output of the aborted transaction is lost forever. So every effect
 runs inside one Lua script that first looks up the outcome remembered for this event id,
 and otherwise applies the effect and remembers its outcome, atomically. Two kinds keep no
-such copy: an effect whose own keys already say what it answered (a join's results, with
-the input that decided: ``remembers_itself``), and a step's write whose answer says nothing
-(``Op.write``), which the step's finish applies instead (``choreo.runner``).
+such copy: an effect whose own keys already say what it answered (``remembers_itself``: a
+join's results with the input that decided, a record's field set once, an answer that is
+always the same), and a step's write whose answer says nothing (``Op.write``), which the
+step's finish applies instead (``choreo.runner``). A pool's reservation keeps its copy: the
+member goes back to the pool when the delivery's success is read, while a stalled instance
+or an operator's replay may still run the step's input again, and only the copy then answers
+the member it had.
 
 The outcomes are remembered as fields (``<service>:<effect>:<event id>``) of one hash per
 delivery (``fx:{id}``), not as a key per effect per event: each such key cost about 190 bytes,
@@ -21,16 +25,18 @@ same way an effect asked in a step by an attempt that no longer owns the step (t
 supervisor gave it to a newer attempt, or failed the delivery and undid the step) is not
 run: it answers ``STALE``, and the runner drops the attempt. Run, a stalled attempt resuming
 after the undo gave the drone back would book one again, held for a failed delivery for
-good. An answer remembered before is replayed to either.
+good. An answer remembered before is replayed to either; an effect that remembers itself
+(below) is refused, since its answer is not kept apart from what it did.
 
 On a single node every effect runs with its memo in one script. An effect on keys of
 another hash slot (a pool shared by all deliveries, a release index) cannot do so on a
 Redis Cluster. There it runs in three calls instead: recall the answer (or learn the
-delivery is released), run the body, remember the first answer given. Such a body must
-itself be idempotent for the same arguments (a pool's reservation for a holder answers the
-member already held), since a crash between the last two calls runs it again; a delivery
-released (or a step given away) between the first and the last call gets ``RELEASED``
-(``STALE``) and its effect stands (RELIABILITY.md).
+delivery is released), run the body, remember the first answer given; in two when the body
+remembers itself (nothing to remember). Such a body must itself be idempotent for the same
+arguments (a pool's reservation for a holder answers the member already held), since a
+crash between the last two calls runs it again; a delivery released (or a step given away)
+between the first and the last call gets ``RELEASED`` (``STALE``) and its effect stands
+(RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -87,9 +93,12 @@ if redis.call('TTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('EXPIRE', KEYS
 return outcome
 """
 
-# An effect whose own keys remember what it answered (a join's results and who decided): no
-# copy of its answer in the memo hash. The body sees the memo field as ``remembered_as`` and
-# must answer a replay of the same input as the first run was answered.
+# An effect whose own keys remember what it answered: no copy of its answer in the memo hash.
+# The body must answer a replay of the same input as the first run was answered; it sees the
+# memo field as ``remembered_as`` (the join records by it who decided). The refusal comes
+# first: a replay of an attempt that lost its step, or of a released delivery, is not
+# answered (the begin refuses those inputs before any effect; this is the fence for an
+# effect a handler asks after it).
 SELF_REMEMBERING_TEMPLATE = _REFUSAL + """
 local refused = refusal(KEYS[2], ARGV[3], ARGV[4], ARGV[5])
 if refused then return refused end
@@ -126,15 +135,17 @@ class OnceEffect:
     returns a string (``cjson.encode`` for structure), or ``false`` when it did nothing
     (a transient "not now"): that is not remembered, so a retry asks again.
 
-    ``remembers_itself``: the body keeps what it needs to answer a replay in its own keys,
-    which must lie in the delivery's slot (``SELF_REMEMBERING_TEMPLATE``), where a copy of a
-    large answer in the memo hash would only double it.
+    ``remembers_itself``: the body answers a replay from its own keys as it answered first,
+    for as long as a replay can come (``SELF_REMEMBERING_TEMPLATE``): a copy in the memo hash
+    would only double it. A body that reads ``remembered_as`` needs the memo field in its
+    script, so its keys must lie in the delivery's slot.
     """
 
     def __init__(self, name: str, body: str, *, remembers_itself: bool = False) -> None:
         self.name = name
         self.body = body
         self.remembers_itself = remembers_itself
+        self.reads_memo_field = remembers_itself and "remembered_as" in body
         self.source = (SELF_REMEMBERING_TEMPLATE if remembers_itself else ONCE_TEMPLATE) % body
         self._scripts: dict[tuple[int, str], BatchScript] = {}
 
@@ -191,9 +202,9 @@ class EffectCall:
         """Whether its keys lie in its delivery's slot, so it runs with its memo in one script
         on a cluster too."""
         local = all(layout.in_slot_of(key, self.delivery_id) for key in self.keys)
-        if not local and self.effect.remembers_itself:
-            raise ValueError(f"effect {self.effect.name} remembers its answers in its own keys: "
-                             "they must lie in the delivery's slot")
+        if not local and self.effect.reads_memo_field:
+            raise ValueError(f"effect {self.effect.name} reads its memo field (remembered_as): "
+                             "its keys must lie in the delivery's slot")
         return local
 
     def run(self, client: redis.Redis) -> str | None:
@@ -253,14 +264,20 @@ def _in_order(client: redis.Redis, calls: Sequence[EffectCall],
 
 
 def _elsewhere(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:
-    """Effects on another slot: recall, run what none remembers, remember the first answer."""
+    """Effects on another slot: recall, run what none remembers, remember the first answer
+    (unless the body remembers itself)."""
     recall = BatchScript.of(client, "effect_recall", _RECALL)
     memo_items: list[Item] = [([memo_key(c.delivery_id), delivery_key(c.delivery_id)],
                                [c.memo_field, c.refuse, c.step, c.attempt]) for c in calls]
     answers = [_answer(reply) for reply in run_together(client, [(recall, memo_items)])[0]]
     todo = [i for i, answer in enumerate(answers) if answer is None]
     ran = _in_order(client, [calls[i] for i in todo], _bare)
-    given = [(i, answer) for i, answer in zip(todo, ran) if answer is not None]
+    for i, answer in zip(todo, ran):
+        answers[i] = answer
+    given = [(i, answer) for i, answer in zip(todo, ran)
+             if answer is not None and not calls[i].effect.remembers_itself]
+    if not given:
+        return answers
     remember = BatchScript.of(client, "effect_remember", _REMEMBER)
     kept = run_together(client, [(remember, [
         (memo_items[i][0], [*memo_items[i][1], answer, calls[i].ttl_s]) for i, answer in given])])[0]

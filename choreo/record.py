@@ -31,12 +31,13 @@ for i = 2, #ARGV - 1, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return redis.call('HGET', KEYS[1], ARGV[1]) or ''
 """)
 
-# ARGV: TTL seconds (0: none), field, value
+# ARGV: TTL seconds (0: none), field, value. The field is its memo: a replay is answered what
+# it holds, as the first run was (unless a put or an update of the same field came between)
 _SET_ONCE = OnceEffect("record_set_once", """
 redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[3])
 if tonumber(ARGV[1]) > 0 and redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
 return redis.call('HGET', KEYS[1], ARGV[2])
-""")
+""", remembers_itself=True)
 
 Fields = Mapping[str, str | int | float]
 

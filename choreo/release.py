@@ -60,7 +60,7 @@ for k = 2, #KEYS, 5 do
   give_back(KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], ARGV[2], 'return')
 end
 return 'awaiting'
-""")
+""", remembers_itself=True)
 
 # KEYS[1] the deadline index of the delivery's shard, KEYS[2] the step table, KEYS[3] the
 # dedupe hash, KEYS[4] the effect answers, KEYS[5..] records the services declared. ARGV: delivery id, now ms,

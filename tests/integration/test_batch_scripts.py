@@ -10,6 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
+from prometheus_client import REGISTRY
 
 from choreo import batch, effects, keys
 from choreo.batch import BatchScript, run_together
@@ -17,6 +18,8 @@ from choreo.config import settings
 from choreo.effects import EffectCall, OnceEffect, run_all
 from choreo.envelope import Envelope
 from choreo.pool import Pool
+from choreo.record import Record
+from choreo.release import AWAIT_RELEASE
 from choreo.redis_client import TRANSIENT, ReplicationLag, connect, is_cluster
 from choreo.service import Context
 from choreo.state import (
@@ -211,6 +214,44 @@ def test_an_effect_of_an_attempt_that_lost_its_step_is_not_run(
     assert reserve("e4", 1, step="") == "drone-a"  # outside a step: not fenced
     assert redis_client.hget(fleet.booking_key, d) == b"drone-a"
     redis_client.delete(*fleet.keys, delivery_key(d), effects.memo_key(d))
+
+
+@pytest.mark.parametrize("three_calls", [False, True], ids=["as-the-store-allows", "in-three-calls"])
+def test_an_effect_that_remembers_itself_answers_a_replay_the_same_with_no_memo(
+        redis_client: redis.Redis, unique: str, three_calls: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record's field set once and the supervisor's record of a terminal are their own
+    memos: a replay (the same event and effect) is answered as the first run was, with no
+    copy in the delivery's ``fx:`` hash. The effects with a memo beside them (a pool's
+    reservation, a record's put) keep it. On a cluster (taken here on one node by
+    ``three_calls``) the terminal's record, on another slot, takes no third call."""
+    if three_calls:
+        monkeypatch.setattr(effects, "is_cluster", lambda client: True)
+    fleet = Pool(f"self-{unique}", seed=lambda: {"drone-a": 5.0, "drone-b": 5.0})
+    fleet.grow(redis_client)
+    notes = Record(f"notes-{unique}", ttl_s=60)
+    d = f"{unique}-d"
+    awaiting = f"{unique}:release"
+
+    def remembered() -> float:
+        return REGISTRY.get_sample_value("choreo_redis_script_items_total", {"script": "effect_remember"}) or 0.0
+
+    def round_(drone: str) -> list[str | None]:
+        ops = [(fleet.reserve(d, 1.0), "reserve"), (notes.set_once(d, "drone", drone), "once"),
+               (notes.put(d, drone=drone), "put")]
+        return run_all(redis_client, [
+            *(EffectCall(op.effect, d, f"svc:{name}:e1", op.keys, op.args, 60) for op, name in ops),
+            EffectCall(AWAIT_RELEASE, d, "svc:await:e1", (awaiting,), (7, d), 60)])
+
+    before = remembered()
+    first = round_("drone-a")
+    assert first == ["drone-a", "drone-a", "ok", "awaiting"]
+    assert round_("drone-b") == first  # the replay: the same answers, nothing run twice
+    assert redis_client.zcard(fleet.free_key) == 1 and redis_client.hget(notes.key(d), "drone") == b"drone-a"
+    assert redis_client.zscore(awaiting, d) == 7
+    assert set(redis_client.hkeys(effects.memo_key(d))) == {b"svc:reserve:e1", b"svc:put:e1"}
+    on_another_slot = three_calls or is_cluster(redis_client)  # the reservation remembered in its own call
+    assert remembered() - before == (1 if on_another_slot else 0)
+    redis_client.delete(*fleet.keys, notes.key(d), awaiting, effects.memo_key(d))
 
 
 def test_each_effect_of_a_kind_for_one_event_gets_its_own_answer(redis_client: redis.Redis, unique: str) -> None:
