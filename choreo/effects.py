@@ -26,7 +26,7 @@ supervisor gave it to a newer attempt, or failed the delivery and undid the step
 run: it answers ``STALE``, and the runner drops the attempt. Run, a stalled attempt resuming
 after the undo gave the drone back would book one again, held for a failed delivery for
 good. An answer remembered before is replayed to either; an effect that remembers itself
-(below) is refused, since its answer is not kept apart from what it did.
+(above) is refused, since its answer is not kept apart from what it did.
 
 On a single node every effect runs with its memo in one script. An effect on keys of
 another hash slot (a pool shared by all deliveries, a release index) cannot do so on a
@@ -35,8 +35,8 @@ delivery is released), run the body, remember the first answer given; in two whe
 remembers itself (nothing to remember). Such a body must itself be idempotent for the same
 arguments (a pool's reservation for a holder answers the member already held), since a
 crash between the last two calls runs it again; a delivery released (or a step given away)
-between the first and the last call gets ``RELEASED`` (``STALE``) and its effect stands
-(RELIABILITY.md).
+between the recall and the remember gets ``RELEASED`` (``STALE``) and its effect stands
+(RELIABILITY.md); in two calls the body's answer stands, and so does the effect.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ return (function(KEYS, ARGV)
 end)({select(3, unpack(KEYS))}, {select(6, unpack(ARGV))})
 """
 
-# an effect on another slot's keys, in three calls (see the module doc). KEYS: the memo hash,
+# an effect on another slot's keys, in two or three calls (see the module doc). KEYS: the memo hash,
 # the step table. ARGV: the memo field, then ``refusal``'s refuse, step and attempt
 _RECALL = _REFUSAL + """
 local remembered = redis.call('HGET', KEYS[1], ARGV[1])
@@ -234,7 +234,7 @@ class Op(Generic[T]):
 
 def run_all(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:
     """Every call's answer, in order: in one round trip, but for those on another slot of a
-    cluster, in three (see the module doc)."""
+    cluster, in two or three (see the module doc)."""
     answers: list[str | None] = [None] * len(calls)
     together = not is_cluster(client)  # one node: a script may take any keys
     local = [i for i, call in enumerate(calls) if together or call.local]
