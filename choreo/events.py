@@ -7,11 +7,14 @@ compatibility); the model is what code touches. A test keeps the two in step.
 from __future__ import annotations
 
 import json
-from functools import cache
+from collections.abc import Mapping
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict
+
+from choreo.envelope import Envelope
 
 E = TypeVar("E", bound="Event")
 
@@ -47,3 +50,22 @@ class Event(BaseModel):
     def key(self) -> str:
         """The partition key: every event of a delivery shares one, so its order is kept."""
         return str(getattr(self, "delivery_id"))
+
+
+def disagrees_with(event: Event | Mapping[str, Any], envelope: Envelope) -> str:
+    """Why ``event``'s body is not what its envelope says it is, or ``""`` when it is. The
+    runtime keys a delivery's steps, dedupe and effect answers by the envelope's delivery, and
+    tells an outcome to the envelope's owner (``choreo.outcomes``), while a handler acts on
+    its body: a record whose two disagree would let one delivery's input change another's
+    records and pools, or one owner's request be told to another. So it is refused before any
+    handler reads it (``Runner``; ``choreo.testing.run`` does the same, and ``rebuild-state``
+    takes nothing from such a record)."""
+    field = event.get if isinstance(event, Mapping) else partial(getattr, event)  # a decoded body too
+    named = field("delivery_id", None)
+    # no value of the body in the text: it reaches the dead letter's headers and the logs
+    if isinstance(named, str) and named != envelope.correlation_id:
+        return f"its body names another delivery than its envelope ({len(named)} characters)"
+    owner = field("owner_id", None)
+    if envelope.owner and isinstance(owner, str) and owner != envelope.owner:
+        return "its body names another owner than its envelope"
+    return ""

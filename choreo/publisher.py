@@ -19,7 +19,7 @@ from confluent_kafka import KafkaError, Message, Producer
 
 from choreo.kafka import pipeline_producer_config
 from choreo.config import settings
-from choreo.envelope import Envelope, now_ms
+from choreo.envelope import Envelope, MAX_ID_CHARS, now_ms
 from choreo import layout, tracing
 from choreo.events import Event
 from choreo.redis_client import connect
@@ -133,6 +133,8 @@ class Publisher:
         (``choreo.outcomes``)."""
         if item.envelope is not None:
             return item.envelope
+        if len(item.event.key) > MAX_ID_CHARS:  # its readers would cut it, and refuse the event
+            raise ValueError(f"a delivery id of {len(item.event.key)} characters: at most {MAX_ID_CHARS}")
         envelope = Envelope.first(
             item.event_id, item.event.key, type(item.event).__name__, self.name, item.deadline_ms,
             reply_to=str(getattr(item.event, "reply_topic", None) or ""),

@@ -35,7 +35,7 @@ from choreo.config import settings
 from choreo import dedupe
 from choreo.envelope import Envelope, HeaderList, Unusable, pairs, derived_id, now_ms
 from choreo.errors import AttemptDropped, DeadLetterReason, Rejected, Retryable
-from choreo.events import Event
+from choreo.events import Event, disagrees_with
 from choreo.logs import get_logger
 from choreo.memory import collect_batch_cycles, settle_garbage_collector
 from choreo.redis_client import TRANSIENT, connect, is_cluster
@@ -95,8 +95,9 @@ class Work:
 
 @dataclass
 class Refused:
-    """An input that can never succeed (past the hop limit, undecodable): dead-lettered once
-    the dedupe has seen it, so a copy of it is skipped as any copy is."""
+    """An input that can never succeed (past the hop limit, undecodable, its body another
+    delivery's or owner's than its envelope says): dead-lettered once the dedupe has seen it,
+    so a copy of it is skipped as any copy is."""
 
     message: Message
     envelope: Envelope
@@ -493,8 +494,8 @@ class Runner:
 
     def _prepare(self, message: Message, envelope: Envelope | Unusable) -> Work | Refused | None:
         """Decode and guard one message. One without a usable envelope is dead-lettered here
-        (nothing names its event); one that can never succeed is refused, dead-lettered
-        after the dedupe."""
+        (nothing names its event); one that can never succeed (``Refused``) is refused,
+        dead-lettered after the dedupe."""
         topic = message.topic() or ""
         metrics.child(metrics.EVENTS_IN, self.service.name, topic).inc()
         if isinstance(envelope, Unusable):
@@ -509,6 +510,9 @@ class Runner:
             return Refused(message, envelope, exc.reason, str(exc))
         except RegistryUnavailable as exc:
             raise BatchTransient(f"registry: {exc}") from exc
+        disagreement = disagrees_with(event, envelope)
+        if disagreement:
+            return Refused(message, envelope, DeadLetterReason.INVALID_PAYLOAD, disagreement)
         log = self.log.bind(event_id=envelope.event_id, delivery_id=envelope.correlation_id,
                             trace_id=envelope.trace_id, topic=topic, attempt=envelope.attempt)
         span = tracing.start_child(f"handle {topic}", envelope.traceparent, tracing.SpanKind.CONSUMER, {

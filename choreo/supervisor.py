@@ -206,9 +206,6 @@ def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int
 @service.on(RECOVERY_TOPIC, produces=[CompensationRecord])
 def on_report(report: StepReport, ctx: Context) -> None:
     """A service could not finish a step: make it due now so the leader's next scan acts."""
-    if report.delivery_id != ctx.delivery_id:  # its envelope names the delivery it acts on
-        ctx.log.warning("step.report_ignored", step=report.step[:80], why="its body names another delivery")
-        return
     verdict = _rt(ctx).transitions.record_report(report.delivery_id, report.step, report.attempt,
                                                  report.kind, now_ms(), report.error)
     REPORTS.labels(report.kind, verdict).inc()
@@ -224,9 +221,6 @@ def on_delivery_failed(failure: Any, ctx: Context) -> Effects[None]:
     delivery holds in a pool comes back now, unless an undo will give it back: a step that
     failed (or was closed) after taking a member has no undo, and an abandoned one's undo
     may never be asked (``Marked.undone_with_holds``, ``Workflow.pools_not_undone``)."""
-    if failure.delivery_id != ctx.delivery_id:  # its envelope names the delivery it acts on
-        ctx.log.warning("compensation.failure_ignored", why="its body names another delivery")
-        return
     reason = f"{failure.reason}: {failure.detail}"[:500]
     undone = undoes(failure.compensate, watched().flow)
     raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), deadline_index(failure.delivery_id)],
@@ -305,9 +299,6 @@ def on_undo_by_operator(decision: UndoByOperator, ctx: Context) -> Effects[None]
     Asked again: the undo runs again at a new attempt with a full budget. A step in any
     other status is left as it is: its own undo is still under way or done."""
     step, flow = decision.step, watched().flow
-    if decision.delivery_id != ctx.delivery_id:  # its envelope names the delivery it acts on
-        ctx.log.warning("compensation.operator_ignored", step=step[:80], why="its body names another delivery")
-        return
     if step not in flow.compensations():  # the state's other fields are no steps
         ctx.log.warning("compensation.operator_ignored", step=step[:80], why="no step with an undo")
         return

@@ -24,7 +24,7 @@ from confluent_kafka import Message
 from choreo.effects import EffectCall, OnceEffect, Op, dropped_by
 from choreo.envelope import Envelope, derived_id
 from choreo.errors import AttemptDropped, Rejected, Retryable
-from choreo.events import Event
+from choreo.events import Event, disagrees_with
 from choreo.join import Decision, Join, Joined, JoinFailed
 from choreo.runner import Attempt, Work, _as_events
 from choreo.service import Context, Emitted, HandlerResult, Service
@@ -176,6 +176,7 @@ class Outcome:
     result: HandlerResult
     logs: list[Logged]
     context: Context
+    refused: str = ""  # why the runner dead-letters the event unread (its body another delivery's)
 
     @property
     def released(self) -> bool:
@@ -209,8 +210,9 @@ def run(service: Service, event: Event, *, topic: str | None = None,
     ``answers`` (effect name -> answer, see ``_Script``). ``topic`` defaults to the event's
     own, or else to the one topic where the service reads its type.
 
-    The envelope is made up: the delivery id is ``delivery_id`` (default: the event's key;
-    another one is what a forged event's envelope says), the event id ``event_id``
+    The envelope is made up: the delivery id is ``delivery_id`` (default: the event's own;
+    another one is what a forged event's envelope says: such an event is ``refused``, as the
+    runner dead-letters it unread), the event id ``event_id``
     (default: derived from the delivery and topic, stable across runs), with ``attempt`` and
     ``deadline_ms``; ``try_no`` is the in-process try (an agent's failures depend on it).
     A ``Retryable`` or ``Rejected`` is reported in ``error``, not raised: retrying and
@@ -223,17 +225,21 @@ def run(service: Service, event: Event, *, topic: str | None = None,
     if not isinstance(event, handler.model):
         raise HarnessError(f"{service.name} reads {target!r} as {handler.model.__name__}, "
                            f"not {type(event).__name__}")
-    delivery_id = delivery_id or event.key
+    delivery_id = delivery_id or getattr(event, "delivery_id", None) or event.key
     envelope = Envelope(event_id=event_id or derived_id(delivery_id, target, "choreo.testing"),
                         correlation_id=delivery_id, attempt=attempt, deadline_ms=deadline_ms,
                         event_type=type(event).__name__, producer="choreo.testing")
     logs: list[Logged] = []
     log = _Log(logs, {"service": service.name, "topic": target})
-    if handler.first_op_in_begin:
-        _check_nothing_before_first_op(service, handler.fn, event, envelope, target, log, answers or {})
     script = _Script(service.name, getattr(handler.fn, "__name__", target), answers or {})
     ctx = _Context(service.name, envelope, target, partition, offset, cast(redis.Redis, _NoRedis()),
                    log, try_no=try_no, step=handler.fenced_by, script=script)
+    refused = disagrees_with(event, envelope)
+    if refused:  # the runner dead-letters it before any handler reads it
+        return Outcome(emitted=[], effects=[], kept_open=False, error=None, dropped="", result=None,
+                       logs=logs, context=ctx, refused=refused)
+    if handler.first_op_in_begin:
+        _check_nothing_before_first_op(service, handler.fn, event, envelope, target, log, answers or {})
     # the runner's Attempt reads neither the message nor the step verdict: only the handler,
     # the event and the context
     run_ = Attempt(Work(cast(Message, None), target, handler, envelope, event, log))

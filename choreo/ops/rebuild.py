@@ -101,7 +101,7 @@ from choreo.config import settings
 from choreo.dedupe import seen_field, seen_key
 from choreo.envelope import H_CORRELATION_ID, MAX_ID_CHARS, Envelope, header_value, now_ms
 from choreo.kafka import admin
-from choreo.events import Event
+from choreo.events import Event, disagrees_with
 from choreo.join import FAILED, Join, fanin_fields, result_text
 from choreo.ops.dlq import DeadLetter
 from choreo.ops.records import (BodyDecoder, Progress, Rec, Span, existing_topics, partition_for, read, reader,
@@ -446,16 +446,19 @@ class Rebuilder:
             return
         facts = self.facts.setdefault(delivery, DeliveryFacts())
         declared = self.declared.get(self.canonical.get(r.topic, ""))
-        # a body is decoded only where the declarations read one, and only from a record the
-        # services took: one whose envelope they refuse, they dead-letter unread
-        if declared is not None and env is not None:
-            body = self.decode(r.topic, r.value)
-            if isinstance(body, dict) and body:
-                self._declared_fact(declared, delivery, facts, r, body, consumed_by)
-        for service, step, origin, deadline_ms in self.handlers.get(r.topic, ()):
+        handlers = self.handlers.get(r.topic, ())
+        # a body is decoded only from a record the services took (one whose envelope they
+        # refuse, they dead-letter unread), where the declarations read one or a service
+        # reads it: one whose body names another delivery or owner than its envelope, the
+        # services dead-letter unread too (``events.disagrees_with``): no step, no fact
+        body = self.decode(r.topic, r.value) if env is not None and (declared or handlers) else None
+        refused = env is not None and isinstance(body, dict) and bool(disagrees_with(body, env))
+        if declared is not None and isinstance(body, dict) and body and not refused:
+            self._declared_fact(declared, delivery, facts, r, body, consumed_by)
+        for service, step, origin, deadline_ms in handlers:
             if env is not None and consumed_by(service):
                 self.seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))
-            if step is None or env is None:
+            if step is None or env is None or refused:
                 continue
             latest = facts.triggers.get(step)
             if latest is not None and (latest.event_id, latest.attempt) == (env.event_id, env.attempt):
@@ -472,7 +475,8 @@ class Rebuilder:
                 self.side_dead_letters[delivery] = self.side_dead_letters.get(delivery, 0) + 1
             return
         body = self.decode(r.topic, r.value)
-        # (a report whose body names another delivery than its envelope, the supervisor ignores)
+        # (a report or a record whose body names another delivery than its envelope, its
+        # readers dead-letter unread: ``events.disagrees_with``)
         if (isinstance(body, dict) and r.topic == RECOVERY_TOPIC and (report := _event(StepReport, body))
                 and report.delivery_id == delivery):
             self.reports.setdefault(delivery, {})[(report.step, report.attempt)] = f"{report.kind}: {report.error}"
@@ -482,8 +486,10 @@ class Rebuilder:
             # filed under that delivery, not one of that name. No other record without a
             # delivery in its envelope counts for one (a COMPENSATED frees a pool member)
             keyed = delivery == f"{record.delivery_id}|{record.step}" and record.status in SCAN_STATUSES
-            owner = record.delivery_id if keyed and not header_value(r.headers, H_CORRELATION_ID) else delivery
-            self.compensation.setdefault(owner, {})[record.step] = str(record.status).lower()
+            if keyed and not header_value(r.headers, H_CORRELATION_ID):
+                self.compensation.setdefault(record.delivery_id, {})[record.step] = str(record.status).lower()
+            elif record.delivery_id == delivery:
+                self.compensation.setdefault(delivery, {})[record.step] = str(record.status).lower()
         for service, _, _, _ in self.handlers.get(r.topic, ()):
             if env is not None and consumed_by(service):
                 self.side_seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))
@@ -508,9 +514,7 @@ class Rebuilder:
             event = _event(model, body)
             if event is not None and part not in facts.results:
                 facts.results[part] = (r.timestamp_ms, ok, result_text(event))
-        # a failure whose body names another delivery than its envelope is ignored by the
-        # supervisor, its only reader (``on_delivery_failed``): it failed no delivery
-        if declared.outcome is not None and not (declared.outcome[1] == FAILED and body.get("delivery_id") != delivery):
+        if declared.outcome is not None:
             join, outcome = declared.outcome
             facts.outcome = facts.outcome or outcome
             if outcome == FAILED:  # unread too when its reader runs outside the workflow

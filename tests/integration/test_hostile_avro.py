@@ -63,12 +63,18 @@ class Probe:
         self.encoder = Encoder(DeliveryRequested, topic, registry_client(url))
         self.producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers, "acks": "all"})
 
-    def produce(self, value: bytes, event_id: str | None = None) -> str:
+    def produce(self, value: bytes, event_id: str | None = None, delivery_id: str | None = None) -> str:
         event_id = event_id or str(uuid.uuid4())
-        headers = Envelope.first(event_id, f"d-{event_id}", "DeliveryRequested", "hostile-test").to_headers()
+        headers = Envelope.first(event_id, delivery_id or f"d-{event_id}", "DeliveryRequested",
+                                 "hostile-test").to_headers()
         self.producer.produce(self.topic, key=event_id.encode(), value=value, headers=headers)
         assert self.producer.flush(10) == 0
         return event_id
+
+    def produce_good(self) -> str:
+        """A valid request, its envelope naming the delivery its body does."""
+        request = delivery_request(weight_kg=1.0)
+        return self.produce(self.encoder(request), delivery_id=request.delivery_id)
 
     def start(self) -> float:
         self.running.append(ServiceProcess("tests.services.probe:service",
@@ -123,7 +129,7 @@ def test_a_hostile_schema_held_by_an_unchecked_registry_is_dead_lettered_and_the
                  timeout_s=30, what="the registry to read the hostile version")
     # the contract's own fields, then an array that declares 2^62 items of zero bytes each
     poison = probe.produce(b"\x00" + hostile_id.to_bytes(4, "big") + v1_bytes[5:] + varint(2**62))
-    good = probe.produce(probe.encoder(delivery_request(weight_kg=1.0)))
+    good = probe.produce_good()
     letter = probe.dead_letter_then_output(poison, good, probe.start())
     assert letter.header("dlq.reason") == "INCOMPATIBLE_SCHEMA"
     assert "cannot be decoded in bounded work" in (letter.header("dlq.error") or "")
@@ -142,7 +148,7 @@ def test_a_schema_id_of_another_subject_is_dead_lettered(
         foreign_id = http.post(f"/subjects/{probe_topic}.elsewhere-value/versions",
                                json={"schema": json.dumps(elsewhere)}, headers=CT).json()["id"]
     poison = probe.produce(b"\x00" + foreign_id.to_bytes(4, "big") + v1_bytes[5:])
-    good = probe.produce(probe.encoder(delivery_request(weight_kg=1.0)))
+    good = probe.produce_good()
     letter = probe.dead_letter_then_output(poison, good, probe.start())
     assert letter.header("dlq.reason") == "INCOMPATIBLE_SCHEMA"
     assert letter.header("dlq.error") == f"schema id {foreign_id} is not registered under {probe_topic}-value"

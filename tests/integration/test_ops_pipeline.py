@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from confluent_kafka import ConsumerGroupState
+from confluent_kafka import ConsumerGroupState, Producer
 from confluent_kafka.admin import NewPartitions
 
 from choreo import topology
@@ -43,6 +43,7 @@ from choreo.redis_client import connect
 from choreo.release import Releaser, released
 from choreo.runner import RECOVERY_TOPIC
 from choreo.runtime_events import CompensationRecord
+from choreo.serde import Encoder, registry_client
 from choreo.service import retry_topic
 from choreo.supervision import CLOSED_BY_FAILURE, awaiting_operator_index
 from choreo.state import StateTable, delivery_key, index_member, text
@@ -296,11 +297,13 @@ def test_a_record_outside_its_deliverys_partition_makes_the_rebuild_read_its_top
     publisher = Publisher("test", redis_client=isolated.client)
     publisher.publish(DroneScheduled(delivery_id=booked, drone_id="drone-00007", scheduled_at=datetime.now(UTC)),
                       str(uuid.uuid4()), topic=isolated.prefix + DroneScheduled.topic)
-    release = DroneReleased(delivery_id=key, drone_id="drone-00007", released_at=datetime.now(UTC))
-    envelope = Envelope.first(str(uuid.uuid4()), booked, "DroneReleased", "test")  # about the booked delivery
-    [sent] = publisher.publish_many([Publish(release, envelope.event_id, isolated.prefix + DroneReleased.topic,
-                                             envelope=envelope)])
-    assert not isinstance(sent, Exception)
+    # the booked delivery's release, keyed by another delivery's id: in another partition
+    release = DroneReleased(delivery_id=booked, drone_id="drone-00007", released_at=datetime.now(UTC))
+    target = isolated.prefix + DroneReleased.topic
+    producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers, "acks": "all"})
+    producer.produce(target, key=key.encode(), value=Encoder(DroneReleased, target, registry_client())(release),
+                     headers=Envelope.first(str(uuid.uuid4()), booked, "DroneReleased", "test").to_headers())
+    assert producer.flush(30) == 0
     publisher.flush(30)
     report = rebuild(isolated.flow, since_ms=started - 5000, client=isolated.client,
                      prefix=isolated.prefix)

@@ -2,7 +2,8 @@
 
 * Every pipeline topic gets garbage bytes, a wrong magic byte, an unknown schema id,
   truncated Avro, valid Avro of another schema, oversized records, tombstones, empty
-  values, missing or undecodable headers, invalid payloads and a hop-limit storm. Each one
+  values, missing or undecodable headers, invalid payloads, good bodies under another
+  delivery's envelope and a hop-limit storm. Each one
   must be dead-lettered by **every** service that consumes the topic, to ``<topic>.dlq``,
   with the expected ``dlq.reason`` and its source position.
 * The HTTP endpoint gets a thousand broken requests; the registry a couple of hundred bad
@@ -25,6 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from confluent_kafka import Producer
 from fastapi.testclient import TestClient
 
@@ -36,6 +38,7 @@ from choreo.events import Event
 from choreo.runner import dlq_topic
 from choreo.runtime_events import RUNTIME_EVENTS, StepReport
 from choreo.serde import MAX_VALUE_BYTES, Encoder, registry_client
+from consumers.drone_scheduler import fleet
 from consumers.workflow import WORKFLOW
 from producers.ingestion import create_app
 from producers.settings import IngestionSettings
@@ -144,6 +147,8 @@ class Poisoner:
                           ("attempt", b"many")])
         if kind == "hop_storm":
             return one(good, R.HOP_LIMIT, h=self.headers(key, hops=rng.randrange(21, 10**6)))
+        if kind == "other_delivery":  # a good body under another delivery's envelope
+            return one(self.encode(valid(topic, f"{key}-other"), topic), R.INVALID_PAYLOAD)
         if kind == "invalid_payload":  # decodes with the right schema, fails the model's rules
             raw = json.loads(DeliveryRequested.avro_schema())
             assert raw["name"] == "DeliveryRequested"
@@ -153,7 +158,7 @@ class Poisoner:
 
 
 KINDS = ["garbage", "wrong_magic", "unknown_schema", "truncated", "wrong_schema", "oversized",
-         "tombstone", "empty", "no_headers", "bad_headers", "hop_storm"]
+         "tombstone", "empty", "no_headers", "bad_headers", "hop_storm", "other_delivery"]
 
 
 def consumers_of(topic: str) -> set[str]:
@@ -271,7 +276,7 @@ def registry_abuse(n_each: int) -> Counter[str]:
     return answers
 
 
-def test_poison_at_scale(pipeline: Pipeline) -> None:
+def test_poison_at_scale(pipeline: Pipeline, redis_client: redis.Redis) -> None:
     run = uuid.uuid4().hex[:8]
     started = time.monotonic()
     good_before = submit([delivery_request() for _ in range(20)])
@@ -303,6 +308,8 @@ def test_poison_at_scale(pipeline: Pipeline) -> None:
             wrong.append(f"{p.kind} on {p.topic}: the dead letter does not keep the original bytes")
     assert not wrong, f"{len(wrong)} problems, e.g. {wrong[:8]}"
     assert len(found) == len(expected)  # nothing else of this run was dead-lettered
+    # nor acted on: a request's body under another delivery's envelope booked no drone
+    assert not [k for k in redis_client.hkeys(fleet.booking_key) if k.startswith(f"poison-{run}-".encode())]
 
     # the good deliveries around them: all shipped, each within its delivery deadline
     good = set(good_before + good_among + good_after)

@@ -128,6 +128,7 @@ def test_poison_messages_are_dead_lettered_while_good_ones_flow(
     other_bytes = other(PackageFailed(delivery_id="x", reason="r", failed_at=datetime.now(UTC)).to_avro(),
                         SerializationContext(f"{topic}-other", MessageField.VALUE))
     invalid = delivery_request(weight_kg=1.0).model_copy(update={"weight_kg": -5.0})
+    stranger = delivery_request(weight_kg=1.0)
     poison = {
         "garbage": (b"\xff\xfe not avro at all", bad_headers()),
         "wrong-magic": (b"\x01" + valid_bytes[1:], bad_headers()),
@@ -137,15 +138,20 @@ def test_poison_messages_are_dead_lettered_while_good_ones_flow(
         "invalid-payload": (encoder(invalid), bad_headers()),
         "missing-headers": (valid_bytes, []),
         "hop-storm": (valid_bytes, [(k, v if k != "hops" else b"999") for k, v in bad_headers()]),
+        # a good body under another delivery's envelope: the handler would act on the body's
+        "other-delivery": (valid_bytes, bad_headers()),
+        # a good body under an envelope of another owner: its outcome would go to that owner
+        "other-owner": (encoder(stranger), Envelope.first(str(uuid.uuid4()), stranger.delivery_id, "DeliveryRequested",
+                                                          "test", owner="someone-else").to_headers()),
     }
     for value, headers in poison.values():
         producer.produce(topic, key=b"bad", value=value, headers=headers)
     for name in ("truncated", "hop-storm"):  # copies (the same event at another position): skipped
         producer.produce(topic, key=b"bad", value=poison[name][0], headers=poison[name][1])
     # a good record behind them in their partition: once its output is in, they were read
-    behind = str(uuid.uuid4())
-    producer.produce(topic, key=b"bad", value=valid_bytes,
-                     headers=Envelope.first(behind, str(uuid.uuid4()), "DeliveryRequested", "test").to_headers())
+    behind, last = str(uuid.uuid4()), delivery_request(weight_kg=1.0)
+    producer.produce(topic, key=b"bad", value=encoder(last),
+                     headers=Envelope.first(behind, last.delivery_id, "DeliveryRequested", "test").to_headers())
     producer.flush(10)
     _publish([delivery_request(weight_kg=13)], topic)  # refused by its handler: REJECTED
     _publish([delivery_request(weight_kg=11)], topic)  # yields its event: a bug, dead-lettered
@@ -154,13 +160,15 @@ def test_poison_messages_are_dead_lettered_while_good_ones_flow(
     good_ids += _publish(good[10:], topic)
 
     services.append(ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic}).start())
-    dlq = wait_for(lambda: len(r := read_topic(f"{topic}.dlq")) >= 10 and r, what="10 dead letters")
+    dlq = wait_for(lambda: len(r := read_topic(f"{topic}.dlq")) >= 12 and r, what="12 dead letters")
     reasons = {
-        "UNDECODABLE": 3, "UNKNOWN_SCHEMA": 1, "INCOMPATIBLE_SCHEMA": 1, "INVALID_PAYLOAD": 1,
+        "UNDECODABLE": 3, "UNKNOWN_SCHEMA": 1, "INCOMPATIBLE_SCHEMA": 1, "INVALID_PAYLOAD": 3,
         "MISSING_HEADERS": 1, "HOP_LIMIT": 1, "REJECTED": 2,
     }
     assert Counter(r.header("dlq.reason") for r in dlq) == reasons
     assert any("yields typed operations or ctx.effect(...) only" in (r.header("dlq.error") or "") for r in dlq)
+    assert {"its body names another delivery than its envelope (36 characters)",
+            "its body names another owner than its envelope"} <= {r.header("dlq.error") for r in dlq}
     for record in dlq:
         assert record.header("dlq.source.topic") == topic
         assert record.header("dlq.service") == f"probe-{topic}"

@@ -33,7 +33,7 @@ from choreo.kafka import CommittedOffsets, admin, ensure_topics
 from choreo.lease import holder
 from choreo.publisher import Publish, Publisher
 from choreo.redis_client import connect
-from choreo.runner import RECOVERY_TOPIC
+from choreo.runner import RECOVERY_TOPIC, dlq_topic
 from choreo.runtime_events import CompensationRecord, UndoByOperator
 from choreo.serde import Decoder, registry_client
 from choreo.service import retry_topic
@@ -487,15 +487,18 @@ def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_dron
     decisions = world.topic("compensation.operator")
     # marks written to the topic past the command's checks change nothing: a step that is not
     # compensation_failed (the supervisor's script refuses it), a field of the state that is
-    # no step, a body naming another delivery than its envelope
+    # no step, a body naming another delivery than its envelope (dead-lettered unread)
     forged = Publisher("ops", redis_client=world.redis)
     for step, envelope_delivery in (("package", ids[0]), ("outcome", ids[0]), ("drone", ids[1])):
         event_id = str(uuid.uuid4())
         forged.publish_many([Publish(_by_hand(ids[0], step), event_id, decisions, envelope=Envelope.first(
             event_id, envelope_delivery, "UndoByOperator", "ops"))])
     forged.flush(30)
-    wait_for(lambda: world.log(supervisor).count("compensation.operator_ignored") >= 3, timeout_s=20,
+    wait_for(lambda: world.log(supervisor).count("compensation.operator_ignored") >= 2, timeout_s=20,
              what="the forged marks read")
+    [letter] = wait_for(lambda: read_topic(dlq_topic(decisions)), timeout_s=20, what="the forged mark's letter")
+    assert letter.header("dlq.reason") == "INVALID_PAYLOAD"
+    assert letter.header("dlq.error") == "its body names another delivery than its envelope (36 characters)"
     assert world.state(ids[0])["package.status"] == "completed"  # with package.failed: nothing to undo
     assert all(world.state(d)["drone.status"] == "compensation_failed" for d in ids)
     assert all(world.redis.hget(fleet.booking_key, d) for d in ids)

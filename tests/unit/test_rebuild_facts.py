@@ -68,21 +68,24 @@ def test_a_compensation_record_whose_envelope_names_no_delivery_is_filed_under_i
     record = {"delivery_id": "d-1", "step": "package", "status": "COMPENSATION_FAILED", "attempt": 1,
               "reason": "", "recorded_at": "2026-12-05T00:00:00+00:00", "outcome": "", "undone": []}
     scan = Envelope.first("e-3", "", "Tick", "supervisor")
-    for correlation, filed in (("", "d-1"), ("d-1", "d-1"), ("d-2", "d-2")):  # the last as the services read it
+    # the last names another delivery in its envelope than in its body: its readers
+    # dead-letter it unread, so it is no delivery's
+    for correlation, filed in (("", {"d-1": {"package": "compensation_failed"}}),
+                               ("d-1", {"d-1": {"package": "compensation_failed"}}), ("d-2", {})):
         rebuilder = _rebuilder(record)
         headers = [(k, correlation.encode() if k == H_CORRELATION_ID else v) for k, v in _headers(scan)]
         rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|package", b"\x00body", headers), {})
-        assert rebuilder.compensation == {filed: {"package": "compensation_failed"}}
+        assert rebuilder.compensation == filed
     # the scan never wrote a COMPENSATED one: such a record names no delivery (it would free a drone)
     rebuilder = _rebuilder({**record, "status": "COMPENSATED"})
     headers = [(k, b"" if k == H_CORRELATION_ID else v) for k, v in _headers(scan)]
     rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|package", b"\x00body", headers), {})
-    assert rebuilder.compensation == {"d-1|package": {"package": "compensated"}}
+    assert rebuilder.compensation == {}
 
 
 def test_a_failure_whose_body_names_another_delivery_fails_none() -> None:
-    """The supervisor ignores such a failure (``compensation.failure_ignored``): the rebuild
-    neither fails the delivery its envelope names nor the one its body names."""
+    """The supervisor dead-letters such a failure unread: the rebuild neither fails the
+    delivery its envelope names nor the one its body names."""
     envelope = Envelope.first("e-4", "d-2", "DeliveryFailed", "delivery")
     rebuilder = _rebuilder(FAILURE)  # its body names d-1
     rebuilder._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-2", b"\x00body", _headers(envelope)), {})
@@ -91,8 +94,8 @@ def test_a_failure_whose_body_names_another_delivery_fails_none() -> None:
 
 
 def test_a_report_whose_body_names_another_delivery_is_not_filed() -> None:
-    """The supervisor ignores such a report (``step.report_ignored``); a report whose body
-    agrees is kept for the step it names."""
+    """The supervisor dead-letters such a report unread; a report whose body agrees is kept
+    for the step it names."""
     report = {"delivery_id": "d-1", "step": "drone", "kind": "FAILED", "attempt": 1, "service": "drone-scheduler",
               "source_topic": "delivery.requested", "source_event_id": "e-0", "error": "x",
               "reported_at": "2026-12-05T00:00:00+00:00"}
@@ -102,3 +105,21 @@ def test_a_report_whose_body_names_another_delivery_is_not_filed() -> None:
         rebuilder._fact(Rec("recovery", 0, 5, 1_800_000_000_000, correlation.encode(), b"\x00body",
                             _headers(envelope)), {})
         assert rebuilder.reports == filed
+
+
+def test_a_record_whose_body_names_another_delivery_begins_no_step_and_gives_no_fact() -> None:
+    """The services dead-letter such a record unread (``events.disagrees_with``): it
+    is no trigger of the envelope's delivery's steps (a requeue of it would be refused again
+    and fail the delivery), and a shipment of that form ships nothing and ends no hold."""
+    for body, begun in (({"delivery_id": "d-1"}, set()), ({"delivery_id": "d-2"}, {"package", "drone"})):
+        rebuilder = _rebuilder(body)
+        envelope = Envelope.first("e-6", "d-2", "DeliveryRequested", "ingestion")
+        consumed = {(s.name, "delivery.requested", 0): 6 for s in WORKFLOW.services}
+        rebuilder._fact(Rec("delivery.requested", 0, 5, 1_800_000_000_000, b"d-2", b"\x00body",
+                            _headers(envelope)), consumed)
+        assert set(rebuilder.facts["d-2"].triggers) == begun
+        assert len(rebuilder.seen) == 2  # both readers consumed it: their dedupe saw it either way
+    rebuilder = _rebuilder(SHIPPED)  # its body names d-1
+    rebuilder._fact(_shipment(_headers(Envelope.first("e-7", "d-2", "DeliveryShipped", "delivery"))), {})
+    assert not rebuilder.facts["d-2"].outcome and not rebuilder.facts["d-2"].ended
+    assert "d-1" not in rebuilder.facts

@@ -44,6 +44,16 @@ def test_reserve_books_a_drone_from_the_fleet_for_the_delivery_and_its_weight() 
     assert outcome.topics == ["drone.scheduled"]
 
 
+def test_a_request_whose_body_names_another_delivery_than_its_envelope_reserves_nothing() -> None:
+    """The runtime fences, dedupes and remembers by the envelope's delivery, the rule books by
+    the body's: such a record is refused unread, or it would book a drone for a delivery
+    (say one already shipped) that nothing gives back."""
+    outcome = run(drones.service, delivery_request("d-shipped", weight_kg=2.5), delivery_id="d-new")
+    assert outcome.refused and outcome.effects == []
+    assert run(drones.service, delivery_request("d-new", weight_kg=2.5),
+               answers={"pool_reserve": Reservation("drone-7")}).refused == ""
+
+
 def test_a_load_no_drone_can_carry_fails_the_drone_step() -> None:
     outcome = run(drones.service, delivery_request("d-2", weight_kg=40.0),
                   answers={"pool_reserve": Reservation(None, fits=False)})

@@ -133,24 +133,21 @@ def test_a_failure_of_a_delivery_that_shipped_gives_nothing_back() -> None:
     assert [effect.name for effect in outcome.effects] == ["mark_compensating"]
 
 
-def test_a_failure_whose_body_names_another_delivery_than_its_envelope_changes_nothing() -> None:
+def test_a_failure_whose_body_names_another_delivery_than_its_envelope_is_refused_unread() -> None:
     """A forged failure: the state it would change is the body's delivery, its remembered
-    answer the envelope's. It is read and left alone."""
+    answer the envelope's. The runtime dead-letters it before the supervisor reads it."""
     outcome = run(supervisor.service, failure("X", "delivery", ["drone", "package"]),
                   topic=supervisor.watched().failed_topic, delivery_id="d-2")
-    assert outcome.effects == [] and outcome.emitted == []
-    assert [(log.level, log.event) for log in outcome.logs] == [("warning", "compensation.failure_ignored")]
+    assert outcome.refused == "its body names another delivery than its envelope (3 characters)"
 
 
-def test_a_report_whose_body_names_another_delivery_than_its_envelope_changes_nothing() -> None:
-    """The runner names the same delivery in both; a report that does not is left alone
-    (read in memory: had it reached Redis, the harness would have refused)."""
+def test_a_report_whose_body_names_another_delivery_than_its_envelope_is_refused_unread() -> None:
+    """The runner names the same delivery in both; a report that does not is dead-lettered."""
     report = StepReport(delivery_id="d-1", step="drone", kind="FAILED", attempt=1, service="drone-scheduler",
                         source_topic="delivery.requested", source_event_id="e-1", error="x",
                         reported_at=datetime.now(UTC))
     outcome = run(supervisor.service, report, topic=RECOVERY_TOPIC, delivery_id="d-2")
-    assert outcome.effects == [] and outcome.emitted == []
-    assert [(log.level, log.event) for log in outcome.logs] == [("warning", "step.report_ignored")]
+    assert outcome.refused
 
 
 def test_only_declared_compensations_are_marked() -> None:
