@@ -5,7 +5,7 @@
 
 Raw asyncio streams and one prepared request, not an HTTP library: httpx took 7 ms of CPU
 per request on this machine, more than the server it measured, so the client was the
-limit (bench/README.md, "HTTP ingestion: group commit"). This one takes about 0.2 ms. The
+limit (bench/README.md, "HTTP ingestion"). This one takes about 0.2 ms. The
 last line printed is a JSON object: requests/s, status counts, latency percentiles and the
 client's own CPU per request.
 """

@@ -3,8 +3,8 @@
 The runtime runs a script per event several times per hop (dedupe, begin, finish, the
 steps an output opens, effects). Sent one command per item in a redis-py pipeline, each
 cost the service about 10 µs of Python (building, packing and parsing the command) and
-Redis a command of its own; one call for the batch costs about 2 µs per item
-(bench/README.md, "Scripts by the batch").
+Redis a command of its own; one call for the batch costs about 4 µs of Redis per item for
+its arguments (bench/README.md, "Rate: CPU, spread thin").
 
 Each item gets its own ``KEYS`` and ``ARGV``, and the body runs once per item exactly as
 it would alone, so a script reads the same either way; ``after_each`` (say, writing back

@@ -45,7 +45,7 @@ class Settings(BaseSettings):
     # the pipeline's producers (services, ingestion); an A/B switch for the benchmark too
     kafka_compression: str = Field("lz4", validation_alias="CHOREO_KAFKA_COMPRESSION")
     # the services' fetches: how many bytes the broker waits for, and for how long at most
-    # (bench/README.md, "What the broker spends its CPU on")
+    # (bench/README.md, "Settings, and why they are set as they are")
     kafka_fetch_min_bytes: int = Field(1, ge=1, validation_alias="CHOREO_KAFKA_FETCH_MIN_BYTES")
     kafka_fetch_wait_max_ms: int = Field(100, ge=0, validation_alias="CHOREO_KAFKA_FETCH_WAIT_MS")
     # a service's batch: its first record, then what else arrives within this many ms, up to
@@ -56,7 +56,7 @@ class Settings(BaseSettings):
     kafka_connect_timeout_s: float = Field(10.0, gt=0, le=300, validation_alias="CHOREO_KAFKA_CONNECT_TIMEOUT_S")
     # how long a transactional producer waits before retrying a request the broker refused
     # for now: a transaction begun right after a commit meets CONCURRENT_TRANSACTIONS until
-    # the last one's markers are written (bench/README.md, "Where a batch's time goes")
+    # the last one's markers are written (bench/README.md, "Settings, and why they are set as they are")
     kafka_txn_retry_backoff_ms: int = Field(5, ge=1, le=1000, validation_alias="CHOREO_KAFKA_TXN_RETRY_BACKOFF_MS")
     # Kafka security (SASL/SCRAM over the local stack's SASL listener); secrets may come
     # from a file (``KAFKA_SASL_PASSWORD_FILE``), never from the repository

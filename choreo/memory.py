@@ -14,7 +14,7 @@ def settle_garbage_collector() -> None:
     Call it once start-up is done. A batch allocates tens of thousands of short-lived
     objects: with CPython's defaults a service ran the collector every 700 allocations and,
     now and then, walked every object of its imported libraries again. That was a quarter
-    to a third of each service's CPU (bench/README.md, "The garbage collector"). What
+    to a third of each service's CPU (bench/README.md, "The services' garbage collector"). What
     start-up built lives as long as the process: ``gc.freeze`` moves it out of the
     collector's sight. The objects of a batch are freed by reference counting; cycles among
     them are still collected, every ``GC_YOUNG_THRESHOLD`` allocations.

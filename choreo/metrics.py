@@ -33,7 +33,7 @@ BATCH_SIZE = Histogram("choreo_batch_size", "Events per transaction", ["service"
 EFFECTS_PER_ROUND_TRIP = Histogram("choreo_effects_per_round_trip", "Handler effects sent to Redis together",
                                    ["service"], buckets=(1, 2, 5, 10, 50, 100, 250, 500, 1000))
 # where a batch's time goes, phase by phase: a transaction's latency is the sum, and every
-# hop of a delivery waits one whole batch (bench/README.md, "Where a batch's time goes")
+# hop of a delivery waits one whole batch (bench/README.md, "Latency below capacity")
 BATCH_PHASE_SECONDS = Histogram("choreo_batch_phase_seconds", "Seconds per batch in each phase",
                                 ["service", "phase"],
                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))

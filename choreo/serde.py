@@ -124,8 +124,7 @@ class Decoder(Generic[E]):
     it); fastavro resolves it against the handler's. This is what ``AvroDeserializer`` does,
     less what it does again for every message: expanding the reader schema and collecting
     its tags for data-contract rules, which this pipeline does not use. That was 31 µs of
-    a 33 µs decode, and a delivery is decoded seven times (bench/README.md, "Decoding
-    without the rule machinery").
+    a 33 µs decode, and a delivery is decoded six times.
     A writer schema is dead-lettered as incompatible when its id is not registered under the
     topic's subject ``<topic>-value`` (a soft-deleted version still counts: records written
     before the delete stay readable), when decoding with it is not bounded by the value's

@@ -23,7 +23,7 @@ from producers.submit import SubmitError, Submission, Submitter
 
 RequestLike = DeliveryRequestIn | dict[str, Any] | bytes | str
 # requests per batch of ``submit_many``: one admission script and one state-table pipeline
-# each (bench/README.md, "What held the closed loop back")
+# each: two round trips a request were what bounded a single submitting thread
 SUBMIT_BATCH = 200
 
 __all__ = ["AdmissionRefused", "DeliveryClient", "InvalidRequest", "PublishError"]

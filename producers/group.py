@@ -3,7 +3,7 @@
 Each HTTP request used to take a thread of a pool and make its own Redis round trips
 (admission, the state table), its own ``produce`` and its own wake-up of the event loop:
 2.3-2.9 ms of the server's CPU per request and 315-410 requests/s on two cores
-(bench/README.md, "HTTP ingestion: group commit").
+(bench/README.md, "HTTP ingestion").
 
 Here a request is queued, and one thread takes whatever has queued and runs it as one
 batch (one admission script, one state-table call, one ``produce`` loop). There is no timer:

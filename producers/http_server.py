@@ -4,7 +4,7 @@ per address).
 
 httptools and uvloop (C) in place of h11 and asyncio's pure-Python loop: a request's parsing
 and the loop's own work took about a third of the server's CPU (bench/README.md, "HTTP
-ingestion: group commit").
+ingestion").
 """
 
 from __future__ import annotations

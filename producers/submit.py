@@ -258,7 +258,7 @@ class Submitter:
                      ) -> list[Submission | SubmitError]:
         """``submit`` for many requests at once: one admission script and one state-table
         round trip for all of them, where ``submit`` takes two per request (what bounds a
-        single submitting thread; bench/README.md, "What held the closed loop back").
+        single submitting thread).
 
         Each request's result, in order, is its Submission or the error that refused it
         (``InvalidRequest``, ``AdmissionRefused``, ``StoreUnavailable``,
