@@ -87,8 +87,11 @@ SCRIPT_ITEMS = "choreo_redis_script_items_total"
 OUTCOME_TOPICS = ["delivery.shipped", "delivery.failed"]
 # records the services keep of every delivery, by design (business logs, not runtime state)
 BUSINESS_LOGS = (fleet.history_key,)
-# the records a service keeps per delivery past its release (the notifier's ``notified:{id}``,
-# for their own TTL): what a finished delivery leaves besides its tombstone
+# every record the services declare per delivery (the package's, the notifier's): all there
+# once every reader of a shipment is done
+RECORDS = [record.key for service in WORKFLOW.services for record in service.records]
+# those kept past the release, for their own TTL: what a finished delivery leaves besides its
+# tombstone (none of the workflow's)
 KEPT_RECORDS = [record.key for service in WORKFLOW.services for record in service.records
                 if not record.released_with_delivery]
 # admission's in-flight set: a live ingestion instance trims terminal deliveries out of it
@@ -233,9 +236,9 @@ def used_memory(client: redis.Redis) -> int:
     return sum(int(info["used_memory"]) for info in redis_info(client, "memory"))
 
 
-def kept_records_of(ids: Sequence[str]) -> list[str]:
-    """The keys of ``KEPT_RECORDS`` of these deliveries."""
-    return [key(d) for d in ids for key in KEPT_RECORDS]
+def records_of(ids: Sequence[str], records: Sequence[Callable[[str], str]] = KEPT_RECORDS) -> list[str]:
+    """The keys of ``records`` (``KEPT_RECORDS``: the kept ones) of these deliveries."""
+    return [key(d) for d in ids for key in records]
 
 
 def _sum_over_keys(client: redis.Redis, command: Literal["exists", "memory_usage"], keys: Sequence[str]) -> int:
@@ -803,11 +806,11 @@ class Bench:
                 counted_held = self._counted(client, ids, shared_base)
                 if recorded:  # the notifier's turn with the release held by its doer
                     release_held.enter_context(paused(releaser))
-            notified = _wait(lambda: _sum_over_keys(client, "exists", kept_records_of(sorted(shipped)))
-                             == len(shipped) * len(KEPT_RECORDS), self.args.timeout)
+            notified = _wait(lambda: _sum_over_keys(client, "exists", records_of(sorted(shipped), RECORDS))
+                             == len(shipped) * len(RECORDS), self.args.timeout)
             most_mem = used_memory(client)
             counted_most = self._counted(client, ids, shared_base)
-            kept_most = _sum_over_keys(client, "memory_usage", kept_records_of(ids))
+            kept_most = _sum_over_keys(client, "memory_usage", records_of(ids))
             held_keys = self._keys_of(client, ids[0]) if ids else {}
         finally:
             release_held.close()
@@ -818,7 +821,7 @@ class Bench:
         logs = self._business_log_bytes(client) - logs_base
         admission = _sum_over_keys(client, "memory_usage", [ADMISSION_SET]) - admission_base
         count = max(1, len(ids))
-        kept = _sum_over_keys(client, "memory_usage", kept_records_of(ids))
+        kept = _sum_over_keys(client, "memory_usage", records_of(ids))
         return {
             "deliveries": len(ids), "all_terminal": waited, "all_recorded": recorded,
             "all_notified": notified, "all_released": released,

@@ -17,7 +17,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from choreo.config import settings
 from choreo.envelope import Envelope, header_value
-from choreo.state import deadline_shards
+from choreo.state import deadline_shards, delivery_key
 from infra.process import port_in_use
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,14 +163,18 @@ def start_group_at_end(group: str, topic: str) -> None:
         consumer.close()
 
 
-def notifications(client: Any, ids: Iterable[str]) -> list[bytes | None]:
-    """What the notifier recorded for each delivery (``None`` where it has not yet)."""
+def notifications(client: Any, ids: Iterable[str]) -> list[bool]:
+    """Whether the notifier told each delivery's customer: its record is there, or the
+    delivery was released, which waits for the notifier's group to read the shipment (a
+    shipment it dead-lettered keeps the delivery) and takes the record with it."""
     from consumers.notifier import notified
 
     pipe = client.pipeline(transaction=False)
     for delivery_id in ids:
         pipe.hget(notified.key(delivery_id), "drone")
-    return list(pipe.execute())
+        pipe.hexists(delivery_key(delivery_id), "done")
+    answers = pipe.execute()
+    return [bool(drone) or bool(done) for drone, done in zip(answers[::2], answers[1::2])]
 
 
 def index_members(client: Any) -> list[bytes]:

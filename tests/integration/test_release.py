@@ -42,7 +42,7 @@ def state_keys(client: redis.Redis, delivery_id: str) -> list[str]:
     return sorted(k.decode() for k in client.scan_iter(match=f"*}}{delivery_id}", count=1000))
 
 
-# the records services declared to outlive a delivery (the notifier's), each with a TTL
+# the records services declared to outlive a delivery, each with a TTL (the workflow has none)
 KEPT = [r for s in WORKFLOW.services for r in s.records if not r.released_with_delivery]
 
 
@@ -52,7 +52,8 @@ def after_release(delivery_id: str) -> list[str]:
 
 
 def test_a_shipped_delivery_leaves_only_a_tombstone(pipeline: Pipeline, redis_client: redis.Redis) -> None:
-    """... and the records a service declared to outlive it (the notifier's), each expiring."""
+    """... and any record a service declared to outlive it, each expiring (the package's and
+    the notifier's records go with it)."""
     ids = set(submit([delivery_request() for _ in range(100)]))
     assert set(wait_terminal(ids).values()) == {1}
     wait_for(lambda: released(redis_client, ids) == ids, timeout_s=60, what="every delivery released")

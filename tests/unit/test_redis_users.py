@@ -23,7 +23,8 @@ def test_every_principal_has_a_user_and_owns_only_what_it_declares() -> None:
     assert set(users["delivery"]) == STEP_STATE
     # the supervisor's lease, release queue and list of undos awaiting an operator, the records
     # released with a delivery, and the fleet it gives a shipped delivery's drone back to
-    assert set(users["supervisor"]) == STEP_STATE | {"lease", "release", "awaiting-operator", "pkg", "fleet"}
+    assert set(users["supervisor"]) == STEP_STATE | {"lease", "release", "awaiting-operator", "pkg", "notified",
+                                                     "fleet"}
     assert set(users["ingestion"]) == {"dl", "deadlines", "layout", "ingestion", "owner", "idem"}
     assert users["schema-registry"] == ["registry"] and users["ops"] == ["*"]
 
