@@ -806,8 +806,8 @@ class Bench:
                 counted_held = self._counted(client, ids, shared_base)
                 if recorded:  # the notifier's turn with the release held by its doer
                     release_held.enter_context(paused(releaser))
-            notified = _wait(lambda: _sum_over_keys(client, "exists", records_of(sorted(shipped), RECORDS))
-                             == len(shipped) * len(RECORDS), self.args.timeout)
+            notified = recorded and _wait(lambda: _sum_over_keys(client, "exists", records_of(sorted(shipped), RECORDS))
+                                          == len(shipped) * len(RECORDS), self.args.timeout)
             most_mem = used_memory(client)
             counted_most = self._counted(client, ids, shared_base)
             kept_most = _sum_over_keys(client, "memory_usage", records_of(ids))
@@ -822,6 +822,7 @@ class Bench:
         admission = _sum_over_keys(client, "memory_usage", [ADMISSION_SET]) - admission_base
         count = max(1, len(ids))
         kept = _sum_over_keys(client, "memory_usage", records_of(ids))
+        records_left = _sum_over_keys(client, "exists", records_of(sorted(shipped), RECORDS))
         return {
             "deliveries": len(ids), "all_terminal": waited, "all_recorded": recorded,
             "all_notified": notified, "all_released": released,
@@ -838,6 +839,9 @@ class Bench:
             "counted_bytes_per_delivery": {"accepted": counted_accepted, "before_release": counted_held,
                                            "at_most": counted_most, "released": counted_done},
             "kept_record_bytes_per_delivery_at_most": round(kept_most / count),
+            # the declared records of the released deliveries still there: those kept past
+            # the release (``KEPT_RECORDS``), each of every shipped delivery, and no other
+            "records_left_after_release": records_left,
             "keys_of_one_delivery_at_most": held_keys,
             "keys_of_one_delivery_released": self._keys_of(client, ids[0]) if ids else {},
             "keys_total_after": int(client.dbsize()),

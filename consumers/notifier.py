@@ -11,7 +11,8 @@ from schemas.models import DeliveryShipped
 service = Service("notifier")
 
 # what the customer was told, once per delivery (a replay finds it sent); gone with the
-# delivery's state, whose tombstone then refuses a replay (Kafka keeps the shipment)
+# delivery's state, whose tombstone then refuses a replay (Kafka keeps the shipment): the
+# service runs in its workflow, whose services refuse a released delivery's events
 notified = service.record("notified", ttl_s=24 * 3600, released_with_delivery=True)
 notified.rebuilt_from(DeliveryShipped, lambda shipment: {"drone": shipment.drone_id}, when_consumed=True)
 

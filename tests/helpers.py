@@ -163,18 +163,27 @@ def start_group_at_end(group: str, topic: str) -> None:
         consumer.close()
 
 
-def notifications(client: Any, ids: Iterable[str]) -> list[bool]:
-    """Whether the notifier told each delivery's customer: its record is there, or the
-    delivery was released, which waits for the notifier's group to read the shipment (a
-    shipment it dead-lettered keeps the delivery) and takes the record with it."""
+def notifications(client: Any, ids: Iterable[str]) -> list[bytes | None]:
+    """What the notifier recorded for each delivery (``None`` where it has not, or where the
+    release took its record with the delivery's state)."""
     from consumers.notifier import notified
 
     pipe = client.pipeline(transaction=False)
     for delivery_id in ids:
         pipe.hget(notified.key(delivery_id), "drone")
+    return list(pipe.execute())
+
+
+def notified_or_released(client: Any, ids: Iterable[str]) -> list[bool]:
+    """Whether each delivery's notification is in, as its record or as its release: the
+    release waits for the notifier's group to commit past the shipment (one it dead-lettered
+    keeps the delivery) and takes the record with the delivery's state."""
+    ids = list(ids)
+    pipe = client.pipeline(transaction=False)
+    for delivery_id in ids:
         pipe.hexists(delivery_key(delivery_id), "done")
-    answers = pipe.execute()
-    return [bool(drone) or bool(done) for drone, done in zip(answers[::2], answers[1::2])]
+    released = pipe.execute()
+    return [bool(drone) or bool(done) for drone, done in zip(notifications(client, ids), released)]
 
 
 def index_members(client: Any) -> list[bytes]:

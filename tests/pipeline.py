@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -41,13 +43,36 @@ class Pipeline:
 NOTIFIER = "consumers.notifier:service"
 
 
+@dataclass
+class LateNotifier:
+    """A pipeline started without its notifier: called, it starts the notifier, as an
+    instance of its own."""
+
+    running: Pipeline
+
+    def __call__(self) -> None:
+        self.running.procs.append(ServiceProcess(NOTIFIER, instance="late").start())
+
+    @contextmanager
+    def paused(self, ref: str) -> Iterator[None]:
+        """``ref``'s processes stopped (SIGSTOP) for the block: their work waits."""
+        pids = [p.proc.pid for p in self.running.procs if p.ref == ref and p.proc is not None]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+
+
 @contextmanager
-def notifier_later(refs: Iterable[str]) -> Iterator[Callable[[], None]]:
-    """``refs`` running (the notifier left out) and a way to start the notifier later, as an
-    instance of its own; everything is killed on exit."""
+def notifier_later(refs: Iterable[str]) -> Iterator[LateNotifier]:
+    """``refs`` running (the notifier left out) and a way to start the notifier later;
+    everything is killed on exit."""
     running = Pipeline().start(refs)
     try:
-        yield lambda: running.procs.append(ServiceProcess(NOTIFIER, instance="late").start())
+        yield LateNotifier(running)
     finally:
         running.kill()
 

@@ -13,7 +13,7 @@ from consumers.drone_scheduler import fleet
 from consumers.workflow import WORKFLOW
 from choreo import topology
 from tests.factories import delivery_request
-from tests.helpers import notifications, read_topic, wait_for
+from tests.helpers import notified_or_released, read_topic, wait_for
 from tests.pipeline import Pipeline, notifier_later, of, submit, terminal_counts, wait_terminal
 
 pytestmark = pytest.mark.integration
@@ -45,7 +45,7 @@ def test_a_thousand_deliveries_all_ship_exactly_once(pipeline: Pipeline,
     assert len(shipped) == 1000
     assert len({r.header("event_id") for r in shipped}) == 1000
     assert fleet.double_bookings(redis_client) == []
-    notified = wait_for(lambda: (n := notifications(redis_client, sorted(ids))) and all(n) and n,
+    notified = wait_for(lambda: (n := notified_or_released(redis_client, sorted(ids))) and all(n) and n,
                         what="notifications")
     assert len(notified) == 1000
     assert pipeline.alive()
@@ -112,9 +112,9 @@ def test_notifier_started_later_catches_up_from_the_topic(redis_client: redis.Re
     with notifier_later(SERVICES_WITHOUT_NOTIFIER) as start_notifier:
         ids = set(submit([delivery_request() for _ in range(50)]))
         wait_terminal(ids)
-        assert not any(notifications(redis_client, sorted(ids)))
+        assert not any(notified_or_released(redis_client, sorted(ids)))
         start_notifier()
-        wait_for(lambda: all(notifications(redis_client, sorted(ids))), what="catch-up")
+        wait_for(lambda: all(notified_or_released(redis_client, sorted(ids))), what="catch-up")
 
 
 SERVICES_WITHOUT_NOTIFIER = ["consumers.package:service", "consumers.drone_scheduler:service",

@@ -27,6 +27,7 @@ from tests.pipeline import NOTIFIER, SERVICES, Pipeline, notifier_later, of, sub
 pytestmark = pytest.mark.integration
 
 WITHOUT_NOTIFIER = [ref for ref in SERVICES if ref != NOTIFIER]
+SUPERVISOR = "choreo.supervisor:service"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,9 +112,14 @@ def test_release_waits_for_every_reader_of_the_terminal(redis_client: redis.Redi
         # a finished delivery's step table, at its largest, fits Redis's compact encoding (a
         # step record past the stack's hash-max-listpack-value turns it into a hash table)
         assert {redis_client.object("encoding", delivery_key(d)) for d in ids} == {b"listpack"}
-        start_notifier()
-        wait_for(lambda: all(notifications(redis_client, sorted(ids))), what="notified")
+        # the notifier's records, read with the supervisor, which would release them, paused
+        with start_notifier.paused(SUPERVISOR):
+            start_notifier()
+            told = wait_for(lambda: all(n := notifications(redis_client, sorted(ids))) and n, what="notified")
+        assert all(drone and drone.startswith(b"drone-") for drone in told)
         wait_for(lambda: released(redis_client, ids) == ids, timeout_s=60, what="released after it")
+        # the release took each record with the delivery's state
+        assert not any(notifications(redis_client, sorted(ids)))
 
 
 def test_a_delivery_with_a_dead_letter_keeps_its_state(redis_client: redis.Redis) -> None:
