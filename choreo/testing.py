@@ -176,7 +176,7 @@ class Outcome:
     result: HandlerResult
     logs: list[Logged]
     context: Context
-    refused: str = ""  # why the runner dead-letters the event unread (its body another delivery's)
+    refused: str = ""  # why the runner dead-letters the event unread (``events.disagrees_with``)
 
     @property
     def released(self) -> bool:
