@@ -12,13 +12,15 @@ from consumers.drone_scheduler import service
 from tests.factories import delivery_request
 
 
-def _prepared(body_delivery: str, envelope_delivery: str) -> Work | Refused | None:
+def _prepared(body_delivery: str, envelope_delivery: str, owner: str = "") -> Work | Refused | None:
+    """A request whose body names ``body_delivery`` (owner-1's), read under an envelope."""
     runner: Any = object.__new__(Runner)
     runner.service = service
     runner.log = SimpleNamespace(bind=lambda **fields: fields)
     runner.decoders = {"delivery.requested": lambda value: delivery_request(body_delivery)}
     message = SimpleNamespace(topic=lambda: "delivery.requested", value=lambda: b"\x00bytes")
-    return runner._prepare(message, Envelope.first("e-1", envelope_delivery, "DeliveryRequested", "test"))
+    return runner._prepare(message, Envelope.first("e-1", envelope_delivery, "DeliveryRequested", "test",
+                                                   owner=owner))
 
 
 def test_an_input_whose_body_names_another_delivery_than_its_envelope_is_refused() -> None:
@@ -32,11 +34,5 @@ def test_an_input_whose_body_names_another_delivery_than_its_envelope_is_refused
 
 def test_a_request_whose_body_names_another_owner_than_its_envelope_is_refused() -> None:
     """Its outcome is told to the envelope's owner, and its status read by the body's."""
-    runner: Any = object.__new__(Runner)
-    runner.service = service
-    runner.log = SimpleNamespace(bind=lambda **fields: fields)
-    runner.decoders = {"delivery.requested": lambda value: delivery_request("d-1")}  # owner-1's
-    message = SimpleNamespace(topic=lambda: "delivery.requested", value=lambda: b"\x00bytes")
     for owner, refused in (("owner-2", True), ("owner-1", False), ("", False)):
-        envelope = Envelope.first("e-1", "d-1", "DeliveryRequested", "test", owner=owner)
-        assert isinstance(runner._prepare(message, envelope), Refused) is refused, owner
+        assert isinstance(_prepared("d-1", "d-1", owner), Refused) is refused, owner
