@@ -584,7 +584,7 @@ class Tracker(threading.Thread):
     def _run(self) -> None:
         from choreo.ops.records import BodyDecoder, reader
 
-        decode = BodyDecoder()
+        decode = BodyDecoder().read  # a registry that cannot be reached fails the tracker, not a check
         consumer = reader(log_level=0)
         undo_of = undo_topics()
         topics = [*TERMINAL, *undo_of]
@@ -916,7 +916,7 @@ def read_everything() -> Findings:
     from choreo.ops.records import BodyDecoder, existing_topics, read, reader, resolve
 
     found = Findings()
-    decode = BodyDecoder()
+    decode = BodyDecoder().read  # a registry that cannot be reached fails the run, not a check
     consumer = reader(log_level=0)
     undo_of = undo_topics()
     try:

@@ -31,6 +31,8 @@ What is rebuilt, and why each piece matters for exactly-once after a wipe:
   dead-lettered), otherwise pending with a deadline, so the supervisor watches it again;
   but a step with an undo whose delivery had already failed is closed with a new token, as
   the supervisor closed it, so its queued trigger starts nothing for a failed delivery.
+  A record the service dead-letters unread (``Runner._prepare``) triggers nothing: it is
+  decoded with the service's own decoder and checked against its hop limit and envelope.
   Compensation states come from the supervisor's ``compensation.log``.
 * **Dedupe** (``seen:{id}``): for every record each service has committed, its position,
   so a copy arriving after the wipe is still recognised.
@@ -112,6 +114,7 @@ from choreo.redis_client import NodePipelines, connect, raise_first
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
 from choreo.release import awaiting_key, released
 from choreo.runtime_events import CompensationRecord, StepReport
+from choreo.serde import Decoder, DecodeFailure, RegistryUnavailable, registry_client
 from choreo.state import Restored, Source, StateTable, StepStatus, delivery_key, index_member
 from choreo.supervision import CLOSED_BY_FAILURE, awaiting_operator_index, undo_fields
 from choreo.workflow import Workflow
@@ -126,6 +129,8 @@ PASS_RECORDS = 500_000
 # a key's fields per merge item: an item's arguments are unpacked at once, and Lua refuses
 # 8,000 values or more (a hostile writer can give one delivery that many dedupe entries)
 MERGE_PAIRS = 1000
+# how long a read waits out a schema registry that does not answer before the rebuild stops
+REGISTRY_WAIT_S = 60.0
 T = TypeVar("T")
 E = TypeVar("E", bound=Event)
 # KEYS[1] a hash; ARGV: a TTL in seconds (0: none), then field and value pairs, each written
@@ -176,6 +181,18 @@ def delivery_of(headers: Any, key: bytes | None) -> str:
     if correlation:
         return correlation[:MAX_ID_CHARS]
     return key.decode(errors="replace") if key is not None else ""
+
+
+@dataclass(frozen=True)
+class Reader:
+    """A service that reads a topic, and what decides whether it takes a record of it."""
+
+    service: str
+    step: str | None  # the step its reading begins, if any
+    origin: str  # the topic it reads the step's events on (a retry topic's origin)
+    deadline_ms: int
+    max_hops: int
+    decoder: Decoder[Any]
 
 
 @dataclass(slots=True)
@@ -286,7 +303,8 @@ class Rebuilder:
     """Collects the facts from the topics, then writes them merge-only (see module doc)."""
 
     def __init__(self, workflow: Workflow, client: redis.Redis, grace_s: float = 10.0,
-                 prefix: str = "", pass_records: int = PASS_RECORDS, partitioner: str = "consistent_random") -> None:
+                 prefix: str = "", pass_records: int = PASS_RECORDS, partitioner: str = "consistent_random",
+                 registry_wait_s: float = REGISTRY_WAIT_S) -> None:
         self.workflow = workflow
         self.prefix = prefix
         self.pass_records = pass_records
@@ -309,14 +327,17 @@ class Rebuilder:
         self.side_seen: list[tuple[str, str, str]] = []  # the side topics' dedupe entries
         self.latest_holds: dict[str, dict[str, tuple[int, str]]] = {}  # pool -> member -> (since, holder)
         self.open_holds: list[tuple[str, str, str]] = []  # (pool, holder, member): not ended
-        self.decode = BodyDecoder()
+        self.bodies = BodyDecoder()
+        self.registry_wait_s = registry_wait_s
         self._consumed: dict[tuple[str, str, int], int] = {}  # (service, topic, partition) -> committed
-        # handler topic (origin or retry) -> [(service, step, origin topic, deadline)]
-        self.handlers: dict[str, list[tuple[str, str | None, str, int]]] = {}
+        # handler topic (origin or retry) -> the services that read it
+        self.handlers: dict[str, list[Reader]] = {}
+        registry = registry_client()
         for service in workflow.services:
             for topic, handler in service.handlers.items():
-                self.handlers.setdefault(topic, []).append(
-                    (service.name, handler.step, handler.topic, int(handler.deadline_s * 1000)))
+                self.handlers.setdefault(topic, []).append(Reader(
+                    service.name, handler.step, handler.topic, int(handler.deadline_s * 1000),
+                    service.max_hops, Decoder(handler.model, topic, registry)))
         self.records = {record.name: record for s in workflow.services for record in s.records}
         self.pools = {pool.name: pool for s in workflow.services for pool in s.pools}
         self.compensable = set(workflow.compensations())
@@ -455,18 +476,53 @@ class Rebuilder:
         refused = env is not None and isinstance(body, dict) and bool(disagrees_with(body, env))
         if declared is not None and isinstance(body, dict) and body and not refused:
             self._declared_fact(declared, delivery, facts, r, body, consumed_by)
-        for service, step, origin, deadline_ms in handlers:
-            if env is not None and consumed_by(service):
-                self.seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))
-            if step is None or env is None or refused:
+        for reader in handlers:
+            if env is not None and consumed_by(reader.service):
+                self.seen.append((delivery, seen_field(reader.service, env.event_id, env.attempt), r.position))
+            # a record its service dead-letters unread (past its hop limit, or a body it
+            # cannot decode) began no step of it
+            if reader.step is None or env is None or refused or not self.takes(reader, env, r):
                 continue
-            latest = facts.triggers.get(step)
+            latest = facts.triggers.get(reader.step)
             if latest is not None and (latest.event_id, latest.attempt) == (env.event_id, env.attempt):
                 continue  # a copy of the trigger already kept (the dedupe skips it): not a new try
             if latest is None or (env.attempt, r.timestamp_ms) >= (latest.attempt, latest.timestamp_ms):
-                facts.triggers[step] = Trigger(step, service, Source(origin, r.topic, r.partition, r.offset),
-                                               r.timestamp_ms, env.attempt, deadline_ms,
-                                               env.event_id)
+                facts.triggers[reader.step] = Trigger(
+                    reader.step, reader.service, Source(reader.origin, r.topic, r.partition, r.offset),
+                    r.timestamp_ms, env.attempt, reader.deadline_ms, env.event_id)
+
+    def decode(self, topic: str, value: bytes | None) -> dict[str, Any] | str:
+        """A record's body as its writer wrote it (or why not, as text)."""
+        return self._waiting_for_registry(lambda: self.bodies.read(topic, value))
+
+    def takes(self, reader: Reader, env: Envelope, r: Rec) -> bool:
+        """Whether ``reader``'s service reads this record (``Runner._prepare``): within its hop
+        limit, its body decoded as the service decodes it."""
+        if env.hops > reader.max_hops:
+            return False
+        try:
+            self._waiting_for_registry(lambda: reader.decoder(r.value))
+        except DecodeFailure:
+            return False
+        return True
+
+    def _waiting_for_registry(self, read: Callable[[], T]) -> T:
+        """``read()``, asked again while the registry cannot be reached, for up to
+        ``registry_wait_s``: a body read as undecodable would be a fact missed (a hold not
+        restored frees a drone still booked). Then the rebuild stops; what it wrote before is
+        merged, so running it again is safe."""
+        deadline = time.monotonic() + self.registry_wait_s
+        pause = 0.2
+        while True:
+            try:
+                return read()
+            except RegistryUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"the schema registry did not answer for {self.registry_wait_s:.0f} s "
+                                       f"({str(exc)[:200]}): the rebuild stopped; run it again once the "
+                                       "registry answers (it merges into what it wrote)") from exc
+                time.sleep(pause)
+                pause = min(pause * 2, 5.0)
 
     def _side_fact(self, r: Rec, delivery: str, env: Envelope | None, consumed_by: Callable[[str], bool]) -> None:
         """A side topic's record (``SIDE``): kept until the passes that need it have run."""
@@ -490,9 +546,9 @@ class Rebuilder:
                 self.compensation.setdefault(record.delivery_id, {})[record.step] = str(record.status).lower()
             elif record.delivery_id == delivery:
                 self.compensation.setdefault(delivery, {})[record.step] = str(record.status).lower()
-        for service, _, _, _ in self.handlers.get(r.topic, ()):
-            if env is not None and consumed_by(service):
-                self.side_seen.append((delivery, seen_field(service, env.event_id, env.attempt), r.position))
+        for reader in self.handlers.get(r.topic, ()):
+            if env is not None and consumed_by(reader.service):
+                self.side_seen.append((delivery, seen_field(reader.service, env.event_id, env.attempt), r.position))
 
     def _dead_letter(self, r: Rec) -> bool:
         """Note where a dead letter's event lay; whether its delivery's state is kept for a
@@ -520,7 +576,7 @@ class Rebuilder:
             if outcome == FAILED:  # unread too when its reader runs outside the workflow
                 listed = [s for s in body.get("compensate") or () if s in self.compensable]
                 readers = self.handlers.get(r.topic, [])
-                read = bool(readers) and all(consumed_by(service) for service, _, _, _ in readers)
+                read = bool(readers) and all(consumed_by(reader.service) for reader in readers)
                 facts.failure_unread = facts.failure_unread or not read
                 if read and facts.outcome == FAILED:
                     # its reading gave back what the delivery held in the pools of services

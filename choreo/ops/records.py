@@ -24,7 +24,8 @@ from fastavro import schemaless_reader
 
 from choreo.kafka import base_config
 from choreo.envelope import Envelope, header_value, pairs
-from choreo.serde import MAGIC_BYTE, MAX_WRITER_SCHEMAS, DecodeFailure, bounded_writer, registry_client
+from choreo.serde import (MAGIC_BYTE, MAX_WRITER_SCHEMAS, DecodeFailure, RegistryUnavailable, bounded_writer,
+                          registry_client)
 
 Progress = Callable[[int], None]
 # how long a consume waits to fill its batch: a read's last batch always waits it out (its
@@ -311,6 +312,15 @@ class BodyDecoder:
         self._writers: dict[int, Any] = {}  # schema id -> parsed writer schema, or why not
 
     def __call__(self, topic: str, value: bytes | None) -> dict[str, Any] | str:
+        try:
+            return self.read(topic, value)
+        except RegistryUnavailable as exc:  # shown to the operator, who may look again
+            return f"<registry unavailable: {str(exc)[:200]}>"
+
+    def read(self, topic: str, value: bytes | None) -> dict[str, Any] | str:
+        """As a call, but a registry that cannot be reached raises ``RegistryUnavailable``:
+        for a caller that acts on what the bodies say (``rebuild-state``), where a body shown
+        as text would be a fact silently missed."""
         if value is None:
             return "<tombstone>"
         if len(value) < 5 or value[0] != MAGIC_BYTE:
@@ -321,6 +331,8 @@ class BodyDecoder:
             if isinstance(writer, str):
                 return writer
             decoded = schemaless_reader(io.BytesIO(value[5:]), writer, None)
+        except RegistryUnavailable:
+            raise
         except Exception as exc:  # noqa: BLE001 - shown to the operator, never raised
             return f"<undecodable: {type(exc).__name__}: {str(exc)[:200]}>"
         return _plain(decoded) if isinstance(decoded, dict) else str(decoded)

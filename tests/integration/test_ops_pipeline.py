@@ -20,7 +20,7 @@ import uuid
 from datetime import UTC, datetime
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -334,6 +334,41 @@ def test_rebuild_restores_a_requeued_step_at_its_attempt(isolated: IsolatedPipel
     assert report.open_steps >= 1
     step = StateTable(isolated.client).steps(request.delivery_id)["drone"]
     assert (step.status, step.attempt) == ("pending", 2)
+
+
+def test_rebuild_begins_no_step_from_a_request_its_services_dead_letter_unread(isolated: IsolatedPipeline) -> None:
+    """Redis is lost with three requests unread in the entry topic: a good one, one past the
+    services' hop limit, and one written with another topic's schema. The services
+    dead-letter the last two unread (``Runner._prepare``), so the rebuild opens the good
+    one's steps alone; restored as pending, the others' steps would be requeued with the same
+    bytes until the supervisor failed their deliveries."""
+    started = int(time.time() * 1000)
+    flow = isolated.flow
+    topic = isolated.prefix + "delivery.requested"
+    limit = min(s.max_hops for s in flow.services if topic in s.handlers)
+    good, far, foreign = delivery_request(), delivery_request(), delivery_request()
+    far_envelope = replace(Envelope.first(str(uuid.uuid4()), far.delivery_id, "DeliveryRequested", "test"),
+                           hops=limit + 1)
+    publisher = Publisher("test", redis_client=isolated.client)
+    sent = publisher.publish_many([Publish(good, str(uuid.uuid4()), topic=topic),
+                                   Publish(far, str(uuid.uuid4()), topic=topic, envelope=far_envelope)])
+    assert not any(isinstance(e, Exception) for e in sent)
+    publisher.flush(30)
+    # a body of the foreign delivery, in a schema registered under another topic's subject
+    ready = PackageReady(delivery_id=foreign.delivery_id, package_id="p", package_size="SMALL", weight_kg=1.0,
+                         ready_at=datetime.now(UTC))
+    value = Encoder(PackageReady, isolated.prefix + PackageReady.topic, registry_client())(ready)
+    envelope = Envelope.first(str(uuid.uuid4()), foreign.delivery_id, "DeliveryRequested", "test")
+    producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers, "acks": "all"})
+    producer.produce(topic, key=foreign.delivery_id.encode(), value=value, headers=envelope.to_headers())
+    assert producer.flush(30) == 0
+    isolated.client.flushall()  # Redis lost
+    report = rebuild(flow, since_ms=started - 5000, client=isolated.client, prefix=isolated.prefix)
+    table = StateTable(isolated.client)
+    assert {name: s.status for name, s in table.steps(good.delivery_id).items()} == {
+        "package": "pending", "drone": "pending"}
+    assert table.steps(far.delivery_id) == {} and table.steps(foreign.delivery_id) == {}
+    assert report.open_steps == 2
 
 
 def test_rebuild_closes_the_unbegun_steps_of_a_delivery_that_failed(isolated: IsolatedPipeline) -> None:

@@ -1,23 +1,31 @@
 """What the rebuild takes from one record (``Rebuilder._fact``), without a broker: the
-decoder is replaced by the body the record would decode to."""
+decoder is replaced by the body the record would decode to, and the services take it unless
+a test says otherwise."""
 
 from __future__ import annotations
 
+import socket
+from dataclasses import replace
 from typing import Any
 
+import pytest
 import redis
 
+from choreo.config import settings
 from choreo.envelope import H_CORRELATION_ID, Envelope
 from choreo.ops.rebuild import Rebuilder
 from choreo.ops.records import Rec
+from choreo.serde import forget_registry_clients
 from consumers.workflow import WORKFLOW
 
 SHIPPED = {"delivery_id": "d-1", "drone_id": "drone-00007", "package_id": "p-1", "shipped_at": "2026-12-05T00:00:00+00:00"}
 
 
-def _rebuilder(body: dict[str, Any]) -> Rebuilder:
+def _rebuilder(body: dict[str, Any], *, taken: bool = True) -> Rebuilder:
     rebuilder = Rebuilder(WORKFLOW, redis.Redis())  # no call reaches Redis in _fact
-    rebuilder.decode = lambda topic, value: body  # type: ignore[assignment]
+    rebuilder.decode = lambda topic, value: body  # type: ignore[method-assign]
+    if taken:
+        rebuilder.takes = lambda reader, env, r: True  # type: ignore[method-assign]
     return rebuilder
 
 
@@ -123,3 +131,55 @@ def test_a_record_whose_body_names_another_delivery_begins_no_step_and_gives_no_
     rebuilder._fact(_shipment(_headers(Envelope.first("e-7", "d-2", "DeliveryShipped", "delivery"))), {})
     assert not rebuilder.facts["d-2"].outcome and not rebuilder.facts["d-2"].ended
     assert "d-1" not in rebuilder.facts
+
+
+REQUEST = {"delivery_id": "d-2"}
+CONSUMED = {(s.name, "delivery.requested", 0): 6 for s in WORKFLOW.services}
+
+
+def _request(envelope: Envelope, value: bytes) -> Rec:
+    return Rec("delivery.requested", 0, 5, 1_800_000_000_000, b"d-2", value, _headers(envelope))
+
+
+def test_a_record_its_services_cannot_decode_begins_no_step() -> None:
+    """The services dead-letter it unread (``Runner._prepare``): restored as a trigger, its
+    step would be requeued with the same bytes and fail the delivery, or stand for a step
+    that began on another record. Their dedupe saw it all the same."""
+    envelope = Envelope.first("e-8", "d-2", "DeliveryRequested", "ingestion")
+    rebuilder = _rebuilder(REQUEST, taken=False)  # the services' own decoders: these bytes are no Avro
+    rebuilder._fact(_request(envelope, b"not avro at all"), CONSUMED)
+    assert rebuilder.facts["d-2"].triggers == {}
+    assert len(rebuilder.seen) == 2
+
+
+def test_a_record_past_its_services_hop_limit_begins_no_step() -> None:
+    envelope = Envelope.first("e-9", "d-2", "DeliveryRequested", "ingestion")
+    limit = max(s.max_hops for s in WORKFLOW.services if "delivery.requested" in s.handlers)
+    for hops, begun in ((limit + 1, set()), (limit, {"package", "drone"})):
+        rebuilder = _rebuilder(REQUEST, taken=False)
+        rebuilder.bodies.read = lambda topic, value: REQUEST  # type: ignore[method-assign]
+        for readers in rebuilder.handlers.values():  # what a decoder answers past the hop check
+            readers[:] = [replace(r, decoder=lambda value: None) for r in readers]  # type: ignore[arg-type]
+        rebuilder._fact(_request(replace(envelope, hops=hops), b"\x00body"), CONSUMED)
+        assert set(rebuilder.facts["d-2"].triggers) == begun, hops
+
+
+def test_the_rebuild_stops_when_the_registry_does_not_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body read as undecodable for want of a registry would be a fact missed (a booking
+    not restored frees a drone still booked): the rebuild waits for it a while, then stops
+    and says why."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("SCHEMA_REGISTRY_URL", f"http://127.0.0.1:{port}")
+    settings.cache_clear()
+    forget_registry_clients()
+    try:
+        rebuilder = Rebuilder(WORKFLOW, redis.Redis(), registry_wait_s=0.5)
+        envelope = Envelope.first("e-10", "d-2", "DeliveryShipped", "delivery")
+        with pytest.raises(RuntimeError, match="schema registry did not answer"):
+            rebuilder._fact(_shipment(_headers(envelope)), {})
+    finally:
+        monkeypatch.undo()
+        settings.cache_clear()
+        forget_registry_clients()
