@@ -333,11 +333,13 @@ class Rebuilder:
         # handler topic (origin or retry) -> the services that read it
         self.handlers: dict[str, list[Reader]] = {}
         registry = registry_client()
+        decoders: dict[tuple[str, type[Event]], Decoder[Any]] = {}  # one per topic and model: read once
         for service in workflow.services:
             for topic, handler in service.handlers.items():
+                decoder = decoders.setdefault((topic, handler.model), Decoder(handler.model, topic, registry))
                 self.handlers.setdefault(topic, []).append(Reader(
                     service.name, handler.step, handler.topic, int(handler.deadline_s * 1000),
-                    service.max_hops, Decoder(handler.model, topic, registry)))
+                    service.max_hops, decoder))
         self.records = {record.name: record for s in workflow.services for record in s.records}
         self.pools = {pool.name: pool for s in workflow.services for pool in s.pools}
         self.compensable = set(workflow.compensations())
@@ -476,12 +478,13 @@ class Rebuilder:
         refused = env is not None and isinstance(body, dict) and bool(disagrees_with(body, env))
         if declared is not None and isinstance(body, dict) and body and not refused:
             self._declared_fact(declared, delivery, facts, r, body, consumed_by)
+        decoded: dict[int, bool] = {}  # decoder -> whether it reads the body
         for reader in handlers:
             if env is not None and consumed_by(reader.service):
                 self.seen.append((delivery, seen_field(reader.service, env.event_id, env.attempt), r.position))
             # a record its service dead-letters unread (past its hop limit, or a body it
             # cannot decode) began no step of it
-            if reader.step is None or env is None or refused or not self.takes(reader, env, r):
+            if reader.step is None or env is None or refused or not self.takes(reader, env, r, decoded):
                 continue
             latest = facts.triggers.get(reader.step)
             if latest is not None and (latest.event_id, latest.attempt) == (env.event_id, env.attempt):
@@ -495,16 +498,21 @@ class Rebuilder:
         """A record's body as its writer wrote it (or why not, as text)."""
         return self._waiting_for_registry(lambda: self.bodies.read(topic, value))
 
-    def takes(self, reader: Reader, env: Envelope, r: Rec) -> bool:
+    def takes(self, reader: Reader, env: Envelope, r: Rec, decoded: dict[int, bool]) -> bool:
         """Whether ``reader``'s service reads this record (``Runner._prepare``): within its hop
-        limit, its body decoded as the service decodes it."""
+        limit, its body decoded as the service decodes it (``decoded``: the record's verdicts
+        so far, by decoder)."""
         if env.hops > reader.max_hops:
             return False
-        try:
-            self._waiting_for_registry(lambda: reader.decoder(r.value))
-        except DecodeFailure:
-            return False
-        return True
+        known = decoded.get(id(reader.decoder))
+        if known is None:
+            try:
+                self._waiting_for_registry(lambda: reader.decoder(r.value))
+                known = True
+            except DecodeFailure:
+                known = False
+            decoded[id(reader.decoder)] = known
+        return known
 
     def _waiting_for_registry(self, read: Callable[[], T]) -> T:
         """``read()``, asked again while the registry cannot be reached, for up to

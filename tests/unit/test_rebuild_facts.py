@@ -25,7 +25,7 @@ def _rebuilder(body: dict[str, Any], *, taken: bool = True) -> Rebuilder:
     rebuilder = Rebuilder(WORKFLOW, redis.Redis())  # no call reaches Redis in _fact
     rebuilder.decode = lambda topic, value: body  # type: ignore[method-assign]
     if taken:
-        rebuilder.takes = lambda reader, env, r: True  # type: ignore[method-assign]
+        rebuilder.takes = lambda reader, env, r, decoded: True  # type: ignore[method-assign]
     return rebuilder
 
 
