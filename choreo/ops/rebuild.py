@@ -37,7 +37,10 @@ What is rebuilt, and why each piece matters for exactly-once after a wipe:
 * **Dedupe** (``seen:{id}``): for every record each service has committed, its position,
   so a copy arriving after the wipe is still recognised.
 * **Services' records** (``choreo.record``), by the ``rebuilt_from`` rules each declares:
-  merged in the order of the events, written where no field is.
+  merged in the order of the events, written where no field is. A rule that waits for its
+  service's reading (``when_consumed``) takes nothing from a record the service
+  dead-lettered unread, and neither does a pool's end on its reading, nor the supervisor's
+  reading of a failure.
 * **The release's record of terminals** (``release:<topic>:<partition>``): each successful
   delivery's position on its join's success event, so the supervisor releases its rebuilt state once
   every reader is past it, instead of leaving it to its TTLs (``choreo.release``).
@@ -476,9 +479,16 @@ class Rebuilder:
         # services dead-letter unread too (``events.disagrees_with``): no step, no fact
         body = self.decode(r.topic, r.value) if env is not None and (declared or handlers) else None
         refused = env is not None and isinstance(body, dict) and bool(disagrees_with(body, env))
-        if declared is not None and isinstance(body, dict) and body and not refused:
-            self._declared_fact(declared, delivery, facts, r, body, consumed_by)
         decoded: dict[int, bool] = {}  # decoder -> whether it reads the body
+
+        def read_by(service: str) -> bool:
+            """The service committed past the record and read it: one it dead-letters
+            unread gave back nothing, recorded nothing, read no failure."""
+            reader = next((h for h in handlers if h.service == service), None)
+            return consumed_by(service) and (reader is None or env is None or self.takes(reader, env, r, decoded))
+
+        if declared is not None and isinstance(body, dict) and body and not refused:
+            self._declared_fact(declared, delivery, facts, r, body, read_by)
         for reader in handlers:
             if env is not None and consumed_by(reader.service):
                 self.seen.append((delivery, seen_field(reader.service, env.event_id, env.attempt), r.position))
@@ -572,7 +582,7 @@ class Rebuilder:
         return bool(letter.event_id)
 
     def _declared_fact(self, declared: Declared, delivery: str, facts: DeliveryFacts, r: Rec,
-                       body: dict[str, Any], consumed_by: Callable[[str], bool]) -> None:
+                       body: dict[str, Any], read_by: Callable[[str], bool]) -> None:
         """What the declarations say this event restores (see the module doc)."""
         for _, part, ok, model in declared.parts:
             event = _event(model, body)
@@ -584,7 +594,7 @@ class Rebuilder:
             if outcome == FAILED:  # unread too when its reader runs outside the workflow
                 listed = [s for s in body.get("compensate") or () if s in self.compensable]
                 readers = self.handlers.get(r.topic, [])
-                read = bool(readers) and all(consumed_by(reader.service) for reader in readers)
+                read = bool(readers) and all(read_by(reader.service) for reader in readers)
                 facts.failure_unread = facts.failure_unread or not read
                 if read and facts.outcome == FAILED:
                     # its reading gave back what the delivery held in the pools of services
@@ -611,11 +621,11 @@ class Rebuilder:
             elif member and hold is not None:
                 hold.last_ms = max(hold.last_ms, r.timestamp_ms)
         for pool, service, when_consumed in declared.ends:
-            if not when_consumed or consumed_by(service):
+            if not when_consumed or read_by(service):
                 facts.ended.add(pool.name)
         for record, rule, service in declared.records:
             event = _event(rule.model, body)
-            if event is not None and (not rule.when_consumed or consumed_by(service)):
+            if event is not None and (not rule.when_consumed or read_by(service)):
                 fields = facts.records.setdefault(record.name, {})
                 fields.update({name: str(value) for name, value in rule.fields(event).items()})
 

@@ -183,3 +183,25 @@ def test_the_rebuild_stops_when_the_registry_does_not_answer(monkeypatch: pytest
         monkeypatch.undo()
         settings.cache_clear()
         forget_registry_clients()
+
+
+def test_a_record_its_reader_dead_letters_unread_gives_nothing_that_reader_does() -> None:
+    """What a service does on reading a record (a record it keeps, a failure it reads) is
+    restored only where it read it: committed past a shipment it dead-lettered unread, the
+    notifier recorded no notification; past such a failure, the supervisor read none (the
+    delivery's state waits for a reading, as it does in Redis)."""
+    hostile = 10_000  # past every service's hop limit
+    shipment = Envelope.first("e-11", "d-1", "DeliveryShipped", "delivery")
+    consumed = {(s.name, topic, 0): 6 for s in WORKFLOW.services for topic in s.handlers}
+    took, refused = _rebuilder(SHIPPED), _rebuilder(SHIPPED, taken=False)
+    took._fact(_shipment(_headers(shipment)), consumed)
+    refused._fact(_shipment(_headers(replace(shipment, hops=hostile))), consumed)
+    assert took.facts["d-1"].records == {"notified": {"drone": "drone-00007"}}
+    assert refused.facts["d-1"].records == {}
+    assert refused.facts["d-1"].outcome == "shipped"  # the shipment itself stands: it was written
+    failure = Envelope.first("e-12", "d-1", "DeliveryFailed", "delivery")
+    took, refused = _rebuilder(FAILURE), _rebuilder(FAILURE, taken=False)
+    took._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body", _headers(failure)), consumed)
+    refused._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body",
+                      _headers(replace(failure, hops=hostile))), consumed)
+    assert (took.facts["d-1"].failure_unread, refused.facts["d-1"].failure_unread) == (False, True)
