@@ -57,6 +57,9 @@ class RegistryUnavailable(Exception):
 
 
 SCHEMA_NOT_FOUND = 40403  # the registry API's error code for an unknown schema id
+# and for a subject or a version it does not have (a reference hard-deleted since)
+REFERENCE_NOT_FOUND = {40401: "subject", 40402: "version"}
+MAX_SCHEMA_ID = 2**31 - 1  # a registry's ids are positive 32-bit integers (Java's int)
 RETRIABLE_STATUS = (408, 429, 500, 502, 503, 504)  # answers of a registry that may answer later
 REGISTRY_RETRIES = 2  # after the first try of a request
 REGISTRY_RETRY_MAX_WAIT_MS = 2000  # the longest wait before a retry
@@ -128,9 +131,8 @@ class Decoder(Generic[E]):
     A writer schema is dead-lettered as incompatible when its id is not registered under the
     topic's subject ``<topic>-value`` (a soft-deleted version still counts: records written
     before the delete stay readable), when decoding with it is not bounded by the value's
-    size (``avro_bounds``, references included), and when it has data-contract rules. A refusal (these, or an unknown id) is remembered for ``REFUSAL_TTL_S``, so a
-    flood of such records costs a registry round trip per id and period, not per record; not
-    for good, as a registry instance that lags may not know yet of an id the subject just got.
+    size (``avro_bounds``, references included), and when it has data-contract rules. A
+    refusal (these, or an unknown id) is remembered a while (``WriterSchemas``).
     """
 
     def __init__(self, model: type[E], topic: str, client: SchemaRegistryClient) -> None:
@@ -138,8 +140,8 @@ class Decoder(Generic[E]):
         self.subject = f"{topic}-value"
         self._client = client
         self._reader = parse_schema(json.loads(model.avro_schema()))
-        self._writers: dict[int, Any] = {}  # schema id → parsed writer schema
-        self._refused: dict[int, tuple[float, DeadLetterReason, str]] = {}  # id → (until, reason, why)
+        self._schemas = WriterSchemas(self._admit, self.subject)
+        self._writers = self._schemas.parsed
 
     def __call__(self, value: bytes | None) -> E:
         if value is None:
@@ -150,10 +152,10 @@ class Decoder(Generic[E]):
             raise DecodeFailure(
                 DeadLetterReason.UNDECODABLE, "not in Confluent wire format (magic byte 0 + schema id)"
             )
-        schema_id = int.from_bytes(value[1:5], "big")
+        schema_id = schema_id_of(value)
         writer = self._writers.get(schema_id)
         if writer is None:
-            writer = self._writer(schema_id)
+            writer = self._schemas.get(schema_id)
         try:
             record: Any = schemaless_reader(io.BytesIO(value[5:]), writer, self._reader)
         except SchemaResolutionError as exc:
@@ -170,22 +172,6 @@ class Decoder(Generic[E]):
                 "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())[:500],
             ) from exc
 
-    def _writer(self, schema_id: int) -> Any:
-        """The writer schema of ``schema_id``, parsed; remembered for the process, a refusal
-        for ``REFUSAL_TTL_S``."""
-        refused = self._refused.get(schema_id)
-        if refused is not None and refused[0] > time.monotonic():
-            raise DecodeFailure(refused[1], refused[2])
-        try:
-            writer = self._admit(schema_id)
-        except DecodeFailure as exc:
-            self._refuse(schema_id, exc)
-            raise
-        self._refused.pop(schema_id, None)
-        if len(self._writers) < MAX_WRITER_SCHEMAS:
-            self._writers[schema_id] = writer
-        return writer
-
     def _admit(self, schema_id: int) -> Any:
         """Ask the registry about ``schema_id`` and parse its schema, or say why not."""
         subjects = _ask(schema_id, lambda: self._client.get_subjects_by_schema_id(schema_id, deleted=True))
@@ -193,6 +179,38 @@ class Decoder(Generic[E]):
             raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
                                 f"schema id {schema_id} is not registered under {self.subject}")
         return bounded_writer(self._client, schema_id)
+
+
+
+class WriterSchemas:
+    """Writer schemas by id, parsed once ``admit`` let them in; a refusal is remembered for
+    ``REFUSAL_TTL_S``, so a flood of records with a refused id costs a registry round trip per
+    id and period, not per record; not for good, as a registry instance that lags may not
+    know yet of an id the subject just got, and a refusal may be a registry's bad answer."""
+
+    def __init__(self, admit: Callable[[int], Any], subject: str = "") -> None:
+        self.admit = admit
+        self.subject = subject  # for the log
+        self.parsed: dict[int, Any] = {}  # schema id → parsed writer schema
+        self._refused: dict[int, tuple[float, DeadLetterReason, str]] = {}  # id → (until, reason, why)
+
+    def get(self, schema_id: int) -> Any:
+        """The writer schema of ``schema_id``, parsed, or ``DecodeFailure`` saying why not."""
+        known = self.parsed.get(schema_id)
+        if known is not None:
+            return known
+        refused = self._refused.get(schema_id)
+        if refused is not None and refused[0] > time.monotonic():
+            raise DecodeFailure(refused[1], refused[2])
+        try:
+            writer = self.admit(schema_id)
+        except DecodeFailure as exc:
+            self._refuse(schema_id, exc)
+            raise
+        self._refused.pop(schema_id, None)
+        if len(self.parsed) < MAX_WRITER_SCHEMAS:
+            self.parsed[schema_id] = writer
+        return writer
 
     def _refuse(self, schema_id: int, failure: DecodeFailure) -> None:
         """Remember a refusal (the oldest goes first when full); the failure itself is not
@@ -204,6 +222,16 @@ class Decoder(Generic[E]):
             del self._refused[next(iter(self._refused))]
         self._refused[schema_id] = (time.monotonic() + REFUSAL_TTL_S, failure.reason, str(failure))
 
+
+def schema_id_of(value: bytes) -> int:
+    """The writer schema's id in a Confluent-framed value. One no registry can hold (0, or
+    past a 32-bit integer: four bytes of 0xff) is refused here: a registry answers a path id
+    it cannot parse with a plain 404, which is no "schema not found", and a consumer that
+    took it for an unavailable registry would retry that record for ever."""
+    schema_id = int.from_bytes(value[1:5], "big")
+    if not 1 <= schema_id <= MAX_SCHEMA_ID:
+        raise DecodeFailure(DeadLetterReason.UNKNOWN_SCHEMA, f"schema id {schema_id} is no registry's")
+    return schema_id
 
 
 def bounded_writer(client: SchemaRegistryClient, schema_id: int) -> Any:
@@ -265,6 +293,11 @@ def _ask(schema_id: int, call: Callable[[], T]) -> T:
         if exc.http_status_code == 404 and exc.error_code == SCHEMA_NOT_FOUND:
             raise DecodeFailure(
                 DeadLetterReason.UNKNOWN_SCHEMA, f"schema id {schema_id} unknown to the registry"
+            ) from exc
+        if exc.http_status_code == 404 and exc.error_code in REFERENCE_NOT_FOUND:
+            raise DecodeFailure(
+                DeadLetterReason.UNKNOWN_SCHEMA,
+                f"schema id {schema_id} references a {REFERENCE_NOT_FOUND[exc.error_code]} the registry does not have",
             ) from exc
         raise RegistryUnavailable(str(exc)) from exc
     except Exception as exc:

@@ -7,10 +7,10 @@ What is rebuilt, and why each piece matters for exactly-once after a wipe:
   effect answers (``fx:``) are gone, so a copy of a step result or a requeue would otherwise
   find "every part in, no decision" and decide again: the restored outcome makes it
   ``late``, no second decision.
-* **Join** (``fanin.<part>``, ``fanin.order``) from every committed result of a part,
-  consumed by the joining service or not: the join never overwrites a recorded result and
-  decides as soon as every part is present, so a result recorded here and delivered later
-  decides exactly once. A result consumed before the wipe would otherwise be forgotten and
+* **Join** (``fanin.<part>``, ``fanin.order``) from every committed result of a part the
+  joining service reads (not one it dead-letters unread), consumed by it or not: the join
+  never overwrites a recorded result and decides as soon as every part is present, so a
+  result recorded here and delivered later decides exactly once. A result consumed before the wipe would otherwise be forgotten and
   its delivery would wait forever for its other parts.
 * **Pools** (``choreo.pool``): each pool is grown to its seed again, then every hold still
   on is restored from the events its declaration names: a hold event minus the events that
@@ -269,7 +269,7 @@ class RebuildReport:
 class Declared:
     """What the workflow's declarations say one (canonical) topic restores."""
 
-    parts: list[tuple[Join, str, bool, type[Event]]] = field(default_factory=list)
+    parts: list[tuple[Join, str, bool, type[Event], str]] = field(default_factory=list)  # ..., the join's service
     outcome: tuple[Join, str] | None = None
     holds: list[tuple[Pool, str]] = field(default_factory=list)  # pool, its service
     ends: list[tuple[Pool, str, bool]] = field(default_factory=list)  # pool, its service, when consumed
@@ -286,9 +286,9 @@ def declarations(workflow: Workflow) -> dict[str, Declared]:
     for service in workflow.services:
         for join in service.joins:
             for name, part in join.parts.items():
-                at(part.ok.topic).parts.append((join, name, True, part.ok))
+                at(part.ok.topic).parts.append((join, name, True, part.ok, service.name))
                 if part.failed is not None:
-                    at(part.failed.topic).parts.append((join, name, False, part.failed))
+                    at(part.failed.topic).parts.append((join, name, False, part.failed, service.name))
             for model, outcome in join.outcomes.items():
                 at(model.topic).outcome = (join, outcome)
         for pool in service.pools:
@@ -481,14 +481,18 @@ class Rebuilder:
         refused = env is not None and isinstance(body, dict) and bool(disagrees_with(body, env))
         decoded: dict[int, bool] = {}  # decoder -> whether it reads the body
 
-        def read_by(service: str) -> bool:
-            """The service committed past the record and read it: one it dead-letters
-            unread gave back nothing, recorded nothing, read no failure."""
+        def accepts(service: str) -> bool:
+            """The service reads the record when it comes to it, not dead-letters it unread:
+            what it does on reading one it refuses (a join's part, a record, a pool member
+            given back, a failure's undos) it never did."""
             reader = next((h for h in handlers if h.service == service), None)
-            return consumed_by(service) and (reader is None or env is None or self.takes(reader, env, r, decoded))
+            return reader is None or env is None or self.takes(reader, env, r, decoded)
+
+        def read_by(service: str) -> bool:
+            return consumed_by(service) and accepts(service)
 
         if declared is not None and isinstance(body, dict) and body and not refused:
-            self._declared_fact(declared, delivery, facts, r, body, read_by)
+            self._declared_fact(declared, delivery, facts, r, body, accepts, read_by)
         for reader in handlers:
             if env is not None and consumed_by(reader.service):
                 self.seen.append((delivery, seen_field(reader.service, env.event_id, env.attempt), r.position))
@@ -582,9 +586,12 @@ class Rebuilder:
         return bool(letter.event_id)
 
     def _declared_fact(self, declared: Declared, delivery: str, facts: DeliveryFacts, r: Rec,
-                       body: dict[str, Any], read_by: Callable[[str], bool]) -> None:
+                       body: dict[str, Any], accepts: Callable[[str], bool],
+                       read_by: Callable[[str], bool]) -> None:
         """What the declarations say this event restores (see the module doc)."""
-        for _, part, ok, model in declared.parts:
+        for _, part, ok, model, joining in declared.parts:
+            if not accepts(joining):
+                continue
             event = _event(model, body)
             if event is not None and part not in facts.results:
                 facts.results[part] = (r.timestamp_ms, ok, result_text(event))
@@ -604,8 +611,8 @@ class Rebuilder:
                     for pool in self.workflow.pools_not_undone(listed):  # the first reading gave it back
                         facts.given_back[pool.name] = min(facts.given_back.get(pool.name, r.timestamp_ms),
                                                           r.timestamp_ms)
-                if not facts.undo:
-                    # the order the supervisor asks the undos in, as it recorded it on reading this
+                if not facts.undo and all(accepts(reader.service) for reader in readers):
+                    # the order the supervisor asks the undos in, as it records it on reading this
                     facts.undo = undo_fields(listed, f"{body.get('reason', '')}: {body.get('detail', '')}")
             if outcome == join.outcome and facts.terminal is None:
                 facts.terminal = (r.topic, r.partition, r.offset)

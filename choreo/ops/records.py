@@ -17,6 +17,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -24,8 +25,8 @@ from fastavro import schemaless_reader
 
 from choreo.kafka import base_config
 from choreo.envelope import Envelope, header_value, pairs
-from choreo.serde import (MAGIC_BYTE, MAX_WRITER_SCHEMAS, DecodeFailure, RegistryUnavailable, bounded_writer,
-                          registry_client)
+from choreo.serde import (MAGIC_BYTE, DecodeFailure, RegistryUnavailable, WriterSchemas, bounded_writer,
+                          registry_client, schema_id_of)
 
 Progress = Callable[[int], None]
 # how long a consume waits to fill its batch: a read's last batch always waits it out (its
@@ -308,8 +309,8 @@ class BodyDecoder:
     """
 
     def __init__(self) -> None:
-        self._client = registry_client()
-        self._writers: dict[int, Any] = {}  # schema id -> parsed writer schema, or why not
+        client = registry_client()
+        self._schemas = WriterSchemas(partial(bounded_writer, client))
 
     def __call__(self, topic: str, value: bytes | None) -> dict[str, Any] | str:
         try:
@@ -325,28 +326,15 @@ class BodyDecoder:
             return "<tombstone>"
         if len(value) < 5 or value[0] != MAGIC_BYTE:
             return f"<{len(value)} bytes, not Confluent wire format>"
-        schema_id = int.from_bytes(value[1:5], "big")
         try:
-            writer = self._writer(schema_id)
-            if isinstance(writer, str):
-                return writer
-            decoded = schemaless_reader(io.BytesIO(value[5:]), writer, None)
+            decoded = schemaless_reader(io.BytesIO(value[5:]), self._schemas.get(schema_id_of(value)), None)
         except RegistryUnavailable:
             raise
+        except DecodeFailure as exc:
+            return f"<refused: {exc}>"
         except Exception as exc:  # noqa: BLE001 - shown to the operator, never raised
             return f"<undecodable: {type(exc).__name__}: {str(exc)[:200]}>"
         return _plain(decoded) if isinstance(decoded, dict) else str(decoded)
-
-    def _writer(self, schema_id: int) -> Any:
-        known = self._writers.get(schema_id)
-        if known is None:
-            try:
-                known = bounded_writer(self._client, schema_id)
-            except DecodeFailure as exc:
-                known = f"<refused: {exc}>"
-            if len(self._writers) < MAX_WRITER_SCHEMAS:
-                self._writers[schema_id] = known
-        return known
 
 
 def _plain(value: Any) -> Any:

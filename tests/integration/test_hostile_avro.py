@@ -152,3 +152,21 @@ def test_a_schema_id_of_another_subject_is_dead_lettered(
     letter = probe.dead_letter_then_output(poison, good, probe.start())
     assert letter.header("dlq.reason") == "INCOMPATIBLE_SCHEMA"
     assert letter.header("dlq.error") == f"schema id {foreign_id} is not registered under {probe_topic}-value"
+
+
+@pytest.mark.parametrize("schema_id", [2**31, 2**32 - 1])
+def test_a_schema_id_past_a_32_bit_integer_is_dead_lettered_and_the_next_event_flows(
+        instances: Starter, probe_topic: str, services: list[ServiceProcess], schema_id: int) -> None:  # noqa: F811
+    """Four bytes of 0xff where the schema id goes: the registry answers such a path id with
+    a plain 404 (no such resource), not "schema not found". Taken for an unavailable
+    registry, the record was retried for ever and its partition stood still."""
+    _, url = instances()
+    probe = Probe(probe_topic, url, services)
+    v1_bytes = probe.encoder(delivery_request(weight_kg=1.0))
+    with httpx.Client(base_url=url, timeout=30) as http:
+        assert http.get(f"/schemas/ids/{schema_id}").status_code == 404  # what the registry says of it
+    poison = probe.produce(b"\x00" + schema_id.to_bytes(4, "big") + v1_bytes[5:])
+    good = probe.produce_good()
+    letter = probe.dead_letter_then_output(poison, good, probe.start())
+    assert letter.header("dlq.reason") == "UNKNOWN_SCHEMA"
+    assert letter.header("dlq.error") == f"schema id {schema_id} is no registry's"

@@ -447,6 +447,35 @@ def test_refusals_are_remembered_for_a_while_and_only_so_many(monkeypatch: pytes
     assert registry.asked_subjects == [4243, 4243]
 
 
+def test_a_schema_id_no_registry_holds_is_refused_without_asking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registry answers a path id past a 32-bit integer with a plain 404 (JAX-RS: no such
+    resource), not "schema not found": asked, it would look unavailable, and the record
+    would be retried for ever. Four bytes of 0xff are enough to write one."""
+    registry = StandInRegistry()
+    monkeypatch.setattr(records, "registry_client", lambda: registry)
+    decoder, shown = Decoder(PackageReady, "package.ready", registry), records.BodyDecoder()
+    for schema_id in (0, 2**31, 2**32 - 1):
+        outcome = decode_or_classify(decoder, framed(schema_id, avro(GOOD)))
+        assert isinstance(outcome, DecodeFailure) and outcome.reason is DeadLetterReason.UNKNOWN_SCHEMA
+        assert str(outcome) == f"schema id {schema_id} is no registry's"
+        assert shown.read("package.ready", framed(schema_id, avro(GOOD))) == f"<refused: {outcome}>"
+    assert registry.asked == [] and registry.asked_subjects == []
+
+
+@pytest.mark.parametrize(("code", "what"), [(40401, "subject"), (40402, "version")])
+def test_a_reference_the_registry_no_longer_has_is_a_dead_letter_not_an_outage(code: int, what: str) -> None:
+    """A writer schema whose reference was deleted for good can never be read: retried as an
+    outage, its record would hold its partition for ever."""
+    def gone() -> None:
+        raise SchemaRegistryError(404, code, "Not found")
+
+    with pytest.raises(DecodeFailure, match=f"references a {what} the registry does not have") as refused:
+        serde._ask(7, gone)
+    assert refused.value.reason is DeadLetterReason.UNKNOWN_SCHEMA
+    with pytest.raises(RegistryUnavailable):  # a 404 of something else than the registry: a wrong URL
+        serde._ask(7, lambda: (_ for _ in ()).throw(SchemaRegistryError(404, 404, "Not Found")))
+
+
 # -- the envelope ------------------------------------------------------------------------
 
 HEADER_NAMES = st.sampled_from(["event_id", "correlation_id", "causation_id", "traceparent", "attempt",

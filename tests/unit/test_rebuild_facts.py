@@ -15,7 +15,7 @@ from choreo.config import settings
 from choreo.envelope import H_CORRELATION_ID, Envelope
 from choreo.ops.rebuild import Rebuilder
 from choreo.ops.records import Rec
-from choreo.serde import forget_registry_clients
+from choreo.serde import RegistryUnavailable, forget_registry_clients
 from consumers.workflow import WORKFLOW
 
 SHIPPED = {"delivery_id": "d-1", "drone_id": "drone-00007", "package_id": "p-1", "shipped_at": "2026-12-05T00:00:00+00:00"}
@@ -205,3 +205,60 @@ def test_a_record_its_reader_dead_letters_unread_gives_nothing_that_reader_does(
     refused._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body",
                       _headers(replace(failure, hops=hostile))), consumed)
     assert (took.facts["d-1"].failure_unread, refused.facts["d-1"].failure_unread) == (False, True)
+
+
+def test_a_part_or_a_failure_its_reader_would_dead_letter_restores_neither_result_nor_undo() -> None:
+    """The join records a part's result on reading it, and the supervisor a failure's undo
+    order: from a record they would dead-letter unread, consumed or not, neither is
+    restored. Restored, such a part decided a join that never had it (a shipment after the
+    rebuild), and such a failure's order stood before the real one's."""
+    scheduled = {"delivery_id": "d-1", "drone_id": "drone-00007", "scheduled_at": "2026-12-05T00:00:00+00:00"}
+    part = Envelope.first("e-13", "d-1", "DroneScheduled", "drone-scheduler")
+    for hops, results in ((0, {"drone"}), (10_000, set())):
+        rebuilder = _rebuilder(scheduled, taken=False)
+        rebuilder.takes = lambda reader, env, r, decoded: env.hops <= reader.max_hops  # type: ignore[method-assign]
+        rebuilder._fact(Rec("drone.scheduled", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body",
+                            _headers(replace(part, hops=hops))), {})
+        assert set(rebuilder.facts["d-1"].results) == results, hops
+    failure = Envelope.first("e-14", "d-1", "DeliveryFailed", "delivery")
+    for hops, undone in ((0, True), (10_000, False)):
+        rebuilder = _rebuilder(FAILURE, taken=False)
+        rebuilder.takes = lambda reader, env, r, decoded: env.hops <= reader.max_hops  # type: ignore[method-assign]
+        rebuilder._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body",
+                            _headers(replace(failure, hops=hops))), {})
+        assert bool(rebuilder.facts["d-1"].undo) == undone, hops
+
+
+def test_a_schema_id_no_registry_holds_stops_no_rebuild() -> None:
+    """Four bytes of 0xff where the schema id goes: refused before any registry is asked (no
+    registry answers here), so the rebuild neither waits nor stops, and begins no step."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SCHEMA_REGISTRY_URL", f"http://127.0.0.1:{port}")
+        settings.cache_clear()
+        forget_registry_clients()
+        try:
+            rebuilder = Rebuilder(WORKFLOW, redis.Redis(), registry_wait_s=0.0)
+            envelope = Envelope.first("e-15", "d-2", "DeliveryRequested", "ingestion")
+            rebuilder._fact(_request(envelope, b"\x00\xff\xff\xff\xff" + b"\x02" * 40), CONSUMED)
+            assert rebuilder.facts["d-2"].triggers == {}
+        finally:
+            patch.undo()
+            settings.cache_clear()
+            forget_registry_clients()
+
+
+def test_the_rebuild_stops_when_the_registry_is_silent_for_a_services_decoder() -> None:
+    rebuilder = _rebuilder(REQUEST, taken=False)
+    rebuilder.registry_wait_s = 0.0
+
+    def silent(value: bytes | None) -> None:
+        raise RegistryUnavailable("connection refused")
+
+    for readers in rebuilder.handlers.values():
+        readers[:] = [replace(r, decoder=silent) for r in readers]  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="schema registry did not answer"):
+        rebuilder._fact(_request(Envelope.first("e-16", "d-2", "DeliveryRequested", "ingestion"), b"\x00body"),
+                        CONSUMED)
