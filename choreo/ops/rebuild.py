@@ -872,9 +872,12 @@ def _timed(report: RebuildReport, phase: str) -> Iterator[None]:
 
 
 def _event(model: type[E], body: dict[str, Any]) -> E | None:
-    """The event a decoded body holds, or ``None`` when it is not one (a foreign writer)."""
+    """The event a decoded body holds, or ``None`` when it is not one (a foreign writer). The
+    body is as its writer wrote it: a newer version's fields (a BACKWARD-compatible v2 adds
+    optional ones) are left out, as Avro's resolution leaves them out for the services, or
+    the model would refuse every record a v2 wrote."""
     try:
-        return model.from_avro(body)
+        return model.from_avro({name: value for name, value in body.items() if name in model.model_fields})
     except ValueError:
         return None
 

@@ -9,6 +9,7 @@ FLUSHALL of the shared Redis would pull the rug from under them.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import signal
@@ -23,10 +24,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import fastavro
 import pytest
 import redis
 from confluent_kafka import ConsumerGroupState, Producer
 from confluent_kafka.admin import NewPartitions
+from confluent_kafka.schema_registry import Schema
 
 from choreo import topology
 from choreo.config import settings
@@ -235,6 +238,31 @@ def test_rebuild_restores_a_drone_only_to_its_latest_booking(isolated: IsolatedP
     assert (report.bookings_restored, report.bookings_superseded) == (1, 1)
     assert isolated.client.hget(fleet.held_key, "drone-00007") == second.encode()
     assert _bookings(isolated.client).get(first) is None
+
+
+def test_rebuild_restores_a_booking_a_newer_version_of_its_service_wrote(isolated: IsolatedPipeline) -> None:
+    """A v2 of the drone service adds an optional field to ``drone.scheduled``, as a rolling
+    upgrade may (the registry's BACKWARD check). The rebuild reads bodies as their writer
+    wrote them, and the v1 model refused the whole body for the field it does not know: the
+    booking and the join's part were not restored, and the drone was free while booked."""
+    started = int(time.time() * 1000)
+    topic = isolated.prefix + DroneScheduled.topic
+    v2 = json.loads(DroneScheduled.avro_schema())
+    v2["fields"].append({"name": "note", "type": ["null", "string"], "default": None})
+    schema_id = registry_client().register_schema(f"{topic}-value", Schema(json.dumps(v2), "AVRO"))
+    delivery = str(uuid.uuid4())
+    booking = DroneScheduled(delivery_id=delivery, drone_id="drone-00007", scheduled_at=datetime.now(UTC))
+    body = io.BytesIO()
+    fastavro.schemaless_writer(body, fastavro.parse_schema(v2), {**booking.to_avro(), "note": "from v2"})
+    envelope = Envelope.first(str(uuid.uuid4()), delivery, "DroneScheduled", "drone-scheduler")
+    producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers, "acks": "all"})
+    producer.produce(topic, key=delivery.encode(), value=b"\x00" + schema_id.to_bytes(4, "big") + body.getvalue(),
+                     headers=envelope.to_headers())
+    assert producer.flush(30) == 0
+    report = rebuild(isolated.flow, since_ms=started - 5000, client=isolated.client, prefix=isolated.prefix)
+    assert report.bookings_restored == 1
+    assert _bookings(isolated.client).get(delivery) == "drone-00007"
+    assert isolated.client.hexists(delivery_key(delivery), "fanin.drone")
 
 
 def _ids_in_partitions(count: int, partitions: int = 3) -> list[str]:

@@ -262,3 +262,17 @@ def test_the_rebuild_stops_when_the_registry_is_silent_for_a_services_decoder() 
     with pytest.raises(RuntimeError, match="schema registry did not answer"):
         rebuilder._fact(_request(Envelope.first("e-16", "d-2", "DeliveryRequested", "ingestion"), b"\x00body"),
                         CONSUMED)
+
+
+def test_a_record_a_newer_writer_wrote_restores_what_its_first_version_would() -> None:
+    """A v2 of a service adds an optional field to its event (the registry's BACKWARD
+    check); the rebuild reads bodies as their writer wrote them. The field the model does not
+    know is left out, as the services' decoder leaves it out: the model refused the whole
+    body, and a v2's bookings and parts were not restored (a drone free while booked)."""
+    scheduled = {"delivery_id": "d-1", "drone_id": "drone-00007", "scheduled_at": "2026-12-05T00:00:00+00:00",
+                 "note": "a field of v2"}
+    rebuilder = _rebuilder(scheduled)
+    envelope = Envelope.first("e-17", "d-1", "DroneScheduled", "drone-scheduler")
+    rebuilder._fact(Rec("drone.scheduled", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body", _headers(envelope)), {})
+    assert rebuilder.facts["d-1"].holds["fleet"].member == "drone-00007"
+    assert set(rebuilder.facts["d-1"].results) == {"drone"}
