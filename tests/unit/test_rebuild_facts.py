@@ -5,6 +5,7 @@ a test says otherwise."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -164,25 +165,29 @@ def test_a_record_past_its_services_hop_limit_begins_no_step() -> None:
         assert set(rebuilder.facts["d-2"].triggers) == begun, hops
 
 
-def test_the_rebuild_stops_when_the_registry_does_not_answer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A body read as undecodable for want of a registry would be a fact missed (a booking
-    not restored frees a drone still booked): the rebuild waits for it a while, then stops
-    and says why."""
-    with socket.socket() as s:  # a port nothing listens on
+@pytest.fixture()
+def no_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The registry's URL is a port nothing listens on."""
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("SCHEMA_REGISTRY_URL", f"http://127.0.0.1:{port}")
     settings.cache_clear()
     forget_registry_clients()
-    try:
-        rebuilder = Rebuilder(WORKFLOW, redis.Redis(), registry_wait_s=0.5)
-        envelope = Envelope.first("e-10", "d-2", "DeliveryShipped", "delivery")
-        with pytest.raises(RuntimeError, match="schema registry did not answer"):
-            rebuilder._fact(_shipment(_headers(envelope)), {})
-    finally:
-        monkeypatch.undo()
-        settings.cache_clear()
-        forget_registry_clients()
+    yield
+    monkeypatch.undo()
+    settings.cache_clear()
+    forget_registry_clients()
+
+
+def test_the_rebuild_stops_when_the_registry_does_not_answer(no_registry: None) -> None:
+    """A body read as undecodable for want of a registry would be a fact missed (a booking
+    not restored frees a drone still booked): the rebuild waits for it a while, then stops
+    and says why."""
+    rebuilder = Rebuilder(WORKFLOW, redis.Redis(), registry_wait_s=0.5)
+    envelope = Envelope.first("e-10", "d-2", "DeliveryShipped", "delivery")
+    with pytest.raises(RuntimeError, match="schema registry did not answer"):
+        rebuilder._fact(_shipment(_headers(envelope)), {})
 
 
 def test_a_record_its_reader_dead_letters_unread_gives_nothing_that_reader_does() -> None:
@@ -229,25 +234,13 @@ def test_a_part_or_a_failure_its_reader_would_dead_letter_restores_neither_resul
         assert bool(rebuilder.facts["d-1"].undo) == undone, hops
 
 
-def test_a_schema_id_no_registry_holds_stops_no_rebuild() -> None:
+def test_a_schema_id_no_registry_holds_stops_no_rebuild(no_registry: None) -> None:
     """Four bytes of 0xff where the schema id goes: refused before any registry is asked (no
     registry answers here), so the rebuild neither waits nor stops, and begins no step."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SCHEMA_REGISTRY_URL", f"http://127.0.0.1:{port}")
-        settings.cache_clear()
-        forget_registry_clients()
-        try:
-            rebuilder = Rebuilder(WORKFLOW, redis.Redis(), registry_wait_s=0.0)
-            envelope = Envelope.first("e-15", "d-2", "DeliveryRequested", "ingestion")
-            rebuilder._fact(_request(envelope, b"\x00\xff\xff\xff\xff" + b"\x02" * 40), CONSUMED)
-            assert rebuilder.facts["d-2"].triggers == {}
-        finally:
-            patch.undo()
-            settings.cache_clear()
-            forget_registry_clients()
+    rebuilder = Rebuilder(WORKFLOW, redis.Redis(), registry_wait_s=0.0)
+    envelope = Envelope.first("e-15", "d-2", "DeliveryRequested", "ingestion")
+    rebuilder._fact(_request(envelope, b"\x00\xff\xff\xff\xff" + b"\x02" * 40), CONSUMED)
+    assert rebuilder.facts["d-2"].triggers == {}
 
 
 def test_the_rebuild_stops_when_the_registry_is_silent_for_a_services_decoder() -> None:
