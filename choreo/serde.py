@@ -181,7 +181,6 @@ class Decoder(Generic[E]):
         return bounded_writer(self._client, schema_id)
 
 
-
 class WriterSchemas:
     """Writer schemas by id, parsed once ``admit`` let them in; a refusal is remembered for
     ``REFUSAL_TTL_S``, so a flood of records with a refused id costs a registry round trip per
@@ -224,12 +223,12 @@ class WriterSchemas:
 
 
 def schema_id_of(value: bytes) -> int:
-    """The writer schema's id in a Confluent-framed value. One no registry can hold (0, or
-    past a 32-bit integer: four bytes of 0xff) is refused here: a registry answers a path id
-    it cannot parse with a plain 404, which is no "schema not found", and a consumer that
-    took it for an unavailable registry would retry that record for ever."""
+    """The writer schema's id in a Confluent-framed value. One past a 32-bit integer (four
+    bytes of 0xff) is refused here: a registry answers a path id it cannot parse as one with
+    a plain 404, which is no "schema not found", and a consumer that took it for an
+    unavailable registry would retry that record for ever."""
     schema_id = int.from_bytes(value[1:5], "big")
-    if not 1 <= schema_id <= MAX_SCHEMA_ID:
+    if schema_id > MAX_SCHEMA_ID:
         raise DecodeFailure(DeadLetterReason.UNKNOWN_SCHEMA, f"schema id {schema_id} is no registry's")
     return schema_id
 

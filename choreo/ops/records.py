@@ -310,7 +310,7 @@ class BodyDecoder:
 
     def __init__(self) -> None:
         client = registry_client()
-        self._schemas = WriterSchemas(partial(bounded_writer, client))
+        self._schemas = WriterSchemas(partial(bounded_writer, client), subject="(ops tools: any)")
 
     def __call__(self, topic: str, value: bytes | None) -> dict[str, Any] | str:
         try:
