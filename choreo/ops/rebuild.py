@@ -10,8 +10,9 @@ What is rebuilt, and why each piece matters for exactly-once after a wipe:
 * **Join** (``fanin.<part>``, ``fanin.order``) from every committed result of a part the
   joining service reads (not one it dead-letters unread), consumed by it or not: the join
   never overwrites a recorded result and decides as soon as every part is present, so a
-  result recorded here and delivered later decides exactly once. A result consumed before the wipe would otherwise be forgotten and
-  its delivery would wait forever for its other parts.
+  result recorded here and delivered later decides exactly once. A result consumed before
+  the wipe would otherwise be forgotten and its delivery would wait forever for its other
+  parts.
 * **Pools** (``choreo.pool``): each pool is grown to its seed again, then every hold still
   on is restored from the events its declaration names: a hold event minus the events that
   end it (published, or *consumed* by the pool's service when that is what frees the
