@@ -205,6 +205,22 @@ class Attempt:
             self.seconds += time.perf_counter() - started
 
 
+def read_input(decoder: Callable[[bytes | None], Event], value: bytes | None, envelope: Envelope,
+               max_hops: int) -> Event:
+    """The event a service reads from a record with a usable envelope, or ``DecodeFailure``
+    saying why it dead-letters the record unread: past its hop limit, bytes its decoder
+    refuses, a body that names another delivery or owner than its envelope
+    (``events.disagrees_with``). ``rebuild-state`` asks the same, so that it restores nothing
+    of a record no service read. ``RegistryUnavailable`` when the registry cannot say."""
+    if envelope.hops > max_hops:
+        raise DecodeFailure(DeadLetterReason.HOP_LIMIT, f"{envelope.hops} hops > limit {max_hops}")
+    event = decoder(value)
+    disagreement = disagrees_with(event, envelope)
+    if disagreement:
+        raise DecodeFailure(DeadLetterReason.INVALID_PAYLOAD, disagreement)
+    return event
+
+
 @dataclass
 class RunnerOptions:
     instance: str = "0"
@@ -501,18 +517,12 @@ class Runner:
         if isinstance(envelope, Unusable):
             self._dead_letter(message, envelope.reason, envelope.detail)
             return None
-        if envelope.hops > self.service.max_hops:
-            return Refused(message, envelope, DeadLetterReason.HOP_LIMIT,
-                           f"{envelope.hops} hops > limit {self.service.max_hops}")
         try:
-            event = self.decoders[topic](message.value())
+            event = read_input(self.decoders[topic], message.value(), envelope, self.service.max_hops)
         except DecodeFailure as exc:
             return Refused(message, envelope, exc.reason, str(exc))
         except RegistryUnavailable as exc:
             raise BatchTransient(f"registry: {exc}") from exc
-        disagreement = disagrees_with(event, envelope)
-        if disagreement:
-            return Refused(message, envelope, DeadLetterReason.INVALID_PAYLOAD, disagreement)
         log = self.log.bind(event_id=envelope.event_id, delivery_id=envelope.correlation_id,
                             trace_id=envelope.trace_id, topic=topic, attempt=envelope.attempt)
         span = tracing.start_child(f"handle {topic}", envelope.traceparent, tracing.SpanKind.CONSUMER, {

@@ -141,7 +141,6 @@ class Decoder(Generic[E]):
         self._client = client
         self._reader = parse_schema(json.loads(model.avro_schema()))
         self._schemas = WriterSchemas(self._admit, self.subject)
-        self._writers = self._schemas.parsed
 
     def __call__(self, value: bytes | None) -> E:
         if value is None:
@@ -152,10 +151,7 @@ class Decoder(Generic[E]):
             raise DecodeFailure(
                 DeadLetterReason.UNDECODABLE, "not in Confluent wire format (magic byte 0 + schema id)"
             )
-        schema_id = schema_id_of(value)
-        writer = self._writers.get(schema_id)
-        if writer is None:
-            writer = self._schemas.get(schema_id)
+        writer = self._schemas.get(schema_id_of(value))
         try:
             record: Any = schemaless_reader(io.BytesIO(value[5:]), writer, self._reader)
         except SchemaResolutionError as exc:

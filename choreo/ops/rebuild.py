@@ -115,7 +115,7 @@ from choreo.ops.records import (BodyDecoder, Progress, Rec, Span, existing_topic
 from choreo.pool import Pool
 from choreo.record import Record, RebuildRule
 from choreo.redis_client import NodePipelines, connect, raise_first
-from choreo.runner import RECOVERY_TOPIC, dlq_topic
+from choreo.runner import RECOVERY_TOPIC, dlq_topic, read_input
 from choreo.release import awaiting_key, released
 from choreo.runtime_events import CompensationRecord, StepReport
 from choreo.serde import Decoder, DecodeFailure, RegistryUnavailable, registry_client
@@ -480,7 +480,7 @@ class Rebuilder:
         # services dead-letter unread too (``events.disagrees_with``): no step, no fact
         body = self.decode(r.topic, r.value) if env is not None and (declared or handlers) else None
         refused = env is not None and isinstance(body, dict) and bool(disagrees_with(body, env))
-        decoded: dict[int, bool] = {}  # decoder -> whether it reads the body
+        decoded: dict[tuple[int, int], bool] = {}  # (decoder, hop limit) -> whether it reads the record
 
         def accepts(service: str) -> bool:
             """The service reads the record when it comes to it, not dead-letters it unread:
@@ -513,20 +513,18 @@ class Rebuilder:
         """A record's body as its writer wrote it (or why not, as text)."""
         return self._waiting_for_registry(lambda: self.bodies.read(topic, value))
 
-    def takes(self, reader: Reader, env: Envelope, r: Rec, decoded: dict[int, bool]) -> bool:
-        """Whether ``reader``'s service reads this record (``Runner._prepare``): within its hop
-        limit, its body decoded as the service decodes it (``decoded``: the record's verdicts
-        so far, by decoder)."""
-        if env.hops > reader.max_hops:
-            return False
-        known = decoded.get(id(reader.decoder))
+    def takes(self, reader: Reader, env: Envelope, r: Rec, decoded: dict[tuple[int, int], bool]) -> bool:
+        """Whether ``reader``'s service reads this record, as its runner decides
+        (``runner.read_input``); ``decoded``: the record's verdicts so far, by decoder and hop
+        limit."""
+        known = decoded.get((id(reader.decoder), reader.max_hops))
         if known is None:
             try:
-                self._waiting_for_registry(lambda: reader.decoder(r.value))
+                self._waiting_for_registry(lambda: read_input(reader.decoder, r.value, env, reader.max_hops))
                 known = True
             except DecodeFailure:
                 known = False
-            decoded[id(reader.decoder)] = known
+            decoded[id(reader.decoder), reader.max_hops] = known
         return known
 
     def _waiting_for_registry(self, read: Callable[[], T]) -> T:
