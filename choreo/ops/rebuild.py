@@ -46,6 +46,11 @@ What is rebuilt, and why each piece matters for exactly-once after a wipe:
   delivery's position on its join's success event, so the supervisor releases its rebuilt state once
   every reader is past it, instead of leaving it to its TTLs (``choreo.release``).
 
+Each fact is read from its event as the services decode it (their own decoders, a record
+decoded once per model for the facts and the readings alike), so a newer version's fields
+are resolved away as for them; a fact whose event no service of the workflow reads as that
+model is read from the writer's body, the top-level fields the model does not know left out.
+
 Remembered effect answers (``fx:{id}``) are not rebuilt: every effect is also idempotent on its
 business key (a hold by its holder, a record by its delivery, the join by its fields, the
 outcome), and those keys are what is restored. Nothing here knows a service: every piece
@@ -95,7 +100,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 from confluent_kafka import Message, TopicPartition
@@ -196,7 +201,7 @@ class Reader:
     origin: str  # the topic it reads the step's events on (a retry topic's origin)
     deadline_ms: int
     max_hops: int
-    decoder: Decoder[Any]
+    model: type[Event]  # what it decodes the topic's records to (``Rebuilder.decoders``)
 
 
 @dataclass(slots=True)
@@ -271,9 +276,9 @@ class Declared:
     """What the workflow's declarations say one (canonical) topic restores."""
 
     parts: list[tuple[Join, str, bool, type[Event], str]] = field(default_factory=list)  # ..., the join's service
-    outcome: tuple[Join, str] | None = None
+    outcome: tuple[Join, str, type[Event]] | None = None  # ..., the event that publishes it
     holds: list[tuple[Pool, str]] = field(default_factory=list)  # pool, its service
-    ends: list[tuple[Pool, str, bool]] = field(default_factory=list)  # pool, its service, when consumed
+    ends: list[tuple[Pool, str, bool, type[Event]]] = field(default_factory=list)  # ..., when consumed, the event
     records: list[tuple[Record, RebuildRule, str]] = field(default_factory=list)  # record, rule, its service
 
 
@@ -291,12 +296,12 @@ def declarations(workflow: Workflow) -> dict[str, Declared]:
                 if part.failed is not None:
                     at(part.failed.topic).parts.append((join, name, False, part.failed, service.name))
             for model, outcome in join.outcomes.items():
-                at(model.topic).outcome = (join, outcome)
+                at(model.topic).outcome = (join, outcome, model)
         for pool in service.pools:
             if pool.held_by is not None:
                 at(pool.held_by[0].topic).holds.append((pool, service.name))
             for end in pool.freed:
-                at(end.model.topic).ends.append((pool, service.name, end.when_consumed))
+                at(end.model.topic).ends.append((pool, service.name, end.when_consumed, end.model))
         for record in service.records:
             for rule in record.rules:
                 at(rule.model.topic).records.append((record, rule, service.name))
@@ -337,13 +342,15 @@ class Rebuilder:
         # handler topic (origin or retry) -> the services that read it
         self.handlers: dict[str, list[Reader]] = {}
         registry = registry_client()
-        decoders: dict[tuple[str, type[Event]], Decoder[Any]] = {}  # one per topic and model: read once
+        # the services' decoders, one per topic and model: a record is decoded once for every
+        # service that reads it so, and for the declarations' facts of that model
+        self.decoders: dict[tuple[str, type[Event]], Callable[[bytes | None], Event]] = {}
         for service in workflow.services:
             for topic, handler in service.handlers.items():
-                decoder = decoders.setdefault((topic, handler.model), Decoder(handler.model, topic, registry))
+                self.decoders.setdefault((topic, handler.model), Decoder(handler.model, topic, registry))
                 self.handlers.setdefault(topic, []).append(Reader(
                     service.name, handler.step, handler.topic, int(handler.deadline_s * 1000),
-                    service.max_hops, decoder))
+                    service.max_hops, handler.model))
         self.records = {record.name: record for s in workflow.services for record in s.records}
         self.pools = {pool.name: pool for s in workflow.services for pool in s.pools}
         self.compensable = set(workflow.compensations())
@@ -474,32 +481,45 @@ class Rebuilder:
         facts = self.facts.setdefault(delivery, DeliveryFacts())
         declared = self.declared.get(self.canonical.get(r.topic, ""))
         handlers = self.handlers.get(r.topic, ())
-        # a body is decoded only from a record the services took (one whose envelope they
-        # refuse, they dead-letter unread), where the declarations read one or a service
-        # reads it: one whose body names another delivery or owner than its envelope, the
-        # services dead-letter unread too (``events.disagrees_with``): no step, no fact
-        body = self.decode(r.topic, r.value) if env is not None and (declared or handlers) else None
-        refused = env is not None and isinstance(body, dict) and bool(disagrees_with(body, env))
-        decoded: dict[tuple[int, int], bool] = {}  # (decoder, hop limit) -> whether it reads the record
+        reads: dict[type[Event], Event | DecodeFailure] = {}  # model -> the record as read to it
+        written: list[dict[str, Any] | str] = []  # the writer's body, once decoded
 
         def accepts(service: str) -> bool:
             """The service reads the record when it comes to it, not dead-letters it unread:
             what it does on reading one it refuses (a join's part, a record, a pool member
             given back, a failure's undos) it never did."""
             reader = next((h for h in handlers if h.service == service), None)
-            return reader is None or env is None or self.takes(reader, env, r, decoded)
+            return reader is None or env is None or self.takes(reader, env, r, reads)
 
         def read_by(service: str) -> bool:
             return consumed_by(service) and accepts(service)
 
-        if declared is not None and isinstance(body, dict) and body and not refused:
-            self._declared_fact(declared, delivery, facts, r, body, accepts, read_by)
+        def event_as(model: type[E]) -> E | None:
+            """The event a declared fact reads, or ``None`` for a record no service takes
+            (no usable envelope, or a body that names another delivery or owner than its
+            envelope, which the services dead-letter unread: ``events.disagrees_with``): as
+            the services decode it where one of them reads the topic as ``model``, else from
+            the writer's body."""
+            if env is None:
+                return None
+            if (r.topic, model) in self.decoders:
+                try:  # read_input's checks but the hop limit, which is each reader's
+                    return cast(E, read_input(self._memo(r.topic, model, reads), r.value, env, env.hops))
+                except DecodeFailure:
+                    return None
+            if not written:
+                written.append(self.decode(r.topic, r.value))
+            body = written[0]
+            return _event(model, body) if isinstance(body, dict) and not disagrees_with(body, env) else None
+
+        if declared is not None:
+            self._declared_fact(declared, delivery, facts, r, event_as, accepts, read_by)
         for reader in handlers:
             if env is not None and consumed_by(reader.service):
                 self.seen.append((delivery, seen_field(reader.service, env.event_id, env.attempt), r.position))
-            # a record its service dead-letters unread (past its hop limit, or a body it
-            # cannot decode) began no step of it
-            if reader.step is None or env is None or refused or not self.takes(reader, env, r, decoded):
+            # a record its service dead-letters unread (past its hop limit, a body it cannot
+            # decode or that disagrees with its envelope) began no step of it
+            if reader.step is None or env is None or not self.takes(reader, env, r, reads):
                 continue
             latest = facts.triggers.get(reader.step)
             if latest is not None and (latest.event_id, latest.attempt) == (env.event_id, env.attempt):
@@ -513,19 +533,32 @@ class Rebuilder:
         """A record's body as its writer wrote it (or why not, as text)."""
         return self._waiting_for_registry(lambda: self.bodies.read(topic, value))
 
-    def takes(self, reader: Reader, env: Envelope, r: Rec, decoded: dict[tuple[int, int], bool]) -> bool:
+    def takes(self, reader: Reader, env: Envelope, r: Rec, reads: dict[type[Event], Event | DecodeFailure]) -> bool:
         """Whether ``reader``'s service reads this record, as its runner decides
-        (``runner.read_input``); ``decoded``: the record's verdicts so far, by decoder and hop
-        limit."""
-        known = decoded.get((id(reader.decoder), reader.max_hops))
-        if known is None:
-            try:
-                self._waiting_for_registry(lambda: read_input(reader.decoder, r.value, env, reader.max_hops))
-                known = True
-            except DecodeFailure:
-                known = False
-            decoded[id(reader.decoder), reader.max_hops] = known
-        return known
+        (``runner.read_input``); ``reads``: the record as decoded so far, by model."""
+        try:
+            read_input(self._memo(r.topic, reader.model, reads), r.value, env, reader.max_hops)
+        except DecodeFailure:
+            return False
+        return True
+
+    def _memo(self, topic: str, model: type[Event], reads: dict[type[Event], Event | DecodeFailure]
+              ) -> Callable[[bytes | None], Event]:
+        """The services' decoder of ``topic`` as ``model``, decoding a record once for all
+        who ask (``reads``), waiting for an unreachable registry."""
+        decoder = self.decoders[(topic, model)]
+
+        def read(value: bytes | None) -> Event:
+            if model not in reads:
+                try:
+                    reads[model] = self._waiting_for_registry(lambda: decoder(value))
+                except DecodeFailure as exc:
+                    reads[model] = exc
+            known = reads[model]
+            if isinstance(known, DecodeFailure):
+                raise known
+            return known
+        return read
 
     def _waiting_for_registry(self, read: Callable[[], T]) -> T:
         """``read()``, asked again while the registry cannot be reached, for up to
@@ -585,20 +618,21 @@ class Rebuilder:
         return bool(letter.event_id)
 
     def _declared_fact(self, declared: Declared, delivery: str, facts: DeliveryFacts, r: Rec,
-                       body: dict[str, Any], accepts: Callable[[str], bool],
+                       event_as: Callable[[type[Event]], Event | None], accepts: Callable[[str], bool],
                        read_by: Callable[[str], bool]) -> None:
-        """What the declarations say this event restores (see the module doc)."""
+        """What the declarations say this event restores (see the module doc); ``event_as``
+        reads the record as a model, or gives ``None`` for a record that restores nothing."""
         for _, part, ok, model, joining in declared.parts:
             if not accepts(joining):
                 continue
-            event = _event(model, body)
+            event = event_as(model)
             if event is not None and part not in facts.results:
                 facts.results[part] = (r.timestamp_ms, ok, result_text(event))
-        if declared.outcome is not None:
-            join, outcome = declared.outcome
+        if declared.outcome is not None and (failure := event_as(declared.outcome[2])) is not None:
+            join, outcome, _ = declared.outcome
             facts.outcome = facts.outcome or outcome
             if outcome == FAILED:  # unread too when its reader runs outside the workflow
-                listed = [s for s in body.get("compensate") or () if s in self.compensable]
+                listed = [s for s in getattr(failure, "compensate", None) or () if s in self.compensable]
                 readers = self.handlers.get(r.topic, [])
                 read = bool(readers) and all(read_by(reader.service) for reader in readers)
                 facts.failure_unread = facts.failure_unread or not read
@@ -612,12 +646,13 @@ class Rebuilder:
                                                           r.timestamp_ms)
                 if not facts.undo and all(accepts(reader.service) for reader in readers):
                     # the order the supervisor asks the undos in, as it records it on reading this
-                    facts.undo = undo_fields(listed, f"{body.get('reason', '')}: {body.get('detail', '')}")
+                    why = f"{getattr(failure, 'reason', '')}: {getattr(failure, 'detail', '')}"
+                    facts.undo = undo_fields(listed, why)
             if outcome == join.outcome and facts.terminal is None:
                 facts.terminal = (r.topic, r.partition, r.offset)
         for pool, _ in declared.holds:
             assert pool.held_by is not None
-            event = _event(pool.held_by[0], body)
+            event = event_as(pool.held_by[0])
             member = pool.held_by[1](event) if event is not None else ""
             hold = facts.holds.get(pool.name)
             if member and (hold is None or hold.member != member):
@@ -626,11 +661,11 @@ class Rebuilder:
                 facts.holds[pool.name] = Hold(member, r.timestamp_ms, r.timestamp_ms)
             elif member and hold is not None:
                 hold.last_ms = max(hold.last_ms, r.timestamp_ms)
-        for pool, service, when_consumed in declared.ends:
-            if not when_consumed or read_by(service):
+        for pool, service, when_consumed, model in declared.ends:
+            if event_as(model) is not None and (not when_consumed or read_by(service)):
                 facts.ended.add(pool.name)
         for record, rule, service in declared.records:
-            event = _event(rule.model, body)
+            event = event_as(rule.model)
             if event is not None and (not rule.when_consumed or read_by(service)):
                 fields = facts.records.setdefault(record.name, {})
                 fields.update({name: str(value) for name, value in rule.fields(event).items()})

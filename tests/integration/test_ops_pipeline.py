@@ -521,13 +521,13 @@ def test_rebuild_leaves_free_the_drone_a_read_failure_gave_back_though_its_step_
                                  failed_at=datetime.now(UTC))
         for at in (now, now + 20_000):  # the failure and a later copy: the first reading counts
             rebuilder._declared_fact(rebuilder.declared[DeliveryFailed.topic], delivery, facts,
-                                     Rec(DeliveryFailed.topic, 0, offset, at, None, None), failure.model_dump(),
-                                     lambda _: True, lambda _, read=read: read)
+                                     Rec(DeliveryFailed.topic, 0, offset, at, None, None),
+                                     lambda _, event=failure: event, lambda _: True, lambda _, read=read: read)
         scheduled = DroneScheduled(delivery_id=delivery, drone_id=drone, scheduled_at=datetime.now(UTC))
         for at in times:  # read after the failure: the order across topics is not defined
             rebuilder._declared_fact(rebuilder.declared[DroneScheduled.topic], delivery, facts,
-                                     Rec(DroneScheduled.topic, 0, offset, at, None, None), scheduled.model_dump(),
-                                     lambda _: True, lambda _: True)
+                                     Rec(DroneScheduled.topic, 0, offset, at, None, None),
+                                     lambda _, event=scheduled: event, lambda _: True, lambda _: True)
     rebuilder._keep_holds()
     report = RebuildReport(since_ms=0)
     rebuilder._write_holds(report)

@@ -1,11 +1,11 @@
 """What the rebuild takes from one record (``Rebuilder._fact``), without a broker: the
-decoder is replaced by the body the record would decode to, and the services take it unless
-a test says otherwise."""
+services' decoders are replaced by the body the record would decode to, and the services
+take it unless a test says otherwise."""
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -14,20 +14,39 @@ import redis
 
 from choreo.config import settings
 from choreo.envelope import H_CORRELATION_ID, Envelope
+from choreo.errors import DeadLetterReason
+from choreo.events import Event
 from choreo.ops.rebuild import Rebuilder
 from choreo.ops.records import Rec
-from choreo.serde import RegistryUnavailable, forget_registry_clients
+from choreo.serde import DecodeFailure, RegistryUnavailable, forget_registry_clients
 from consumers.workflow import WORKFLOW
+from schemas.models import DroneScheduled
 
+BODY = b"\x00\x00\x00\x00\x07\x06d-1"  # schema id 7, then what the fake decoders ignore
 SHIPPED = {"delivery_id": "d-1", "drone_id": "drone-00007", "package_id": "p-1", "shipped_at": "2026-12-05T00:00:00+00:00"}
 
 
-def _rebuilder(body: dict[str, Any], *, taken: bool = True) -> Rebuilder:
+def _rebuilder(body: dict[str, Any], *, taken: bool = True, decoded: bool = True) -> Rebuilder:
+    """``decoded``: the services' decoders read ``body`` from any record (else they are the
+    real ones, asking the registry); ``taken``: every service takes every record."""
     rebuilder = Rebuilder(WORKFLOW, redis.Redis())  # no call reaches Redis in _fact
     rebuilder.decode = lambda topic, value: body  # type: ignore[method-assign]
+    if decoded:
+        rebuilder.decoders = {key: _reading(key[1], body) for key in rebuilder.decoders}
     if taken:
-        rebuilder.takes = lambda reader, env, r, decoded: True  # type: ignore[method-assign]
+        rebuilder.takes = lambda reader, env, r, reads: True  # type: ignore[method-assign]
     return rebuilder
+
+
+def _reading(model: type[Event], body: dict[str, Any]) -> Callable[[bytes | None], Event]:
+    """A decoder that reads ``body`` as ``model`` whatever the bytes, as Avro's resolution
+    would: the fields the model does not know left out, a body it refuses dead-lettered."""
+    def read(value: bytes | None) -> Event:
+        try:
+            return model.from_avro({name: v for name, v in body.items() if name in model.model_fields})
+        except ValueError as exc:
+            raise DecodeFailure(DeadLetterReason.INVALID_PAYLOAD, str(exc)[:100]) from exc
+    return read
 
 
 def _headers(envelope: Envelope) -> list[tuple[str, bytes]]:
@@ -35,7 +54,7 @@ def _headers(envelope: Envelope) -> list[tuple[str, bytes]]:
 
 
 def _shipment(headers: list[tuple[str, bytes]]) -> Rec:
-    return Rec("delivery.shipped", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body", headers)
+    return Rec("delivery.shipped", 0, 5, 1_800_000_000_000, b"d-1", BODY, headers)
 
 
 def test_a_shipment_the_services_took_gives_its_outcome() -> None:
@@ -52,6 +71,9 @@ def test_a_shipment_whose_envelope_the_services_refuse_gives_no_fact() -> None:
     assert not rebuilder.facts["d-1"].outcome and not rebuilder.facts["d-1"].holds
 
 
+PLACE = {"lat": 59.33, "lon": 18.06, "address": "Drottninggatan 1"}
+REQUEST = {"delivery_id": "d-2", "owner_id": "o-1", "pickup": PLACE, "dropoff": PLACE, "package_size": "SMALL",
+           "weight_kg": 1.5, "requested_at": "2026-12-05T00:00:00+00:00"}
 FAILURE = {"delivery_id": "d-1", "reason": "DEADLINE_MISSED", "detail": "", "failed_step": "drone",
            "compensate": ["package"], "failed_at": "2026-12-05T00:00:00+00:00"}
 
@@ -60,7 +82,7 @@ def test_a_failure_the_supervisor_has_not_read_keeps_its_state_waiting_for_it() 
     """Its state then has the join's wait for the reading, not the retention: the supervisor
     asks the undos from it when it reads the failure."""
     envelope = Envelope.first("e-2", "d-1", "DeliveryFailed", "delivery")
-    failure = Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body", _headers(envelope))
+    failure = Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", BODY, _headers(envelope))
     readers = [s.name for s in WORKFLOW.services if "delivery.failed" in s.handlers]
     assert readers  # the supervisor
     read, unread = _rebuilder(FAILURE), _rebuilder(FAILURE)
@@ -83,12 +105,12 @@ def test_a_compensation_record_whose_envelope_names_no_delivery_is_filed_under_i
                                ("d-1", {"d-1": {"package": "compensation_failed"}}), ("d-2", {})):
         rebuilder = _rebuilder(record)
         headers = [(k, correlation.encode() if k == H_CORRELATION_ID else v) for k, v in _headers(scan)]
-        rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|package", b"\x00body", headers), {})
+        rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|package", BODY, headers), {})
         assert rebuilder.compensation == filed
     # the scan never wrote a COMPENSATED one: such a record names no delivery (it would free a drone)
     rebuilder = _rebuilder({**record, "status": "COMPENSATED"})
     headers = [(k, b"" if k == H_CORRELATION_ID else v) for k, v in _headers(scan)]
-    rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|package", b"\x00body", headers), {})
+    rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|package", BODY, headers), {})
     assert rebuilder.compensation == {}
 
 
@@ -97,7 +119,7 @@ def test_a_failure_whose_body_names_another_delivery_fails_none() -> None:
     delivery its envelope names nor the one its body names."""
     envelope = Envelope.first("e-4", "d-2", "DeliveryFailed", "delivery")
     rebuilder = _rebuilder(FAILURE)  # its body names d-1
-    rebuilder._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-2", b"\x00body", _headers(envelope)), {})
+    rebuilder._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-2", BODY, _headers(envelope)), {})
     assert not rebuilder.facts["d-2"].outcome and not rebuilder.facts["d-2"].undo
     assert "d-1" not in rebuilder.facts
 
@@ -111,7 +133,7 @@ def test_a_report_whose_body_names_another_delivery_is_not_filed() -> None:
     for correlation, filed in (("d-2", {}), ("d-1", {"d-1": {("drone", 1): "FAILED: x"}})):
         rebuilder = _rebuilder(report)
         envelope = Envelope.first("e-5", correlation, "StepReport", "drone-scheduler")
-        rebuilder._fact(Rec("recovery", 0, 5, 1_800_000_000_000, correlation.encode(), b"\x00body",
+        rebuilder._fact(Rec("recovery", 0, 5, 1_800_000_000_000, correlation.encode(), BODY,
                             _headers(envelope)), {})
         assert rebuilder.reports == filed
 
@@ -120,11 +142,11 @@ def test_a_record_whose_body_names_another_delivery_begins_no_step_and_gives_no_
     """The services dead-letter such a record unread (``events.disagrees_with``): it
     is no trigger of the envelope's delivery's steps (a requeue of it would be refused again
     and fail the delivery), and a shipment of that form ships nothing and ends no hold."""
-    for body, begun in (({"delivery_id": "d-1"}, set()), ({"delivery_id": "d-2"}, {"package", "drone"})):
-        rebuilder = _rebuilder(body)
+    for body, begun in (({**REQUEST, "delivery_id": "d-1"}, set()), (REQUEST, {"package", "drone"})):
+        rebuilder = _rebuilder(body, taken=False)
         envelope = Envelope.first("e-6", "d-2", "DeliveryRequested", "ingestion")
         consumed = {(s.name, "delivery.requested", 0): 6 for s in WORKFLOW.services}
-        rebuilder._fact(Rec("delivery.requested", 0, 5, 1_800_000_000_000, b"d-2", b"\x00body",
+        rebuilder._fact(Rec("delivery.requested", 0, 5, 1_800_000_000_000, b"d-2", BODY,
                             _headers(envelope)), consumed)
         assert set(rebuilder.facts["d-2"].triggers) == begun
         assert len(rebuilder.seen) == 2  # both readers consumed it: their dedupe saw it either way
@@ -134,7 +156,6 @@ def test_a_record_whose_body_names_another_delivery_begins_no_step_and_gives_no_
     assert "d-1" not in rebuilder.facts
 
 
-REQUEST = {"delivery_id": "d-2"}
 CONSUMED = {(s.name, "delivery.requested", 0): 6 for s in WORKFLOW.services}
 
 
@@ -147,7 +168,7 @@ def test_a_record_its_services_cannot_decode_begins_no_step() -> None:
     step would be requeued with the same bytes and fail the delivery, or stand for a step
     that began on another record. Their dedupe saw it all the same."""
     envelope = Envelope.first("e-8", "d-2", "DeliveryRequested", "ingestion")
-    rebuilder = _rebuilder(REQUEST, taken=False)  # the services' own decoders: these bytes are no Avro
+    rebuilder = _rebuilder(REQUEST, taken=False, decoded=False)  # the services' own decoders: these bytes are no Avro
     rebuilder._fact(_request(envelope, b"not avro at all"), CONSUMED)
     assert rebuilder.facts["d-2"].triggers == {}
     assert len(rebuilder.seen) == 2
@@ -158,10 +179,7 @@ def test_a_record_past_its_services_hop_limit_begins_no_step() -> None:
     limit = max(s.max_hops for s in WORKFLOW.services if "delivery.requested" in s.handlers)
     for hops, begun in ((limit + 1, set()), (limit, {"package", "drone"})):
         rebuilder = _rebuilder(REQUEST, taken=False)
-        rebuilder.bodies.read = lambda topic, value: REQUEST  # type: ignore[method-assign]
-        for readers in rebuilder.handlers.values():  # what a decoder answers past the hop check
-            readers[:] = [replace(r, decoder=lambda value: None) for r in readers]  # type: ignore[arg-type]
-        rebuilder._fact(_request(replace(envelope, hops=hops), b"\x00body"), CONSUMED)
+        rebuilder._fact(_request(replace(envelope, hops=hops), BODY), CONSUMED)
         assert set(rebuilder.facts["d-2"].triggers) == begun, hops
 
 
@@ -206,8 +224,8 @@ def test_a_record_its_reader_dead_letters_unread_gives_nothing_that_reader_does(
     assert refused.facts["d-1"].outcome == "shipped"  # the shipment itself stands: it was written
     failure = Envelope.first("e-12", "d-1", "DeliveryFailed", "delivery")
     took, refused = _rebuilder(FAILURE), _rebuilder(FAILURE, taken=False)
-    took._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body", _headers(failure)), consumed)
-    refused._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body",
+    took._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", BODY, _headers(failure)), consumed)
+    refused._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", BODY,
                       _headers(replace(failure, hops=hostile))), consumed)
     assert (took.facts["d-1"].failure_unread, refused.facts["d-1"].failure_unread) == (False, True)
 
@@ -222,14 +240,14 @@ def test_a_part_or_a_failure_its_reader_would_dead_letter_restores_neither_resul
     for hops, results in ((0, {"drone"}), (10_000, set())):
         rebuilder = _rebuilder(scheduled, taken=False)
         rebuilder.takes = lambda reader, env, r, decoded: env.hops <= reader.max_hops  # type: ignore[method-assign]
-        rebuilder._fact(Rec("drone.scheduled", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body",
+        rebuilder._fact(Rec("drone.scheduled", 0, 5, 1_800_000_000_000, b"d-1", BODY,
                             _headers(replace(part, hops=hops))), {})
         assert set(rebuilder.facts["d-1"].results) == results, hops
     failure = Envelope.first("e-14", "d-1", "DeliveryFailed", "delivery")
     for hops, undone in ((0, True), (10_000, False)):
         rebuilder = _rebuilder(FAILURE, taken=False)
         rebuilder.takes = lambda reader, env, r, decoded: env.hops <= reader.max_hops  # type: ignore[method-assign]
-        rebuilder._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body",
+        rebuilder._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", BODY,
                             _headers(replace(failure, hops=hops))), {})
         assert bool(rebuilder.facts["d-1"].undo) == undone, hops
 
@@ -250,22 +268,24 @@ def test_the_rebuild_stops_when_the_registry_is_silent_for_a_services_decoder() 
     def silent(value: bytes | None) -> None:
         raise RegistryUnavailable("connection refused")
 
-    for readers in rebuilder.handlers.values():
-        readers[:] = [replace(r, decoder=silent) for r in readers]  # type: ignore[arg-type]
+    rebuilder.decoders = dict.fromkeys(rebuilder.decoders, silent)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="schema registry did not answer"):
-        rebuilder._fact(_request(Envelope.first("e-16", "d-2", "DeliveryRequested", "ingestion"), b"\x00body"),
+        rebuilder._fact(_request(Envelope.first("e-16", "d-2", "DeliveryRequested", "ingestion"), BODY),
                         CONSUMED)
 
 
 def test_a_record_a_newer_writer_wrote_restores_what_its_first_version_would() -> None:
     """A v2 of a service adds an optional field to its event (the registry's BACKWARD
-    check); the rebuild reads bodies as their writer wrote them. The field the model does not
-    know is left out, as the services' decoder leaves it out: the model refused the whole
-    body, and a v2's bookings and parts were not restored (a drone free while booked)."""
+    check). Where no service of the workflow reads a fact's event, the rebuild reads the
+    body as its writer wrote it: the field the model does not know is left out, as the
+    services' decoder leaves it out, or the model would refuse the whole body, and a v2's
+    bookings and parts would not be restored (a drone free while booked)."""
     scheduled = {"delivery_id": "d-1", "drone_id": "drone-00007", "scheduled_at": "2026-12-05T00:00:00+00:00",
                  "note": "a field of v2"}
     rebuilder = _rebuilder(scheduled)
+    rebuilder.decoders.pop(("drone.scheduled", DroneScheduled))  # read from the writer's body
+    rebuilder.takes = lambda reader, env, r, reads: True  # type: ignore[method-assign]
     envelope = Envelope.first("e-17", "d-1", "DroneScheduled", "drone-scheduler")
-    rebuilder._fact(Rec("drone.scheduled", 0, 5, 1_800_000_000_000, b"d-1", b"\x00body", _headers(envelope)), {})
+    rebuilder._fact(Rec("drone.scheduled", 0, 5, 1_800_000_000_000, b"d-1", BODY, _headers(envelope)), {})
     assert rebuilder.facts["d-1"].holds["fleet"].member == "drone-00007"
     assert set(rebuilder.facts["d-1"].results) == {"drone"}
