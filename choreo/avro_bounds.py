@@ -224,6 +224,10 @@ class _Walk:
         if not isinstance(name, str):
             return _ONE_VARINT  # the Avro parser refuses a nameless named type
         explicit = node.get("namespace")
+        if explicit is not None and not isinstance(explicit, str):
+            # fastavro names the type by the value's text ("True.R"), other parsers take it as
+            # absent: a reference to that text would be costed as another type than it decodes as
+            raise UnboundedSchema("a namespace that is not a string, which Avro parsers read differently")
         full = fullname(name, explicit if isinstance(explicit, str) else namespace)
         if kind == "enum":
             found = _ONE_VARINT

@@ -42,6 +42,7 @@ MAX_ID_CHARS = 200  # an id header (event, correlation, causation) is cut to thi
 # forged huge attempt would outrank every supervisor token, and past 2**31 it no longer
 # fits the Avro ``int`` of a recovery report, so the event could never be reported.
 MAX_ATTEMPT = 1000
+MAX_TIME_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z, the last instant a datetime holds
 
 HeaderList = list[tuple[str, str | bytes | None]]
 Headers = Sequence[tuple[str, bytes | str | None]] | Mapping[str, bytes | str | None]
@@ -180,6 +181,9 @@ class Envelope:
         if envelope.hops < 0 or envelope.attempt < 1 or envelope.deadline_ms < 0:
             return Unusable(DeadLetterReason.MISSING_HEADERS,
                             "negative hops or deadline, or an attempt below 1")
+        # a time no datetime holds: an outcome dated by it could not be written
+        if not (0 <= envelope.produced_at_ms <= MAX_TIME_MS and envelope.deadline_ms <= MAX_TIME_MS):
+            return Unusable(DeadLetterReason.MISSING_HEADERS, "a time header before 1970 or after 9999")
         if envelope.attempt > MAX_ATTEMPT:
             return Unusable(DeadLetterReason.ATTEMPT_LIMIT,
                             f"attempt {envelope.attempt} > limit {MAX_ATTEMPT}")

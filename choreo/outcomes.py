@@ -126,8 +126,10 @@ def told_in_state(fields: Mapping[str, str]) -> str | None:
 
 
 def undoes(steps: Iterable[str], flow: Workflow) -> list[str]:
-    """The steps of a failure's list that have a compensation: what the supervisor undoes."""
-    return [step for step in steps if step in flow.undoable]
+    """The steps of a failure's list that have a compensation, each once: what the supervisor
+    undoes (a list that names one step ten thousand times is one step, not a script's
+    arguments past what Lua unpacks)."""
+    return list(dict.fromkeys(step for step in steps if step in flow.undoable))
 
 
 def outcome_of(event: Event, label: str, envelope: Envelope) -> DeliveryOutcome:

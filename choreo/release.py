@@ -90,7 +90,9 @@ for k = 3, 4 do
   for _, name in ipairs(redis.call('HKEYS', KEYS[k])) do
     if ours[string.match(name, '^[^:]*')] then theirs[#theirs + 1] = name end
   end
-  if #theirs > 0 then redis.call('HDEL', KEYS[k], unpack(theirs)) end
+  -- by the thousand: Lua unpacks about 8,000 values at most, and copies of an event under
+  -- new ids each leave a dedupe entry
+  for i = 1, #theirs, 1000 do redis.call('HDEL', KEYS[k], unpack(theirs, i, math.min(i + 999, #theirs))) end
 end
 if #KEYS > 4 then redis.call('DEL', unpack(KEYS, 5)) end
 redis.call('DEL', KEYS[2])

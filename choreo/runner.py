@@ -33,7 +33,7 @@ from choreo import metrics
 from choreo.kafka import TransactionalProducer, transactional_consumer_config, transactional_producer_config
 from choreo.config import settings
 from choreo import dedupe
-from choreo.envelope import Envelope, HeaderList, Unusable, pairs, derived_id, now_ms
+from choreo.envelope import MAX_ID_CHARS, Envelope, HeaderList, Unusable, pairs, derived_id, now_ms
 from choreo.errors import AttemptDropped, DeadLetterReason, Rejected, Retryable
 from choreo.events import Event, disagrees_with
 from choreo.logs import get_logger
@@ -69,6 +69,11 @@ H_DLQ_SERVICE = "dlq.service"
 H_DLQ_TIME_MS = "dlq.time_ms"
 DLQ_HEADERS = (H_DLQ_REASON, H_DLQ_ERROR, H_DLQ_SOURCE_TOPIC, H_DLQ_SOURCE_PARTITION,
                H_DLQ_SOURCE_OFFSET, H_DLQ_SERVICE, H_DLQ_TIME_MS)
+# The most of a record (key, value, headers) a dead letter copies: the producer refuses a
+# message past its message.max.bytes (1,000,000 by default) at once, and a refused dead letter
+# aborted its batch, which was read again, for ever. A compressed batch brings the consumer
+# far larger records than that.
+DEAD_LETTER_COPY_MAX_BYTES = 900_000
 
 
 class BatchTransient(Exception):
@@ -853,6 +858,16 @@ class Runner:
         # an incoming dlq.* header is a forgery (or a stale copy): only ours tell the origin
         headers: HeaderList = [(k, v) for k, v in pairs(message.headers())
                                if not k.startswith(DLQ_HEADER_PREFIX)]
+        key, value = message.key(), message.value()
+        size = len(key or b"") + len(value or b"") + sum(len(k) + len(v or b"") for k, v in headers)
+        if size > DEAD_LETTER_COPY_MAX_BYTES:
+            # a letter without the record (but a key of an id's length): no redrive sends it
+            # again (no envelope), and the record stays where the letter says while its topic
+            # retains it
+            key = key if key is not None and len(key) <= MAX_ID_CHARS else None
+            value, headers = None, []
+            error = (f"the record's {size} bytes are not copied (over {DEAD_LETTER_COPY_MAX_BYTES}): it is "
+                     f"at {topic}|{message.partition()}|{message.offset()}; {error}")
         headers += [
             (H_DLQ_REASON, reason.value.encode()),
             (H_DLQ_ERROR, error[:1000].encode()),
@@ -870,8 +885,7 @@ class Runner:
         envelope = Envelope.from_headers(headers)
         if envelope is not None:
             self._dead_lettered.add(envelope.correlation_id)
-        self.producer.produce(dlq_topic(origin), key=message.key(), value=message.value(),
-                              headers=headers)
+        self.producer.produce(dlq_topic(origin), key=key, value=value, headers=headers)
         metrics.DEAD_LETTERS.labels(self.service.name, topic, reason.value).inc()
         self.log.warning("event.dead_lettered", topic=topic, partition=message.partition(),
                          offset=message.offset(), reason=reason.value, error=error[:300])

@@ -33,6 +33,7 @@ import redis
 
 from choreo.config import settings
 from choreo.envelope import Envelope, derived_id, now_ms
+from choreo.errors import Rejected
 from choreo.events import Event
 from choreo.kafka import admin, base_config
 from choreo.lease import Lease
@@ -205,7 +206,11 @@ def _record(ctx: Context, delivery_id: str, step: str, status: str, attempt: int
 
 @service.on(RECOVERY_TOPIC, produces=[CompensationRecord])
 def on_report(report: StepReport, ctx: Context) -> None:
-    """A service could not finish a step: make it due now so the leader's next scan acts."""
+    """A service could not finish a step: make it due now so the leader's next scan acts. A
+    report of no step of the workflow is dead-lettered: the delivery's state has other fields
+    (its outcome, the join's parts), which are no step records."""
+    if report.step not in {spec.name for spec in watched().flow.steps}:
+        raise Rejected(f"a report of no step of the workflow ({len(report.step)} characters)")
     verdict = _rt(ctx).transitions.record_report(report.delivery_id, report.step, report.attempt,
                                                  report.kind, now_ms(), report.error)
     REPORTS.labels(report.kind, verdict).inc()

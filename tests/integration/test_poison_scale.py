@@ -2,10 +2,14 @@
 
 * Every pipeline topic gets garbage bytes, a wrong magic byte, an unknown schema id,
   truncated Avro, valid Avro of another schema, oversized records, tombstones, empty
-  values, missing or undecodable headers, invalid payloads, good bodies under another
-  delivery's envelope and a hop-limit storm. Each one
+  values, missing or undecodable headers, a time header no date holds, invalid payloads,
+  good bodies under another delivery's envelope and a hop-limit storm; values too large to
+  copy into a dead letter (over a megabyte as sent, and ten megabytes compressed in the
+  batch); reports of no step. Each one
   must be dead-lettered by **every** service that consumes the topic, to ``<topic>.dlq``,
-  with the expected ``dlq.reason`` and its source position.
+  with the expected ``dlq.reason`` and its source position (a letter without the value
+  when the record is too large to copy).
+* Failures that list one step ten thousand times are read, not dead-lettered.
 * The HTTP endpoint gets a thousand broken requests; the registry a couple of hundred bad
   bodies: every one is refused with a clear 4xx and an error body, never a 5xx.
 * Meanwhile good deliveries flow before, among and after the poison: every one ends
@@ -38,6 +42,7 @@ from choreo.events import Event
 from choreo.runner import dlq_topic
 from choreo.runtime_events import RUNTIME_EVENTS, StepReport
 from choreo.serde import MAX_VALUE_BYTES, Encoder, registry_client
+from choreo.state import StateTable, delivery_key
 from consumers.drone_scheduler import fleet
 from consumers.workflow import WORKFLOW
 from producers.ingestion import create_app
@@ -58,7 +63,8 @@ MODELS: dict[str, type[Event]] = {
     "delivery.shipped": DeliveryShipped, "delivery.failed": DeliveryFailed,
     "package.cancelled": PackageCancelled, "drone.released": DroneReleased, "recovery": StepReport,
 }
-PER_KIND = 16  # records of each kind on each topic (oversized: 2)
+PER_KIND = 16  # records of each kind on each topic (oversized, huge: 2)
+HUGE = {"huge", "huge_compressed"}  # too large to copy into a dead letter
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 
 
@@ -135,6 +141,13 @@ class Poisoner:
             return one(self.encode(valid(other, key), other), R.INCOMPATIBLE_SCHEMA)
         if kind == "oversized":
             return one(good[:5] + rng.randbytes(MAX_VALUE_BYTES + 1024), R.OVERSIZED)
+        if kind == "huge":  # past the producer's 1,000,000 bytes a message, under the broker's batch
+            return one(good[:5] + rng.randbytes(1_040_000), R.OVERSIZED)
+        if kind == "huge_compressed":  # ten megabytes of zeros, a few kilobytes in the batch
+            return one(good[:5] + bytes(10_000_000), R.OVERSIZED)
+        if kind == "late_time":  # a production time no datetime holds (an outcome is dated by it)
+            return one(good, R.MISSING_HEADERS,
+                       h=[(k, b"9" * 17 if k == "produced_at_ms" else v) for k, v in hdr])
         if kind == "tombstone":
             return one(None, R.UNDECODABLE)
         if kind == "empty":
@@ -149,6 +162,10 @@ class Poisoner:
             return one(good, R.HOP_LIMIT, h=self.headers(key, hops=rng.randrange(21, 10**6)))
         if kind == "other_delivery":  # a good body under another delivery's envelope
             return one(self.encode(valid(topic, f"{key}-other"), topic), R.INVALID_PAYLOAD)
+        if kind == "no_step":  # a report naming a field of the delivery's state that is no step
+            report = StepReport(delivery_id=key, step="outcome", kind="FAILED", attempt=1, service="x",
+                                source_topic="delivery.requested", source_event_id="e", reported_at=NOW)
+            return one(self.encode(report, topic), R.REJECTED)
         if kind == "invalid_payload":  # decodes with the right schema, fails the model's rules
             raw = json.loads(DeliveryRequested.avro_schema())
             assert raw["name"] == "DeliveryRequested"
@@ -157,8 +174,23 @@ class Poisoner:
         raise AssertionError(kind)
 
 
-KINDS = ["garbage", "wrong_magic", "unknown_schema", "truncated", "wrong_schema", "oversized",
-         "tombstone", "empty", "no_headers", "bad_headers", "hop_storm", "other_delivery"]
+KINDS = ["garbage", "wrong_magic", "unknown_schema", "truncated", "wrong_schema", "oversized", "huge",
+         "huge_compressed", "tombstone", "empty", "no_headers", "bad_headers", "late_time", "hop_storm",
+         "other_delivery"]
+
+
+def floods(poisoner: Poisoner) -> list[Poison]:
+    """Failures that list one step ten thousand times: more values than Lua unpacks, had the
+    supervisor passed them on to its script as they came."""
+    out = []
+    for _ in range(PER_KIND):
+        poisoner.n += 1
+        key = f"poison-{poisoner.run}-{poisoner.n}"
+        failure = DeliveryFailed(delivery_id=key, reason="X", failed_step="drone", compensate=["package"] * 10_000,
+                                 failed_at=NOW)
+        out.append(Poison("delivery.failed", key, "flood", poisoner.encode(failure, "delivery.failed"),
+                          poisoner.headers(key), frozenset()))
+    return out
 
 
 def consumers_of(topic: str) -> set[str]:
@@ -180,10 +212,12 @@ def poison_all(poisoner: Poisoner) -> list[Poison]:
     records: list[Poison] = []
     for topic in MODELS:
         for kind in KINDS:
-            for _ in range(2 if kind == "oversized" else PER_KIND):
+            for _ in range(2 if kind == "oversized" or kind in HUGE else PER_KIND):
                 records.append(poisoner.make(topic, kind))
         if topic == "delivery.requested":
             records += [poisoner.make(topic, "invalid_payload") for _ in range(PER_KIND)]
+        if topic == "recovery":
+            records += [poisoner.make(topic, "no_step") for _ in range(PER_KIND)]
         records += [poisoner.make(topic, "hop_storm") for _ in range(40)]  # the storm proper
     poisoner.rng.shuffle(records)
     return records
@@ -191,7 +225,7 @@ def poison_all(poisoner: Poisoner) -> list[Poison]:
 
 def produce(records: list[Poison]) -> None:
     producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers, "acks": "all",
-                         "linger.ms": 5, "message.max.bytes": 2_000_000})
+                         "linger.ms": 5, "message.max.bytes": 20_000_000, "compression.type": "lz4"})
     failures: list[str] = []
     for p in records:
         producer.produce(p.topic, key=p.key.encode(), value=p.value, headers=list(p.headers),
@@ -280,8 +314,13 @@ def test_poison_at_scale(pipeline: Pipeline, redis_client: redis.Redis) -> None:
     run = uuid.uuid4().hex[:8]
     started = time.monotonic()
     good_before = submit([delivery_request() for _ in range(20)])
-    records = poison_all(Poisoner(run))
+    poisoner = Poisoner(run)
+    records = poison_all(poisoner)
+    for p in records:
+        if p.kind == "no_step":  # the field it names is there: read as a step record, it stopped the supervisor
+            StateTable(redis_client).put(p.key, {"outcome": "shipped"})
     half = len(records) // 2
+    produce(floods(poisoner))  # read as failures: no dead letter, no process down
     produce(records[:half])
     good_among = submit([delivery_request() for _ in range(20)])
     produce(records[half:])
@@ -304,7 +343,10 @@ def test_poison_at_scale(pipeline: Pipeline, redis_client: redis.Redis) -> None:
                          f"expected {sorted(p.reasons)} ({letter.header('dlq.error')})")
         if letter.header("dlq.source.topic") != p.topic or not letter.header("dlq.source.offset"):
             wrong.append(f"{p.kind} on {p.topic}: no source position in the dead letter")
-        if letter.value != p.value:
+        if p.kind in HUGE:
+            if letter.value is not None or "not copied" not in (letter.header("dlq.error") or ""):
+                wrong.append(f"{p.kind} on {p.topic}: a letter of a record too large to copy says nothing of it")
+        elif letter.value != p.value:
             wrong.append(f"{p.kind} on {p.topic}: the dead letter does not keep the original bytes")
     assert not wrong, f"{len(wrong)} problems, e.g. {wrong[:8]}"
     assert len(found) == len(expected)  # nothing else of this run was dead-lettered
@@ -323,6 +365,7 @@ def test_poison_at_scale(pipeline: Pipeline, redis_client: redis.Redis) -> None:
     assert not late, f"good deliveries past the 60 s delivery deadline: {late}"
     assert pipeline.alive(), "a service process died"
 
+    redis_client.delete(*(delivery_key(p.key) for p in records if p.kind == "no_step"))
     kinds = Counter(p.kind for p in records)
     print(json.dumps({"poison_records": len(records), "dead_letters": len(found), "kinds": kinds,
                       "http": sum(http_answers.values()), "registry": sum(registry_answers.values()),

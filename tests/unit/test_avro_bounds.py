@@ -123,6 +123,18 @@ def test_recursive_types_are_refused(schema: Any) -> None:
     refused(schema, "contains itself")
 
 
+def test_a_namespace_that_is_no_string_is_refused() -> None:
+    """fastavro names ``{"namespace": true}``'s type "True.R", where a parser that takes it as
+    absent resolves a reference to "True.R" to another type: a recursion the walk would not
+    see (with a harmless ``True.R`` among the references, a deep value crashed fastavro)."""
+    harmless = {"type": "record", "name": "R", "namespace": "True", "fields": []}
+    for namespace in (True, 1, [], {}):
+        recursive = {"type": "record", "name": "R", "namespace": namespace,
+                     "fields": [{"name": "next", "type": ["null", "True.R"]}]}
+        with pytest.raises(UnboundedSchema, match="namespace that is not a string"):
+            check(recursive, [harmless])
+
+
 def test_depth_is_bounded_also_through_named_types() -> None:
     def nested(levels: int, leaf: Any = "int") -> Any:
         schema: Any = leaf

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from choreo import avro_bounds, serde
-from choreo.envelope import MAX_ATTEMPT, Envelope
+from choreo.envelope import MAX_ATTEMPT, MAX_TIME_MS, Envelope
 from choreo.errors import DeadLetterReason
 from choreo.ops import records
 from choreo.serde import MAX_VALUE_BYTES, DecodeFailure, Decoder, RegistryUnavailable
@@ -490,6 +490,8 @@ def test_any_headers_give_an_envelope_or_none(headers: list[tuple[str, bytes | s
     env = Envelope.from_headers(headers)
     assert env is None or (env.event_id and env.correlation_id and len(env.event_id) <= 200
                            and len(env.correlation_id) <= 200 and len(env.traceparent) <= 100)
+    if env is not None:  # an outcome is dated by it
+        datetime.fromtimestamp(env.produced_at_ms / 1000, UTC)
     assert Envelope.from_headers(dict(headers)) is None or isinstance(Envelope.from_headers(dict(headers)), Envelope)
 
 
@@ -506,6 +508,16 @@ def test_forged_counters_are_refused() -> None:
     assert Envelope.from_headers([*base, ("hops", b"-1000000")]) is None
     assert Envelope.from_headers([*base, ("attempt", b"0")]) is None
     assert Envelope.from_headers([*base, ("attempt", str(MAX_ATTEMPT + 1).encode())]) is None
+
+
+def test_times_no_date_holds_are_refused() -> None:
+    """The outcome of a decision is dated by its input's production time: past year 9999 (or
+    1 followed by 400 zeros) the webhooks service stopped on it, at every restart."""
+    base = [("event_id", b"e"), ("correlation_id", b"d")]
+    for name, value in (("produced_at_ms", b"9" * 17), ("produced_at_ms", b"1" + b"0" * 400),
+                        ("produced_at_ms", b"-1"), ("deadline_ms", b"9" * 17)):
+        assert Envelope.from_headers([*base, (name, value)]) is None, (name, value[:20])
+    assert Envelope.from_headers([*base, ("produced_at_ms", str(MAX_TIME_MS).encode())]) is not None
 
 
 # -- the HTTP body -------------------------------------------------------------------------
