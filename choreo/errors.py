@@ -16,6 +16,7 @@ class DeadLetterReason(StrEnum):
     HOP_LIMIT = "HOP_LIMIT"  # event-storm guard
     ATTEMPT_LIMIT = "ATTEMPT_LIMIT"  # an attempt past choreo.envelope.MAX_ATTEMPT (forged)
     REJECTED = "REJECTED"  # the handler said it can never succeed
+    HANDLER_ERROR = "HANDLER_ERROR"  # the handler raised what is neither a retry nor a refusal
     OVERSIZED = "OVERSIZED"  # larger than the service accepts
 
 

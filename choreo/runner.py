@@ -81,6 +81,9 @@ class BatchTransient(Exception):
     step failed: abort and replay the batch."""
 
 
+BATCH_ABORTS: tuple[type[Exception], ...] = (*TRANSIENT_OR_REGISTRY, BatchTransient, KafkaException)
+
+
 @dataclass
 class Work:
     """One decoded input on its way through the phases of a batch."""
@@ -200,14 +203,29 @@ class Attempt:
                     "typed operations or ctx.effect(...) only (emit events with ctx.emit or return them)")
         except StopIteration as stop:
             if self._gen is None:  # a plain handler's own StopIteration is a bug, not a result
-                raise RuntimeError(f"{self.work.handler.fn.__name__} raised StopIteration") from stop
-            self.request, self.result = None, stop.value
+                self.request, self.error = None, self._bug(RuntimeError("it raised StopIteration"))
+            else:
+                self.request, self.result = None, stop.value
         except (Retryable, Rejected) as exc:
             self.request, self.error = None, exc
         except AttemptDropped as dropped:  # from ctx.once, or the answer that rode in the begin
             self.request, self.dropped = None, dropped.why
+        except BATCH_ABORTS:
+            raise  # the batch is aborted and read again
+        except Exception as exc:  # noqa: BLE001 - neither a retry nor a refusal: a bug in the rule, or
+            # an input it does not refuse. Raised out of the batch, it stopped the service at every
+            # restart on the same record: its partition stood still
+            self.request, self.error = None, self._bug(exc)
         finally:
             self.seconds += time.perf_counter() - started
+
+    def _bug(self, exc: Exception) -> Rejected:
+        """The refusal of an input whose handler raised ``exc``, which it carries as its cause
+        (``choreo.testing.run`` raises it for the test to see)."""
+        refusal = Rejected(f"{self.work.handler.fn.__name__} raised {type(exc).__name__}: {str(exc)[:300]}",
+                           DeadLetterReason.HANDLER_ERROR)
+        refusal.__cause__ = exc
+        return refusal
 
 
 def read_input(decoder: Callable[[bytes | None], Event], value: bytes | None, envelope: Envelope,
@@ -582,7 +600,9 @@ class Runner:
         try:  # the handler is a generator function (Service.subscribe)
             started = cast(EffectfulHandler, t.handler.fn(t.event, ctx))
             out = started.send(None)
-        except (StopIteration, Retryable, Rejected, AttemptDropped):  # its own run meets them again
+        except BATCH_ABORTS:
+            raise
+        except Exception:  # noqa: BLE001 - its own run meets it again (a retry, a refusal, a bug)
             return None
         started.close()
         if isinstance(out, Op) and out.write is None:

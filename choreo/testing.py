@@ -23,7 +23,7 @@ from confluent_kafka import Message
 
 from choreo.effects import EffectCall, OnceEffect, Op, dropped_by
 from choreo.envelope import Envelope, derived_id
-from choreo.errors import AttemptDropped, Rejected, Retryable
+from choreo.errors import AttemptDropped, DeadLetterReason, Rejected, Retryable
 from choreo.events import Event, disagrees_with
 from choreo.join import Decision, Join, Joined, JoinFailed
 from choreo.runner import Attempt, Work, _as_events
@@ -217,6 +217,8 @@ def run(service: Service, event: Event, *, topic: str | None = None,
     ``deadline_ms``; ``try_no`` is the in-process try (an agent's failures depend on it).
     A ``Retryable`` or ``Rejected`` is reported in ``error``, not raised: retrying and
     dead-lettering are the runner's business, the test checks which one the rule asked for.
+    Anything else the handler raises is raised (the runner dead-letters its input as
+    ``HANDLER_ERROR``).
     """
     target = topic or _topic_of(service, event)
     handler = service.handlers.get(target)
@@ -253,6 +255,8 @@ def run(service: Service, event: Event, *, topic: str | None = None,
             run_.request, run_.error = None, exc
             break
         run_.resume(answer)
+    if isinstance(run_.error, Rejected) and run_.error.reason is DeadLetterReason.HANDLER_ERROR:
+        raise run_.error.__cause__ or run_.error  # a bug of the rule: the runner dead-letters its input
     ok = run_.error is None and not run_.dropped
     if ok:
         for out in _as_events(run_.result):

@@ -155,18 +155,20 @@ def test_poison_messages_are_dead_lettered_while_good_ones_flow(
     producer.flush(10)
     _publish([delivery_request(weight_kg=13)], topic)  # refused by its handler: REJECTED
     _publish([delivery_request(weight_kg=11)], topic)  # yields its event: a bug, dead-lettered
+    _publish([delivery_request(weight_kg=17)], topic)  # raises a ValueError: dead-lettered, the service goes on
     flaky = _publish([delivery_request(weight_kg=7)], topic)
     hopeless = _publish([delivery_request(weight_kg=9)], topic)
     good_ids += _publish(good[10:], topic)
 
     services.append(ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic}).start())
-    dlq = wait_for(lambda: len(r := read_topic(f"{topic}.dlq")) >= 12 and r, what="12 dead letters")
+    dlq = wait_for(lambda: len(r := read_topic(f"{topic}.dlq")) >= 13 and r, what="13 dead letters")
     reasons = {
         "UNDECODABLE": 3, "UNKNOWN_SCHEMA": 1, "INCOMPATIBLE_SCHEMA": 1, "INVALID_PAYLOAD": 3,
-        "MISSING_HEADERS": 1, "HOP_LIMIT": 1, "REJECTED": 2,
+        "MISSING_HEADERS": 1, "HOP_LIMIT": 1, "REJECTED": 2, "HANDLER_ERROR": 1,
     }
     assert Counter(r.header("dlq.reason") for r in dlq) == reasons
     assert any("yields typed operations or ctx.effect(...) only" in (r.header("dlq.error") or "") for r in dlq)
+    assert "handle raised ValueError: year 10000 is out of range" in {r.header("dlq.error") for r in dlq}
     assert {"its body names another delivery than its envelope (36 characters)",
             "its body names another owner than its envelope"} <= {r.header("dlq.error") for r in dlq}
     for record in dlq:

@@ -2,6 +2,8 @@
 
 * 13 kg: the handler rejects the event (non-retryable) → dead letter;
 * 11 kg: the handler yields its event instead of an effect (a bug in a rule) → dead letter;
+* 17 kg: the handler raises what is neither a retry nor a refusal (a bug, or an input its
+  rule does not refuse) → dead letter;
 * 7 kg: a transient failure on the first try, then success (in-process retry);
 * 9 kg: always transient → retries exhausted → reported to the recovery topic;
 * 3 kg: transient on its first three tries, across batches (a flaky remote call);
@@ -37,6 +39,8 @@ def handle(request: DeliveryRequested, ctx: Context) -> Effects[None]:
         raise Rejected("13 kg is unlucky")
     if request.weight_kg == 11:
         yield request  # type: ignore[misc]  # the bug this weight stands for
+    if request.weight_kg == 17:
+        raise ValueError("year 10000 is out of range")  # what a rule's library raised on a forged input
     if request.weight_kg == 7 and ctx.try_no == 1:
         raise Retryable("first try fails")
     if request.weight_kg == 9:
