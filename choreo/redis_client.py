@@ -19,9 +19,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.client import Pipeline
-from redis.exceptions import (AskError, ClusterError, ConnectionError as RedisConnectionError, NoPermissionError,
-                              ReadOnlyError, ResponseError, SlotNotCoveredError, TimeoutError as RedisTimeout,
-                              TryAgainError)
+from redis.exceptions import (AskError, ClusterDownError, ClusterError, ConnectionError as RedisConnectionError,
+                              NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError, SlotNotCoveredError,
+                              TimeoutError as RedisTimeout, TryAgainError)
 
 from choreo.config import settings
 
@@ -36,6 +36,27 @@ class ReplicationLag(RedisConnectionError):
 # replicas lag
 TRANSIENT: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeout, AskError, ClusterError,
                                           TryAgainError, ReadOnlyError, SlotNotCoveredError)
+
+
+# Redis refusing a call whatever its arguments: the replies redis-py names, and the codes it
+# leaves in the text of a plain ResponseError
+REFUSALS: tuple[type[Exception], ...] = (OutOfMemoryError, NoPermissionError, ReadOnlyError, AskError,
+                                         TryAgainError, ClusterDownError)
+REFUSAL_CODES = {"OOM", "NOPERM", "MASTERDOWN", "MISCONF", "BUSY", "LOADING", "READONLY", "NOREPLICAS",
+                 "CLUSTERDOWN", "TRYAGAIN", "NOAUTH"}
+
+
+def refused_by_redis(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis unreachable or refusing a call whatever its input (out of
+    memory, an ACL, a replica cut from its master), not a call failing on what it was given
+    (a script's Lua error, a command refusing its arguments, a key of the wrong type)."""
+    if not isinstance(exc, redis.RedisError):
+        return False
+    if isinstance(exc, REFUSALS) or not isinstance(exc, redis.ResponseError):
+        return True
+    return str(exc).split(" ", 1)[0] in REFUSAL_CODES
+
+
 # the replies that say the slot map this client holds is out of date
 _MOVED: tuple[type[Exception], ...] = (AskError, ClusterError, TryAgainError, ReadOnlyError)
 

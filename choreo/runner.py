@@ -27,6 +27,7 @@ from types import FrameType, GeneratorType
 from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from redis.exceptions import RedisError
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from choreo import metrics
@@ -38,7 +39,7 @@ from choreo.errors import AttemptDropped, DeadLetterReason, Rejected, Retryable
 from choreo.events import Event, disagrees_with
 from choreo.logs import get_logger
 from choreo.memory import collect_batch_cycles, settle_garbage_collector
-from choreo.redis_client import TRANSIENT, connect, is_cluster
+from choreo.redis_client import TRANSIENT, connect, is_cluster, refused_by_redis
 from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
 from choreo.effects import EffectCall, Op, dropped_by, run_all
 from choreo import layout, tracing
@@ -215,6 +216,8 @@ class Attempt:
         except Exception as exc:  # noqa: BLE001 - neither a retry nor a refusal: a bug in the rule, or
             # an input it does not refuse. Raised out of the batch, it stopped the service at every
             # restart on the same record: its partition stood still
+            if refused_by_redis(exc):  # about Redis, not the input: the batch is read again
+                raise
             self.request, self.error = None, self._bug(exc)
         finally:
             self.seconds += time.perf_counter() - started
@@ -419,7 +422,10 @@ class Runner:
                     return  # read again: not a batch done
             clock.lap("commit")
             metrics.BATCH_SIZE.labels(self.service.name).observe(len(batch))
-        except TRANSIENT as exc:
+        except RedisError as exc:
+            if not isinstance(exc, TRANSIENT) and not refused_by_redis(exc):
+                raise  # a script of the runtime's own failed on its arguments: a bug
+            # unreachable, or refusing whatever the input (out of memory, an ACL): read it again
             self.log.warning("batch.transient", error=f"redis: {exc}")
             self._abort(batch)
             time.sleep(0.5 + random.random())

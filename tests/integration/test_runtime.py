@@ -323,3 +323,30 @@ def test_an_attempt_past_the_bound_is_dead_lettered(services: list[ServiceProces
         for delivery_id, attempt in forged.items()}
     out = wait_for(lambda: read_topic(f"{topic}.out"), what="the good event's output")
     assert [r.envelope.causation_id for r in out if r.envelope] == [good]
+
+
+def test_a_redis_out_of_memory_holds_the_batch_and_dead_letters_nothing(
+        services: list[ServiceProcess], probe_topic: str, redis_client: redis.Redis) -> None:
+    """Redis refusing writes whatever they are (``maxmemory`` reached) is an outage, not a
+    bad input: the service reads its batch again until Redis takes writes, and nothing is
+    dead-lettered. Dead-lettered as a handler's error, every input of the outage would have
+    needed a redrive; raised, it stopped the service."""
+    topic = probe_topic
+    services.append(ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic}).start())
+    [warm] = _publish([delivery_request(weight_kg=1.0)], topic)
+    wait_for(lambda: read_topic(f"{topic}.out"), what="the first output")
+    before = redis_client.config_get("maxmemory")["maxmemory"]
+    redis_client.config_set("maxmemory", 1)
+    try:
+        [held] = _publish([delivery_request(weight_kg=1.0)], topic)
+        time.sleep(6)  # a few batches' tries
+        assert [r.envelope.causation_id for r in read_topic(f"{topic}.out") if r.envelope] == [warm]
+        assert services[-1].alive()
+    finally:
+        redis_client.config_set("maxmemory", before)
+    out = wait_for(lambda: len(r := read_topic(f"{topic}.out")) >= 2 and r, what="the held event's output")
+    time.sleep(1)  # a copy would come right behind
+    out = read_topic(f"{topic}.out")
+    assert sorted(r.envelope.causation_id for r in out if r.envelope) == sorted([warm, held])  # once each
+    assert read_topic(f"{topic}.dlq", timeout_s=2) == []
+    assert services[-1].alive()
