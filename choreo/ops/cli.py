@@ -12,7 +12,6 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
-from datetime import UTC, datetime
 from typing import Any, NoReturn
 
 import typer
@@ -67,7 +66,9 @@ def _add_row(table: Table, *cells: str, style: str = "") -> None:
 
 
 def _when(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] if ms else "-"
+    from choreo.ops.records import shown_time
+
+    return shown_time(ms)
 
 
 def _fail(message: str) -> NoReturn:

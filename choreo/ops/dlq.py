@@ -112,7 +112,10 @@ class DeadLetter:
 
 
 def _integer(text: str | None, default: int) -> int:
-    return int(text) if text is not None and text.isascii() and text.isdigit() else default
+    """A header's count or position, or ``default``: anything but up to 18 ASCII digits (an
+    offset, a partition, epoch milliseconds; 5,000 digits stopped every reader of the
+    letter, the rebuild among them)."""
+    return int(text) if text is not None and text.isascii() and text.isdigit() and len(text) <= 18 else default
 
 
 def _untrusted(letter: DeadLetter, found: dict[str, list[str]]) -> str:

@@ -37,6 +37,19 @@ _RELATIVE = re.compile(r"^-?(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)(?:\s+ago)?$")
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 
+def shown_time(ms: int, with_date: bool = True) -> str:
+    """Epoch milliseconds as ``[YYYY-MM-DD ]HH:MM:SS.mmm`` in UTC, or ``"-"`` for none; a time
+    no date holds (a record's or a header's, as its writer set it) as its number: shown, not
+    a stop."""
+    if not ms:
+        return "-"
+    try:
+        shown = datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S.%f" if with_date else "%H:%M:%S.%f")
+    except (ValueError, OverflowError, OSError):
+        return f"{ms} ms"
+    return shown[:-3]
+
+
 def parse_time(text: str, now_ms: int | None = None) -> int:
     """An operator's time as epoch ms: ISO 8601 (naive means UTC, the brokers' clock),
     epoch ms, ``now``, or relative (``-15m``, ``2h ago``)."""

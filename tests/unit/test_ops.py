@@ -198,3 +198,21 @@ def test_the_status_view_prints_hostile_text_from_redis_as_it_is(monkeypatch: py
     assert "d-[/x]" in result.output and "refused [/bold] [link=http://x]y[/link]" in result.output
     assert "\x1b[2J" not in result.output  # the terminal's controls are not passed through
     assert "60" in result.output.split("d-[/x]")[1].splitlines()[0]  # failed 60 s ago
+
+
+def test_a_letter_with_numbers_past_any_offset_or_date_is_read_and_shown() -> None:
+    """Whoever writes a dead-letter topic writes its headers: 5,000 digits (past what ``int``
+    reads) stopped every reader of the letter (the tools, the live view's sampler, the
+    rebuild), and a time past year 9999 the live view's page."""
+    from choreo.ops.dlq import DeadLetter
+    from choreo.ops.records import shown_time
+    from choreo.runner import DLQ_HEADERS, H_DLQ_SOURCE_OFFSET, H_DLQ_TIME_MS
+
+    headers = [(name, b"9" * 5000 if name == H_DLQ_SOURCE_OFFSET else b"1") for name in DLQ_HEADERS]
+    letter = DeadLetter.of(Rec("t.dlq", 0, 5, 1_800_000_000_000, b"k", b"v", headers), set())
+    assert letter.source_offset == -1 and letter.problem  # not an offset: never redriven
+    huge = [(name, b"9" * 18 if name == H_DLQ_TIME_MS else b"1") for name in DLQ_HEADERS]
+    letter = DeadLetter.of(Rec("t.dlq", 0, 6, 1_800_000_000_000, b"k", b"v", huge), set())
+    assert shown_time(letter.time_ms) == f"{'9' * 18} ms"
+    assert shown_time(1_800_000_000_000) == "2027-01-15 08:00:00.000"
+    assert shown_time(1_800_000_000_000, with_date=False) == "08:00:00.000"

@@ -16,7 +16,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -32,6 +31,7 @@ from choreo.http_serving import HttpLimits, loopback, tls_options, uvicorn_confi
 from choreo.logs import get_logger
 from choreo.ops.dlq import RedriveResult, Selection, redrive
 from choreo.ops.flowdoc import flow_edges
+from choreo.ops.records import shown_time
 from choreo.ops.trace import Trace, consumer_group, trace
 from choreo.ops.web.auth import (
     CSRF_HEADER, SESSION_COOKIE, OperatorTokens, Sessions, Visitor, WebSettings, host_is_loopback, same_origin,
@@ -282,7 +282,7 @@ def _delivery_id(text: str) -> str | None:
 
 
 def _when(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%H:%M:%S.%f")[:-3] if ms else "-"
+    return shown_time(ms, with_date=False)
 
 
 def _rate(value: float) -> str:
