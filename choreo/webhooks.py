@@ -15,7 +15,9 @@ internal address.
   configuration names, never from the configuration itself, and are never logged.
 * **Exactly once for a receiver that dedupes**: ``X-Choreo-Id`` is the deciding event's id,
   the same on every try and every replay of the batch.
-* **Bounded**: each try has a connect and a total timeout; a failed try is retried by the
+* **Bounded**: each try ends within ``WEBHOOK_TIMEOUT_S`` in all (``choreo.bounded_http``:
+  a receiver that answers ``100 Continue`` for ever, or its head a byte at a time, cannot
+  hold it longer), its connect within ``WEBHOOK_CONNECT_TIMEOUT_S``; a failed try is retried by the
   runner with back-off, ``WEBHOOK_MAX_TRIES`` tries in all, then the event is dead-lettered
   (``dlq.error`` says why: the receiver's status or the network error). After an owner's
   endpoint spent its tries, its next outcomes are dead-lettered at once for
@@ -38,6 +40,7 @@ from typing import Any, NoReturn
 import httpx
 from prometheus_client import Counter
 
+from choreo.bounded_http import bounded_client, within
 from choreo.errors import Rejected, Retryable
 from choreo.events import Event
 from choreo.outcomes import outcome_of, told
@@ -52,9 +55,10 @@ MAX_TRIES = int(os.environ.get("WEBHOOK_MAX_TRIES", "4"))
 CONNECT_TIMEOUT_S = float(os.environ.get("WEBHOOK_CONNECT_TIMEOUT_S", "1"))
 TIMEOUT_S = float(os.environ.get("WEBHOOK_TIMEOUT_S", "2"))
 COOLDOWN_S = float(os.environ.get("WEBHOOK_COOLDOWN_S", "30"))
-# at most batch x tries x (timeout + back-off) per batch: 10 x 4 x ~3.5 s, well inside the
-# consumer's max.poll.interval
-BATCH_SIZE = int(os.environ.get("WEBHOOK_BATCH_SIZE", "10"))
+# at most batch x (tries x timeout + back-off) per batch, five owners' receivers all timing
+# out (the back-off of the three retries is at most 0.1 + 0.2 + 0.4 s: ``Runner._retry``):
+# 5 x (4 x 2 + 0.7) s = 44 s, inside the consumer's max.poll.interval (60 s)
+BATCH_SIZE = int(os.environ.get("WEBHOOK_BATCH_SIZE", "5"))
 
 POSTS = Counter("choreo_webhook_posts_total", "Webhook tries by result", ["result"])
 
@@ -119,8 +123,7 @@ def _state() -> _Sender:
         path = os.environ.get("WEBHOOKS_FILE", "")
         _sender = _Sender(
             load_endpoints(Path(path)) if path else {},
-            httpx.Client(timeout=httpx.Timeout(TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
-                         follow_redirects=False, trust_env=False),
+            bounded_client(httpx.Timeout(TIMEOUT_S, connect=CONNECT_TIMEOUT_S)),
             {})
     return _sender
 
@@ -141,10 +144,11 @@ def _post(flow: Workflow) -> Any:
         outcome = outcome_of(event, label, ctx.envelope)
         body = json.dumps(outcome.model_dump(mode="json"), separators=(",", ":")).encode()
         timestamp = str(int(time.time()))
-        headers = {"Content-Type": "application/json", H_ID: outcome.event_id,
+        headers = {"Content-Type": "application/json", H_ID: header_id(outcome.event_id),
                    H_TIMESTAMP: timestamp, H_SIGNATURE: sign(endpoint.secret, timestamp, body)}
         try:
-            with sender.client.stream("POST", endpoint.url, content=body, headers=headers) as answer:
+            with within(TIMEOUT_S), sender.client.stream("POST", endpoint.url, content=body,
+                                                         headers=headers) as answer:
                 status = answer.status_code  # the body is never read: a receiver cannot make us wait on it
         except httpx.HTTPError as exc:
             _failed(sender, owner, ctx, f"network: {type(exc).__name__}")
@@ -155,6 +159,15 @@ def _post(flow: Workflow) -> Any:
         ctx.log.info("webhook.delivered", owner=owner, tries=ctx.try_no)
 
     return post
+
+
+def header_id(event_id: str) -> str:
+    """The deciding event's id as ``X-Choreo-Id``: as it is when it is a header's printable
+    ASCII, else its SHA-256 (an id is its writer's: one with a line break made every try fail
+    before it was sent, and the owner's next outcomes cool down)."""
+    if event_id.isascii() and event_id.isprintable():
+        return event_id
+    return hashlib.sha256(event_id.encode(errors="surrogatepass")).hexdigest()
 
 
 def _failed(sender: _Sender, owner: str, ctx: Context, why: str) -> NoReturn:

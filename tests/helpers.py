@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from choreo.config import settings
 from choreo.envelope import Envelope, header_value
@@ -149,16 +149,25 @@ def free_port() -> int:
     raise RuntimeError(f"no free port left in {SERVER_PORTS}")
 
 
-def start_group_at_end(group: str, topic: str) -> None:
+def start_group_at_end(group: str, topic: str, wait_s: float = 30.0) -> None:
     """Commit ``group`` at the end of ``topic``: a new group joins a shared topic where a
-    deployed one would, not at its history."""
+    deployed one would, not at its history. A member of the group killed just before (an
+    earlier test's) refuses the commit until its session times out: it is tried again."""
     consumer = Consumer({"bootstrap.servers": settings().kafka_bootstrap_servers, "group.id": group,
                          "enable.auto.commit": False})
+    deadline = time.monotonic() + wait_s
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         ends = [TopicPartition(topic, p, consumer.get_watermark_offsets(
             TopicPartition(topic, p), timeout=10)[1]) for p in partitions]
-        consumer.commit(offsets=ends, asynchronous=False)
+        while True:
+            try:
+                consumer.commit(offsets=ends, asynchronous=False)
+                return
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
     finally:
         consumer.close()
 

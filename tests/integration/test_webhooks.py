@@ -1,6 +1,7 @@
 """Outcome webhooks on the real stack: a local HTTP receiver per owner gets each delivery's
 outcome, signed, with an id it dedupes by; a receiver failing N times gets it on try N+1;
-one that never answers well ends in a dead letter with its reason; a bad signature shows."""
+one that never answers well ends in a dead letter with its reason, one that never ends its
+answer too; a bad signature shows."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class Receiver:
 
     posts: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
     lock: threading.Lock = field(default_factory=threading.Lock)
+    closing: threading.Event = field(default_factory=threading.Event)  # the stalling answers end
 
     def answer(self, path: str, delivery_id: str) -> int:
         with self.lock:
@@ -65,6 +67,12 @@ def receiver() -> Iterator[tuple[Receiver, int]]:
             with got.lock:
                 got.posts[self.path].append({"id": self.headers[H_ID], "ts": self.headers[H_TIMESTAMP],
                                              "sig": self.headers[H_SIGNATURE], "raw": raw, "body": body})
+            if self.path in ("/continue", "/drip"):  # a hostile receiver: it never ends its answer
+                stall = b"HTTP/1.1 100 Continue\r\n\r\n" if self.path == "/continue" else b"H"
+                while not got.closing.wait(0.5):
+                    self.wfile.write(stall)
+                    self.wfile.flush()
+                return
             self.send_response(got.answer(self.path, body["delivery_id"]))
             self.end_headers()
 
@@ -76,6 +84,7 @@ def receiver() -> Iterator[tuple[Receiver, int]]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield got, port
+    got.closing.set()
     server.shutdown()
     server.server_close()
 
@@ -155,5 +164,53 @@ def test_each_owner_gets_one_signed_outcome_per_delivery_retries_then_dead_lette
         assert abs(int(post["ts"]) - time.time()) < 600
         log = hook.log_file.read_text(errors="replace")
         assert not any(s.decode() in log for s in secrets.values())  # never logged
+    finally:
+        running.kill()
+
+
+def _configured(owners: dict[str, str], port: int, tmp_path: Path) -> Path:
+    """The operator's webhooks file: each owner's path on the receiver, with a secret."""
+    config = {}
+    for i, (owner, path) in enumerate(owners.items()):
+        secret_file = tmp_path / f"{owner}.secret"
+        secret_file.write_bytes(f"secret-{i}".encode())
+        secret_file.chmod(0o600)
+        config[owner] = {"url": f"http://127.0.0.1:{port}{path}", "secret_file": str(secret_file)}
+    hooks = tmp_path / "webhooks.json"
+    hooks.write_text(json.dumps(config))
+    return hooks
+
+
+def test_a_receiver_that_never_ends_its_answer_holds_no_outcome_of_another_owner(
+        receiver: tuple[Receiver, int], tmp_path: Path, unique: str) -> None:
+    """Two receivers that answer ``100 Continue`` every half second, or their head a byte at
+    a time, for ever: each read came within httpx's read timeout, so a try never ended, the
+    batch never did, and no owner behind them was told anything. Each try now ends within
+    its timeout in all: their outcomes are dead-lettered and the other owners' are posted."""
+    got, port = receiver
+    owners = {f"ok-{unique}": "/ok", f"continue-{unique}": "/continue", f"drip-{unique}": "/drip"}
+    hooks = _configured(owners, port, tmp_path)
+    topology.create(WORKFLOW)
+    for topic in ("delivery.shipped", "delivery.failed", "compensation.log"):
+        start_group_at_end("webhooks", topic)
+    running = Pipeline().start()
+    hook = ServiceProcess("choreo.webhooks:service", env={"WEBHOOKS_FILE": str(hooks), "WEBHOOK_MAX_TRIES": "2",
+                                                          "WEBHOOK_BATCH_SIZE": "2"}).start()
+    running.procs.append(hook)
+    try:
+        stalling = [delivery_request(owner_id=f"{kind}-{unique}") for kind in ("continue", "drip")]
+        ok = [delivery_request(owner_id=f"ok-{unique}") for _ in range(3)]
+        ids = set(submit(stalling + ok))
+        wait_terminal(ids, timeout_s=120)
+        ok_ids = {r.delivery_id for r in ok}
+        wait_for(lambda: set(got.by_delivery("/ok")) == ok_ids, timeout_s=60, what="the other owner's outcomes")
+        stalled_ids = {r.delivery_id for r in stalling}
+        letters = wait_for(lambda: len(x := {(r.key or b"").decode(): r for r in of(read_topic("delivery.shipped.dlq"),
+                                                                                     stalled_ids)
+                                             if r.header("dlq.service") == "webhooks"}) == 2 and x,
+                           timeout_s=60, what="the stalling receivers' outcomes dead-lettered")
+        assert all("network: ReadTimeout" in (r.header("dlq.error") or "") for r in letters.values())
+        assert all(len(got.by_delivery(path)) == 1 for path in ("/continue", "/drip"))  # tried, not forgotten
+        assert hook.alive()
     finally:
         running.kill()
