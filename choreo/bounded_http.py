@@ -1,15 +1,23 @@
-"""An HTTP client whose requests each end within a total time.
+"""An HTTP client whose requests each end within a total time, and reach only public
+addresses unless told otherwise.
 
 httpx's timeouts bound each connect, read and write, not a request: a server that answers
 ``100 Continue`` every second (httpcore reads any number of informational answers), or sends
 its answer's head a byte at a time, holds a request for ever, each read restarting the
 clock. Here every connect, read and write is given at most what is left of its request's
 time (``within``), so the request ends with a timeout when its time is spent.
+
+A host name is resolved here and the connection made to an address checked to be public
+(``ipaddress``'s ``is_global``), unless the request is made ``within(..., internal=True)``:
+whoever controls the name's DNS could otherwise point it, between two requests too, at a
+loopback, private or link-local address (a cloud's metadata service).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -20,16 +28,32 @@ import httpcore
 import httpx
 
 _deadline: ContextVar[float] = ContextVar("request_deadline", default=math.inf)
+_internal: ContextVar[bool] = ContextVar("request_may_reach_internal_addresses", default=False)
 
 
 @contextmanager
-def within(seconds: float) -> Iterator[None]:
-    """The requests made in the block end within ``seconds`` in all."""
-    token = _deadline.set(time.monotonic() + seconds)
+def within(seconds: float, internal: bool = False) -> Iterator[None]:
+    """The requests made in the block end within ``seconds`` in all; with ``internal``, they
+    may reach addresses that are not public."""
+    deadline, internal_token = _deadline.set(time.monotonic() + seconds), _internal.set(internal)
     try:
         yield
     finally:
-        _deadline.reset(token)
+        _deadline.reset(deadline)
+        _internal.reset(internal_token)
+
+
+def public_address(host: str, port: int) -> str:
+    """The first address ``host`` resolves to, if it is public; ``ConnectError`` otherwise."""
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise httpcore.ConnectError(f"{host[:100]} does not resolve: {exc}") from exc
+    for *_, sockaddr in found:
+        address = str(sockaddr[0])
+        if ipaddress.ip_address(address.split("%")[0]).is_global:
+            return address
+    raise httpcore.ConnectError(f"{host[:100]} resolves to no public address; an endpoint marked internal may")
 
 
 def _left(timeout: float | None, error: type[Exception]) -> float:
@@ -66,11 +90,14 @@ class _Backend(httpcore.NetworkBackend):
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
                     socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
-        return _Stream(self._backend.connect_tcp(host, port, _left(timeout, httpcore.ConnectTimeout), local_address,
-                                                 socket_options))
+        address = host if _internal.get() else public_address(host, port)
+        return _Stream(self._backend.connect_tcp(address, port, _left(timeout, httpcore.ConnectTimeout),
+                                                 local_address, socket_options))
 
     def connect_unix_socket(self, path: str, timeout: float | None = None,
                             socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        if not _internal.get():
+            raise httpcore.ConnectError("a unix socket is no public address")
         return _Stream(self._backend.connect_unix_socket(path, _left(timeout, httpcore.ConnectTimeout),
                                                          socket_options))
 
@@ -80,7 +107,8 @@ class _Backend(httpcore.NetworkBackend):
 
 def bounded_client(timeout: httpx.Timeout) -> httpx.Client:
     """An ``httpx.Client`` (no redirects, no proxy or settings from the environment) whose
-    requests made ``within`` a time end within it."""
+    requests made ``within`` a time end within it, and reach public addresses only unless
+    made ``within(..., internal=True)``."""
     transport = httpx.HTTPTransport(trust_env=False)
     # httpx takes no network backend: its pool is the one place one goes in
     transport._pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(), network_backend=_Backend(),

@@ -69,6 +69,7 @@ service = Service("webhooks", batch_size=BATCH_SIZE, in_process_retries=MAX_TRIE
 class Endpoint:
     url: str
     secret: bytes
+    internal: bool = False  # its host may resolve to a loopback, private or link-local address
 
     def __repr__(self) -> str:  # the secret never reaches a log line
         return f"Endpoint(url={self.url!r})"
@@ -89,7 +90,8 @@ def _secret(owner: str, entry: dict[str, Any]) -> bytes:
 
 def load_endpoints(path: Path) -> dict[str, Endpoint]:
     """``{"<owner>": {"url": "https://...", "secret_file": "/run/secrets/x"}}`` (or
-    ``"secret_env": "VAR"``): the operator's list of endpoints, one per owner."""
+    ``"secret_env": "VAR"``): the operator's list of endpoints, one per owner. An endpoint
+    reaches public addresses only (``choreo.bounded_http``) unless marked ``"internal": true``."""
     raw = json.loads(path.read_text())
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a JSON object of owner -> endpoint")
@@ -98,7 +100,7 @@ def load_endpoints(path: Path) -> dict[str, Endpoint]:
         url = str(entry.get("url", ""))
         if httpx.URL(url).scheme not in ("http", "https"):
             raise ValueError(f"webhook of {owner}: an http(s) URL is required")
-        endpoints[str(owner)] = Endpoint(url, _secret(str(owner), entry))
+        endpoints[str(owner)] = Endpoint(url, _secret(str(owner), entry), entry.get("internal") is True)
     return endpoints
 
 
@@ -147,7 +149,7 @@ def _post(flow: Workflow) -> Any:
         headers = {"Content-Type": "application/json", H_ID: header_id(outcome.event_id),
                    H_TIMESTAMP: timestamp, H_SIGNATURE: sign(endpoint.secret, timestamp, body)}
         try:
-            with within(TIMEOUT_S), sender.client.stream("POST", endpoint.url, content=body,
+            with within(TIMEOUT_S, endpoint.internal), sender.client.stream("POST", endpoint.url, content=body,
                                                          headers=headers) as answer:
                 status = answer.status_code  # the body is never read: a receiver cannot make us wait on it
         except httpx.HTTPError as exc:

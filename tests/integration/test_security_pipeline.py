@@ -186,7 +186,8 @@ def start_pipeline(data: Path, envs: dict[str, Path], hook_url: str,
     secret_file.write_bytes(hook_secret)
     secret_file.chmod(0o600)
     endpoints = data / "webhooks.json"
-    endpoints.write_text(json.dumps({"owner-secured": {"url": hook_url, "secret_file": str(secret_file)}}))
+    endpoints.write_text(json.dumps({"owner-secured": {"url": hook_url, "secret_file": str(secret_file),
+                                                       "internal": True}}))  # a loopback receiver
     procs[HOOKS] = service_process(ServiceSpec(HOOKS, "choreo.webhooks:service"), cfg=cfg, env={
         **read_env_file(envs[HOOKS]), "WEBHOOKS_FILE": str(endpoints)})
     url = f"https://127.0.0.1:{free_port()}"  # ingestion.env names its certificate

@@ -99,7 +99,7 @@ def test_each_owner_gets_one_signed_outcome_per_delivery_retries_then_dead_lette
         secret_file = tmp_path / f"{owner}.secret"
         secret_file.write_bytes(secrets[owner])
         secret_file.chmod(0o600)
-        config[owner] = {"url": f"http://127.0.0.1:{port}{path}", "secret_file": str(secret_file)}
+        config[owner] = {"url": f"http://127.0.0.1:{port}{path}", "secret_file": str(secret_file), "internal": True}
     hooks = tmp_path / "webhooks.json"
     hooks.write_text(json.dumps(config))
     topology.create(WORKFLOW)
@@ -168,14 +168,16 @@ def test_each_owner_gets_one_signed_outcome_per_delivery_retries_then_dead_lette
         running.kill()
 
 
-def _configured(owners: dict[str, str], port: int, tmp_path: Path) -> Path:
-    """The operator's webhooks file: each owner's path on the receiver, with a secret."""
+def _configured(owners: dict[str, str], port: int, tmp_path: Path, outside: str = "") -> Path:
+    """The operator's webhooks file: each owner's path on the receiver, with a secret; the
+    receiver is on loopback, so each endpoint is marked internal but ``outside``'s."""
     config = {}
     for i, (owner, path) in enumerate(owners.items()):
         secret_file = tmp_path / f"{owner}.secret"
         secret_file.write_bytes(f"secret-{i}".encode())
         secret_file.chmod(0o600)
-        config[owner] = {"url": f"http://127.0.0.1:{port}{path}", "secret_file": str(secret_file)}
+        config[owner] = {"url": f"http://127.0.0.1:{port}{path}", "secret_file": str(secret_file),
+                         "internal": owner != outside}
     hooks = tmp_path / "webhooks.json"
     hooks.write_text(json.dumps(config))
     return hooks
@@ -186,10 +188,13 @@ def test_a_receiver_that_never_ends_its_answer_holds_no_outcome_of_another_owner
     """Two receivers that answer ``100 Continue`` every half second, or their head a byte at
     a time, for ever: each read came within httpx's read timeout, so a try never ended, the
     batch never did, and no owner behind them was told anything. Each try now ends within
-    its timeout in all: their outcomes are dead-lettered and the other owners' are posted."""
+    its timeout in all: their outcomes are dead-lettered and the other owners' are posted.
+    An endpoint not marked internal reaches no loopback address (its name could resolve to
+    one, or to a cloud's metadata service): its outcome is dead-lettered unsent."""
     got, port = receiver
-    owners = {f"ok-{unique}": "/ok", f"continue-{unique}": "/continue", f"drip-{unique}": "/drip"}
-    hooks = _configured(owners, port, tmp_path)
+    owners = {f"ok-{unique}": "/ok", f"continue-{unique}": "/continue", f"drip-{unique}": "/drip",
+              f"outside-{unique}": "/outside"}
+    hooks = _configured(owners, port, tmp_path, outside=f"outside-{unique}")
     topology.create(WORKFLOW)
     for topic in ("delivery.shipped", "delivery.failed", "compensation.log"):
         start_group_at_end("webhooks", topic)
@@ -198,7 +203,7 @@ def test_a_receiver_that_never_ends_its_answer_holds_no_outcome_of_another_owner
                                                           "WEBHOOK_BATCH_SIZE": "2"}).start()
     running.procs.append(hook)
     try:
-        stalling = [delivery_request(owner_id=f"{kind}-{unique}") for kind in ("continue", "drip")]
+        stalling = [delivery_request(owner_id=f"{kind}-{unique}") for kind in ("continue", "drip", "outside")]
         ok = [delivery_request(owner_id=f"ok-{unique}") for _ in range(3)]
         ids = set(submit(stalling + ok))
         wait_terminal(ids, timeout_s=120)
@@ -207,10 +212,13 @@ def test_a_receiver_that_never_ends_its_answer_holds_no_outcome_of_another_owner
         stalled_ids = {r.delivery_id for r in stalling}
         letters = wait_for(lambda: len(x := {(r.key or b"").decode(): r for r in of(read_topic("delivery.shipped.dlq"),
                                                                                      stalled_ids)
-                                             if r.header("dlq.service") == "webhooks"}) == 2 and x,
-                           timeout_s=60, what="the stalling receivers' outcomes dead-lettered")
-        assert all("network: ReadTimeout" in (r.header("dlq.error") or "") for r in letters.values())
+                                             if r.header("dlq.service") == "webhooks"}) == 3 and x,
+                           timeout_s=60, what="the stalling and the outside receivers' outcomes dead-lettered")
+        errors = [r.header("dlq.error") or "" for r in letters.values()]
+        assert sum("network: ReadTimeout" in why for why in errors) == 2
+        assert sum("network: ConnectError" in why for why in errors) == 1, errors
         assert all(len(got.by_delivery(path)) == 1 for path in ("/continue", "/drip"))  # tried, not forgotten
+        assert not got.by_delivery("/outside")  # never reached
         assert hook.alive()
     finally:
         running.kill()
