@@ -19,6 +19,7 @@ import ipaddress
 import math
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -43,21 +44,45 @@ def within(seconds: float, internal: bool = False) -> Iterator[None]:
         _internal.reset(internal_token)
 
 
-def public_address(host: str, port: int) -> str:
-    """The first address ``host`` resolves to, if it is public; ``ConnectError`` otherwise."""
+def public_addresses(host: str, port: int) -> list[str]:
+    """The public addresses ``host`` resolves to, in the resolver's order; ``ConnectError``
+    when there is none. The lookup is bounded by the request's time (a resolver has no
+    timeout of its own: a name server that never answers held the request)."""
+    lookup = _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
     try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        found = lookup.result(timeout=_left(None, httpcore.ConnectTimeout))
+    except FutureTimeout as exc:
+        raise httpcore.ConnectTimeout(f"{host[:100]} did not resolve within the request's time") from exc
     except OSError as exc:
         raise httpcore.ConnectError(f"{host[:100]} does not resolve: {exc}") from exc
-    for *_, sockaddr in found:
-        address = str(sockaddr[0])
-        if ipaddress.ip_address(address.split("%")[0]).is_global:
-            return address
-    raise httpcore.ConnectError(f"{host[:100]} resolves to no public address; an endpoint marked internal may")
+    addresses = [str(sockaddr[0]) for *_, sockaddr in found if _public(str(sockaddr[0]))]
+    if not addresses:
+        raise httpcore.ConnectError(f"{host[:100]} resolves to no public address; an endpoint marked internal may")
+    return list(dict.fromkeys(addresses))
 
 
-def _left(timeout: float | None, error: type[Exception]) -> float:
-    left = _deadline.get() - time.monotonic()
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="resolve")
+
+
+def _public(address: str) -> bool:
+    """Whether ``address`` is public, and so is any IPv4 address inside it (IPv4-mapped,
+    6to4, Teredo, NAT64: each reaches that IPv4 address)."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    inner: list[ipaddress.IPv4Address] = []
+    if isinstance(ip, ipaddress.IPv6Address):
+        inner = [a for a in (ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None) if a is not None]
+        if ip in _NAT64:
+            inner.append(ipaddress.IPv4Address(int(ip) & 0xFFFF_FFFF))
+    return all(a.is_global and not a.is_multicast for a in (ip, *inner))
+
+
+def _left(timeout: float | None, error: type[Exception]) -> float | None:
+    """``timeout`` cut to what is left of the request's time (none outside ``within``)."""
+    deadline = _deadline.get()
+    if deadline == math.inf:
+        return timeout
+    left = deadline - time.monotonic()
     if left <= 0:
         raise error("the request's time is spent")
     return left if timeout is None else min(timeout, left)
@@ -90,9 +115,15 @@ class _Backend(httpcore.NetworkBackend):
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
                     socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
-        address = host if _internal.get() else public_address(host, port)
-        return _Stream(self._backend.connect_tcp(address, port, _left(timeout, httpcore.ConnectTimeout),
-                                                 local_address, socket_options))
+        failed: Exception | None = None
+        for address in [host] if _internal.get() else public_addresses(host, port):
+            try:  # each checked address in turn, as a connect to the name tries each of its own
+                return _Stream(self._backend.connect_tcp(address, port, _left(timeout, httpcore.ConnectTimeout),
+                                                         local_address, socket_options))
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                failed = exc
+        assert failed is not None
+        raise failed
 
     def connect_unix_socket(self, path: str, timeout: float | None = None,
                             socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
@@ -111,7 +142,8 @@ def bounded_client(timeout: httpx.Timeout) -> httpx.Client:
     made ``within(..., internal=True)``."""
     transport = httpx.HTTPTransport(trust_env=False)
     # httpx takes no network backend: its pool is the one place one goes in
-    transport._pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(), network_backend=_Backend(),
+    transport._pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(trust_env=False),
+                                              network_backend=_Backend(),
                                               max_connections=100, max_keepalive_connections=20,
                                               keepalive_expiry=5.0)
     return httpx.Client(transport=transport, timeout=timeout, follow_redirects=False, trust_env=False)

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.client import Pipeline
-from redis.exceptions import (AskError, ClusterDownError, ClusterError, ConnectionError as RedisConnectionError,
+from redis.exceptions import (AskError, ClusterError, ConnectionError as RedisConnectionError, InvalidResponse,
                               NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError, SlotNotCoveredError,
                               TimeoutError as RedisTimeout, TryAgainError)
 
@@ -38,23 +38,21 @@ TRANSIENT: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeout, As
                                           TryAgainError, ReadOnlyError, SlotNotCoveredError)
 
 
-# Redis refusing a call whatever its arguments: the replies redis-py names, and the codes it
-# leaves in the text of a plain ResponseError
-REFUSALS: tuple[type[Exception], ...] = (OutOfMemoryError, NoPermissionError, ReadOnlyError, AskError,
-                                         TryAgainError, ClusterDownError)
-REFUSAL_CODES = {"OOM", "NOPERM", "MASTERDOWN", "MISCONF", "BUSY", "LOADING", "READONLY", "NOREPLICAS",
-                 "CLUSTERDOWN", "TRYAGAIN", "NOAUTH"}
+# Redis refusing a call whatever its arguments, besides ``TRANSIENT``: the replies redis-py
+# names (it strips their code), the codes of those it does not (left in the text), and a
+# reply it could not parse (the connection's, not the call's)
+REFUSALS: tuple[type[Exception], ...] = (*TRANSIENT, OutOfMemoryError, NoPermissionError, InvalidResponse)
+REFUSAL_CODES = {"MISCONF", "BUSY", "NOREPLICAS"}
 
 
 def refused_by_redis(exc: BaseException) -> bool:
     """Whether ``exc`` is Redis unreachable or refusing a call whatever its input (out of
-    memory, an ACL, a replica cut from its master), not a call failing on what it was given
-    (a script's Lua error, a command refusing its arguments, a key of the wrong type)."""
-    if not isinstance(exc, redis.RedisError):
-        return False
-    if isinstance(exc, REFUSALS) or not isinstance(exc, redis.ResponseError):
+    memory, an ACL, a replica cut from its master, a cluster's slots moving), not a call
+    failing on what it was given: a script's Lua error, a command refusing its arguments, a
+    key of the wrong type, or an argument redis-py will not send (``DataError``)."""
+    if isinstance(exc, REFUSALS):
         return True
-    return str(exc).split(" ", 1)[0] in REFUSAL_CODES
+    return type(exc) is ResponseError and str(exc).split(" ", 1)[0] in REFUSAL_CODES
 
 
 # the replies that say the slot map this client holds is out of date

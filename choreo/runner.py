@@ -75,6 +75,7 @@ DLQ_HEADERS = (H_DLQ_REASON, H_DLQ_ERROR, H_DLQ_SOURCE_TOPIC, H_DLQ_SOURCE_PARTI
 # aborted its batch, which was read again, for ever. A compressed batch brings the consumer
 # far larger records than that.
 DEAD_LETTER_COPY_MAX_BYTES = 900_000
+HEADER_OVERHEAD_BYTES = 10  # a header's length fields on the wire, besides its name and value
 
 
 class BatchTransient(Exception):
@@ -83,6 +84,7 @@ class BatchTransient(Exception):
 
 
 BATCH_ABORTS: tuple[type[Exception], ...] = (*TRANSIENT_OR_REGISTRY, BatchTransient, KafkaException)
+REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, *TRANSIENT)  # a cluster's errors are not all RedisErrors
 
 
 @dataclass
@@ -213,6 +215,8 @@ class Attempt:
             self.request, self.dropped = None, dropped.why
         except BATCH_ABORTS:
             raise  # the batch is aborted and read again
+        except OSError as exc:  # a remote call of the rule's own that failed (a socket, a timeout): again
+            self.request, self.error = None, Retryable(f"{type(exc).__name__}: {str(exc)[:300]}")
         except Exception as exc:  # noqa: BLE001 - neither a retry nor a refusal: a bug in the rule, or
             # an input it does not refuse. Raised out of the batch, it stopped the service at every
             # restart on the same record: its partition stood still
@@ -422,8 +426,8 @@ class Runner:
                     return  # read again: not a batch done
             clock.lap("commit")
             metrics.BATCH_SIZE.labels(self.service.name).observe(len(batch))
-        except RedisError as exc:
-            if not isinstance(exc, TRANSIENT) and not refused_by_redis(exc):
+        except REDIS_ERRORS as exc:
+            if not refused_by_redis(exc):
                 raise  # a script of the runtime's own failed on its arguments: a bug
             # unreachable, or refusing whatever the input (out of memory, an ACL): read it again
             self.log.warning("batch.transient", error=f"redis: {exc}")
@@ -717,7 +721,10 @@ class Runner:
         """After a failed try: True to try again in this batch, else the failure is settled."""
         w, error = run.work, run.error
         step, envelope, message = w.handler.step, w.envelope, w.message
-        if isinstance(error, Rejected):
+        # a completed step's replay that raises is tried again, then the batch: dead-lettered,
+        # its input would be committed without the outputs the step's completion owes
+        replayed_bug = w.verdict is Begin.REPLAY and getattr(error, "reason", None) is DeadLetterReason.HANDLER_ERROR
+        if isinstance(error, Rejected) and not replayed_bug:
             if step is not None:
                 self.state.finish(envelope.correlation_id, step, envelope.attempt, now_ms(),
                                   StepStatus.FAILED, str(error))
@@ -885,33 +892,41 @@ class Runner:
         headers: HeaderList = [(k, v) for k, v in pairs(message.headers())
                                if not k.startswith(DLQ_HEADER_PREFIX)]
         key, value = message.key(), message.value()
-        size = len(key or b"") + len(value or b"") + sum(len(k) + len(v or b"") for k, v in headers)
-        if size > DEAD_LETTER_COPY_MAX_BYTES:
-            # a letter without the record (but a key of an id's length): no redrive sends it
-            # again (no envelope), and the record stays where the letter says while its topic
-            # retains it
-            key = key if key is not None and len(key) <= MAX_ID_CHARS else None
-            value, headers = None, []
-            error = (f"the record's {size} bytes are not copied (over {DEAD_LETTER_COPY_MAX_BYTES}): it is "
-                     f"at {topic}|{message.partition()}|{message.offset()}; {error}")
-        headers += [
-            (H_DLQ_REASON, reason.value.encode()),
-            (H_DLQ_ERROR, error[:1000].encode()),
-            (H_DLQ_SOURCE_TOPIC, topic.encode()),
-            (H_DLQ_SOURCE_PARTITION, str(message.partition()).encode()),
-            (H_DLQ_SOURCE_OFFSET, str(message.offset()).encode()),
-            (H_DLQ_SERVICE, self.service.name.encode()),
-            (H_DLQ_TIME_MS, str(now_ms()).encode()),
-        ]
+        size = _size(key) + _size(value) + sum(HEADER_OVERHEAD_BYTES + _size(k) + _size(v) for k, v in headers)
+        if size <= DEAD_LETTER_COPY_MAX_BYTES:
+            try:
+                self._send_letter(message, reason, error, key, value, headers)
+                return
+            except KafkaException as exc:  # the producer's own count of the message, past its limit
+                if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise
+        # a letter without the record (but a key of an id's length): no redrive sends it again
+        # (no envelope), and the record stays where the letter says while its topic retains it
+        self._send_letter(message, reason, f"the record's {size} bytes are not copied (over "
+                          f"{DEAD_LETTER_COPY_MAX_BYTES}): it is at {topic}|{message.partition()}|"
+                          f"{message.offset()}; {error}", key if key is None or len(key) <= MAX_ID_CHARS else None,
+                          None, [])
+
+    def _send_letter(self, message: Message, reason: DeadLetterReason, error: str, key: bytes | None,
+                     value: bytes | None, headers: HeaderList) -> None:
+        topic = message.topic() or ""
+        headers = [*headers,
+                   (H_DLQ_REASON, reason.value.encode()),
+                   (H_DLQ_ERROR, error[:1000].encode()),
+                   (H_DLQ_SOURCE_TOPIC, topic.encode()),
+                   (H_DLQ_SOURCE_PARTITION, str(message.partition()).encode()),
+                   (H_DLQ_SOURCE_OFFSET, str(message.offset()).encode()),
+                   (H_DLQ_SERVICE, self.service.name.encode()),
+                   (H_DLQ_TIME_MS, str(now_ms()).encode())]
         # retry topics share their origin's dead-letter topic: one place to look per event type
         origin = self.service.handlers[topic].topic if topic in self.service.handlers else topic
+        self.producer.produce(dlq_topic(origin), key=key, value=value, headers=headers)
         # the delivery whose state waits for a redrive: the one the letter's own envelope names,
         # as the redrive sends it again and rebuild-state reads it (not the incoming record's,
         # which a malformed dlq.* header alone, dropped above, made unusable)
         envelope = Envelope.from_headers(headers)
         if envelope is not None:
             self._dead_lettered.add(envelope.correlation_id)
-        self.producer.produce(dlq_topic(origin), key=key, value=value, headers=headers)
         metrics.DEAD_LETTERS.labels(self.service.name, topic, reason.value).inc()
         self.log.warning("event.dead_lettered", topic=topic, partition=message.partition(),
                          offset=message.offset(), reason=reason.value, error=error[:300])
@@ -947,6 +962,13 @@ class PhaseClock:
         metrics.child(metrics.BATCH_PHASE_SECONDS, self.service, phase).observe(now - self.last)
         metrics.child(metrics.BATCH_PHASE_CPU_SECONDS, self.service, phase).inc(cpu - self.last_cpu)
         self.last, self.last_cpu = now, cpu
+
+
+def _size(part: bytes | str | None) -> int:
+    """What a key, value or header part takes on the wire (a text as UTF-8)."""
+    if isinstance(part, str):
+        return len(part.encode(errors="surrogatepass"))
+    return len(part or b"")
 
 
 def _as_events(result: Event | Iterable[Event] | None) -> list[Event]:

@@ -114,6 +114,7 @@ from choreo.envelope import H_CORRELATION_ID, MAX_ID_CHARS, Envelope, header_val
 from choreo.kafka import admin
 from choreo.events import Event, disagrees_with
 from choreo.join import FAILED, Join, fanin_fields, result_text
+from choreo.outcomes import undoes
 from choreo.ops.dlq import DeadLetter
 from choreo.ops.records import (BodyDecoder, Progress, Rec, Span, existing_topics, partition_for, read, reader,
                                 resolve)
@@ -632,7 +633,7 @@ class Rebuilder:
             join, outcome, _ = declared.outcome
             facts.outcome = facts.outcome or outcome
             if outcome == FAILED:  # unread too when its reader runs outside the workflow
-                listed = [s for s in getattr(failure, "compensate", None) or () if s in self.compensable]
+                listed = undoes(getattr(failure, "compensate", None) or (), self.workflow)  # as the supervisor lists them
                 readers = self.handlers.get(r.topic, [])
                 read = bool(readers) and all(read_by(reader.service) for reader in readers)
                 facts.failure_unread = facts.failure_unread or not read

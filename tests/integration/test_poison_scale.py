@@ -145,6 +145,8 @@ class Poisoner:
             return one(good[:5] + rng.randbytes(1_040_000), R.OVERSIZED)
         if kind == "huge_compressed":  # ten megabytes of zeros, a few kilobytes in the batch
             return one(good[:5] + bytes(10_000_000), R.OVERSIZED)
+        if kind == "many_headers":  # a few bytes each, a megabyte on the wire: librdkafka reads none
+            return one(b"\xff not avro", R.MISSING_HEADERS, h=[*hdr, *[("h", None)] * 340_000])
         if kind == "late_time":  # a production time no datetime holds (an outcome is dated by it)
             return one(good, R.MISSING_HEADERS,
                        h=[(k, b"9" * 17 if k == "produced_at_ms" else v) for k, v in hdr])
@@ -175,7 +177,7 @@ class Poisoner:
 
 
 KINDS = ["garbage", "wrong_magic", "unknown_schema", "truncated", "wrong_schema", "oversized", "huge",
-         "huge_compressed", "tombstone", "empty", "no_headers", "bad_headers", "late_time", "hop_storm",
+         "huge_compressed", "many_headers", "tombstone", "empty", "no_headers", "bad_headers", "late_time", "hop_storm",
          "other_delivery"]
 
 
@@ -212,7 +214,7 @@ def poison_all(poisoner: Poisoner) -> list[Poison]:
     records: list[Poison] = []
     for topic in MODELS:
         for kind in KINDS:
-            for _ in range(2 if kind == "oversized" or kind in HUGE else PER_KIND):
+            for _ in range(2 if kind == "oversized" or kind in HUGE or kind == "many_headers" else PER_KIND):
                 records.append(poisoner.make(topic, kind))
         if topic == "delivery.requested":
             records += [poisoner.make(topic, "invalid_payload") for _ in range(PER_KIND)]

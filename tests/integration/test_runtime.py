@@ -339,7 +339,10 @@ def test_a_redis_out_of_memory_holds_the_batch_and_dead_letters_nothing(
     redis_client.config_set("maxmemory", 1)
     try:
         [held] = _publish([delivery_request(weight_kg=1.0)], topic)
-        time.sleep(6)  # a few batches' tries
+        wait_for(lambda: "maxmemory" in services[-1].log_file.read_text(errors="replace"), timeout_s=30,
+                 what="the batch refused by Redis")  # read, and held: nothing out
+        time.sleep(3)  # a few more tries
+        assert "batch.transient" in services[-1].log_file.read_text(errors="replace")
         assert [r.envelope.causation_id for r in read_topic(f"{topic}.out") if r.envelope] == [warm]
         assert services[-1].alive()
     finally:

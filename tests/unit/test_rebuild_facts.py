@@ -289,3 +289,12 @@ def test_a_record_a_newer_writer_wrote_restores_what_its_first_version_would() -
     rebuilder._fact(Rec("drone.scheduled", 0, 5, 1_800_000_000_000, b"d-1", BODY, _headers(envelope)), {})
     assert rebuilder.facts["d-1"].holds["fleet"].member == "drone-00007"
     assert set(rebuilder.facts["d-1"].results) == {"drone"}
+
+
+def test_a_failure_listing_a_step_many_times_restores_it_once_in_the_undo_order() -> None:
+    """As the supervisor records it (``outcomes.undoes``): a step listed ten thousand times
+    would be walked ten thousand times by every script that reads the order."""
+    rebuilder = _rebuilder({**FAILURE, "compensate": ["package"] * 10_000})
+    envelope = Envelope.first("e-18", "d-1", "DeliveryFailed", "delivery")
+    rebuilder._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", BODY, _headers(envelope)), {})
+    assert rebuilder.facts["d-1"].undo["undo.order"] == "package"
