@@ -3,8 +3,11 @@
 The state table keeps a decided delivery for the join's retention only; Kafka keeps its
 whole story (``choreo.ops.trace`` finds it without reading whole topics). Reading it costs a
 scan of one partition per topic from the request on, so lookups are bounded: a few at a
-time per process (``INGESTION_HISTORY_CONCURRENCY``; past it, 503 with ``Retry-After``), and
-a decided delivery's answer is remembered (it cannot change) for the next reader.
+time per process (``INGESTION_HISTORY_CONCURRENCY``), and fewer per caller
+(``INGESTION_HISTORY_PER_CALLER``), so that one caller looping over ids nobody submitted
+(each a scan of the request topic's window) leaves the others slots; past either, 503 with
+``Retry-After``. A decided delivery's answer is remembered (it cannot change) for the next
+reader.
 """
 
 from __future__ import annotations
@@ -37,27 +40,37 @@ class History:
 
 
 class KafkaHistory:
-    def __init__(self, workflow: Workflow, client: redis.Redis, concurrency: int) -> None:
+    def __init__(self, workflow: Workflow, client: redis.Redis, concurrency: int, per_caller: int) -> None:
         self.workflow = workflow
         self.redis = client
         self._slots = threading.BoundedSemaphore(concurrency)
+        self._per_caller = per_caller
+        self._callers: dict[str, int] = {}  # lookups under way per caller (none: absent)
         self._decided: OrderedDict[str, History] = OrderedDict()
         self._lock = threading.Lock()
         self._deciding = {model.__name__: model for model in workflow.outcome_labels}
 
-    def lookup(self, delivery_id: str) -> History | None:
+    def lookup(self, delivery_id: str, caller: str) -> History | None:
         """The delivery's story as a status, or None if Kafka holds no request for it (within
-        the trace's window). Blocking: call it from a worker thread."""
+        the trace's window). ``caller``: who asks (its owner, or its address without tokens).
+        Blocking: call it from a worker thread."""
         with self._lock:
             known = self._decided.get(delivery_id)
-        if known is not None:
-            return known
-        if not self._slots.acquire(blocking=False):
-            raise HistoryBusy("too many history lookups at once")
+            if known is not None:
+                return known
+            if self._callers.get(caller, 0) >= self._per_caller:
+                raise HistoryBusy("too many history lookups at once for this caller")
+            if not self._slots.acquire(blocking=False):
+                raise HistoryBusy("too many history lookups at once")
+            self._callers[caller] = self._callers.get(caller, 0) + 1
         try:
             found = self._read(delivery_id)
         finally:
-            self._slots.release()
+            with self._lock:
+                self._slots.release()
+                left = self._callers.pop(caller) - 1
+                if left:
+                    self._callers[caller] = left
         if found is not None and found.status["outcome"]:
             with self._lock:
                 self._decided[delivery_id] = found

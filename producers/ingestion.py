@@ -28,7 +28,8 @@ Owner tokens (on when ``INGESTION_TOKENS`` or ``INGESTION_TOKENS_FILE`` is set):
   404 GET of another owner's delivery (indistinguishable from an unknown delivery)
 A delivery's state stays in Redis for a while after it ended; then ``GET /deliveries/{id}``
 answers from Kafka (``producers.history``, ``"source": "kafka"``), still only to its owner
-(the request's ``owner_id``); 503 with ``Retry-After`` while every Kafka lookup slot is busy.
+(the request's ``owner_id``); 503 with ``Retry-After`` while every Kafka lookup slot is busy,
+or the caller's own.
 ``GET /deliveries/{id}/events`` streams its status changes (server-sent events,
 ``producers.stream``), authorised like the status; 429 past the streams a client may hold.
 ``/metrics``, ``/docs`` and ``/openapi.json`` need a valid token too (401 without);
@@ -254,7 +255,8 @@ def create_app(settings: IngestionSettings | None = None,
         app.state.submitter = sub
         publisher = getattr(sub, "publisher", None)  # a stand-in submitter may have none
         if publisher is not None and publisher.workflow is not None:
-            app.state.history = KafkaHistory(publisher.workflow, sub.redis, cfg.history_concurrency)
+            app.state.history = KafkaHistory(publisher.workflow, sub.redis, cfg.history_concurrency,
+                                             cfg.history_per_caller)
         if settle_gc:  # the process is ours (``choreo serve``), its start-up done
             settle_garbage_collector()
         try:
@@ -373,12 +375,13 @@ def create_app(settings: IngestionSettings | None = None,
 
     streams = StreamSlots(cfg.sse_per_client, cfg.sse_max_streams, cfg.sse_max_s)
 
-    async def from_kafka(request: Request, delivery_id: str) -> History | None:
-        """The delivery's story from Kafka (its state expired); HistoryBusy when no slot is free."""
+    async def from_kafka(request: Request, delivery_id: str, caller: str) -> History | None:
+        """The delivery's story from Kafka (its state expired); HistoryBusy when no slot is free
+        (for this caller or at all)."""
         history: KafkaHistory | None = getattr(request.app.state, "history", None)
         if history is None:
             return None
-        return await run_in_threadpool(history.lookup, delivery_id)
+        return await run_in_threadpool(history.lookup, delivery_id, caller)
 
     async def find(request: Request, delivery_id: str) -> tuple[dict[str, Any] | None, str, Response | None]:
         """The delivery's status for this caller and who the caller is (the owner, or its
@@ -405,7 +408,7 @@ def create_app(settings: IngestionSettings | None = None,
         # the state expired, or (with tokens) the owner record did: the request on Kafka
         # says whose the delivery is
         try:
-            told = await from_kafka(request, delivery_id)
+            told = await from_kafka(request, delivery_id, caller)
         except HistoryBusy:
             return None, caller, error(503, "busy", "the delivery's history cannot be read now; retry",
                                        headers={"Retry-After": "1"})
@@ -439,7 +442,7 @@ def create_app(settings: IngestionSettings | None = None,
         async def story() -> dict[str, Any] | None:
             for _ in range(10):  # the lookup slots are busy only briefly
                 try:
-                    told = await from_kafka(request, delivery_id)
+                    told = await from_kafka(request, delivery_id, caller)
                     return told.status if told is not None else None
                 except HistoryBusy:
                     await asyncio.sleep(0.5)

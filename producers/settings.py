@@ -60,8 +60,10 @@ class IngestionSettings(BaseSettings):
     sse_per_client: int = Field(4, ge=1, alias="INGESTION_SSE_PER_CLIENT")
     sse_max_streams: int = Field(200, ge=1, alias="INGESTION_SSE_MAX_STREAMS")
     sse_poll_s: float = Field(0.25, ge=0.05, alias="INGESTION_SSE_POLL_S")
-    # status of an expired delivery, read from Kafka: lookups at once per process
-    history_concurrency: int = Field(2, ge=1, alias="INGESTION_HISTORY_CONCURRENCY")
+    # status of an expired delivery, read from Kafka: lookups at once per process, and per
+    # caller (its owner, or its address without tokens)
+    history_concurrency: int = Field(4, ge=1, alias="INGESTION_HISTORY_CONCURRENCY")
+    history_per_caller: int = Field(1, ge=1, alias="INGESTION_HISTORY_PER_CALLER")
 
     @property
     def auth_enabled(self) -> bool:

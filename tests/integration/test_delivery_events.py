@@ -124,6 +124,41 @@ def test_status_after_the_state_expired_is_told_from_kafka_to_its_owner_only(
     assert [d["topic"] for name, d in got if name == "history"] == topics
 
 
+def test_one_owner_looking_up_unknown_ids_leaves_another_owner_its_kafka_lookups(
+        api: httpx.Client, owners: dict[str, str]) -> None:
+    """Each id nobody submitted is a scan of the request topic's window: a caller looping
+    over them from many connections holds at most its own lookup slot, not every slot."""
+    client = connect(settings().redis_url)
+    expired = [submit(api, owners[BOB], BOB) for _ in range(3)]
+    for delivery_id in expired:
+        assert events(api, delivery_id, BOB)[-1][1]["outcome"] == "shipped"
+        client.delete(owner_redis_key(delivery_id), delivery_key(delivery_id))  # Kafka tells
+    bob = {"Authorization": f"Bearer {BOB}"}
+    alice = {"Authorization": f"Bearer {ALICE}"}
+    answered: list[int] = []
+    stop = threading.Event()
+
+    def loop_over_unknown_ids() -> None:
+        while not stop.is_set():
+            answered.append(api.get(f"/deliveries/{uuid.uuid4()}", headers=alice).status_code)
+
+    callers = [threading.Thread(target=loop_over_unknown_ids) for _ in range(8)]
+    for caller in callers:
+        caller.start()
+    try:
+        wait_for(lambda: 404 in answered and 503 in answered, timeout_s=30, interval_s=0.05,
+                 what="Alice's lookups answered and refused")
+        # the first lookup of each is a scan; a decided delivery's answer is remembered
+        told = [api.get(f"/deliveries/{delivery_id}", headers=bob) for delivery_id in expired for _ in range(3)]
+    finally:
+        stop.set()
+        for caller in callers:
+            caller.join(30)
+    assert [answer.status_code for answer in told] == [200] * 9, [answer.text for answer in told]
+    assert {answer.json()["source"] for answer in told} == {"kafka"}
+    assert set(answered) == {404, 503}
+
+
 def test_streams_are_bounded_per_client_and_in_time(stack: None) -> None:
     cfg = ingestion_settings(uuid.uuid4().hex[:10], INGESTION_SSE_PER_CLIENT=1, INGESTION_SSE_MAX_S=3,
                              INGESTION_SSE_POLL_S=0.1)

@@ -1,0 +1,61 @@
+"""The Kafka lookups of expired deliveries are shared out per caller: one caller holds at
+most its own slots, and a lookup that fails gives its slot back."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from consumers.workflow import WORKFLOW
+from producers.history import History, HistoryBusy, KafkaHistory
+
+
+class Held(KafkaHistory):
+    """Every read waits until released (or raises), so slots stay taken while a test looks."""
+
+    def __init__(self, concurrency: int, per_caller: int) -> None:
+        super().__init__(WORKFLOW, None, concurrency, per_caller)  # type: ignore[arg-type]
+        self.release = threading.Event()
+        self.reading = threading.Semaphore(0)
+
+    def _read(self, delivery_id: str) -> History | None:
+        self.reading.release()
+        self.release.wait(10)
+        if delivery_id == "broken":
+            raise RuntimeError("the broker went away")
+        return None
+
+
+def held_lookup(history: Held, delivery_id: str, caller: str) -> threading.Thread:
+    thread = threading.Thread(target=history.lookup, args=(delivery_id, caller), daemon=True)
+    thread.start()
+    assert history.reading.acquire(timeout=10)
+    return thread
+
+
+def test_a_caller_past_its_share_is_refused_while_another_caller_is_served() -> None:
+    history = Held(concurrency=3, per_caller=1)
+    first = held_lookup(history, "a", "mallory")
+    with pytest.raises(HistoryBusy, match="this caller"):
+        history.lookup("b", "mallory")
+    second = held_lookup(history, "c", "alice")
+    third = held_lookup(history, "d", "bob")
+    with pytest.raises(HistoryBusy):  # every slot of the process taken
+        history.lookup("e", "carol")
+    history.release.set()
+    for thread in (first, second, third):
+        thread.join(10)
+    assert history.lookup("f", "mallory") is None  # given back
+
+
+def test_a_lookup_that_fails_gives_its_slots_back() -> None:
+    history = Held(concurrency=1, per_caller=1)
+    history.release.set()
+    answers: list[Any] = []
+    for _ in range(3):
+        with pytest.raises(RuntimeError):
+            history.lookup("broken", "alice")
+        answers.append(history.lookup("fine", "alice"))
+    assert answers == [None, None, None]
