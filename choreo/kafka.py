@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 
 from choreo.config import settings
+from choreo.envelope import Headers
 
 
 def base_config(bootstrap: str | None = None) -> dict[str, Any]:
@@ -97,6 +99,43 @@ def transactional_consumer_config(group: str, client_id: str) -> dict[str, Any]:
         "fetch.wait.max.ms": settings().kafka_fetch_wait_max_ms,
         "fetch.min.bytes": settings().kafka_fetch_min_bytes,
     }
+
+
+# The client's ``headers()`` returns its list with the decoding error left set. A call through
+# C (``methodcaller``) always checks for that and raises ``SystemError``; the interpreter's
+# specialised call of a hot ``message.headers()`` does not, and the error then surfaces at
+# some later, unrelated call (measured: Python 3.11, confluent-kafka 2.16.1)
+_read_headers = operator.methodcaller("headers")
+
+
+class UnreadableHeaders(ValueError):
+    """A record whose header names the client cannot read."""
+
+
+def headers_of(message: Message) -> Headers | None:
+    """The record's headers, as the client reads them. A header name that is not UTF-8 (no
+    client of ours writes one, but anyone who speaks the protocol can) makes
+    confluent-kafka's ``headers()`` raise ``SystemError``: ``UnreadableHeaders`` instead, so
+    that the record is refused like any other unusable one rather than stopping its reader.
+    The message keeps no headers from then on: the client caches the list it failed to
+    build, a name missing from it, and a second ``headers()`` would hand that over."""
+    try:
+        headers: Headers | None = _read_headers(message)
+        return headers
+    except SystemError as exc:
+        if isinstance(exc.__context__, UnicodeDecodeError):
+            message.set_headers([])
+            raise UnreadableHeaders("a header name is not UTF-8") from exc
+        raise
+
+
+def headers_if_readable(message: Message) -> Headers | None:
+    """``headers_of``, with None for headers the client cannot read: for the tools and the
+    copies that show or keep a record as far as it can be read."""
+    try:
+        return headers_of(message)
+    except UnreadableHeaders:
+        return None
 
 
 def admin(bootstrap: str | None = None) -> AdminClient:

@@ -31,7 +31,8 @@ from redis.exceptions import RedisError
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from choreo import metrics
-from choreo.kafka import TransactionalProducer, transactional_consumer_config, transactional_producer_config
+from choreo.kafka import (TransactionalProducer, UnreadableHeaders, headers_if_readable, headers_of,
+                          transactional_consumer_config, transactional_producer_config)
 from choreo.config import settings
 from choreo import dedupe
 from choreo.envelope import MAX_ID_CHARS, Envelope, HeaderList, Unusable, pairs, derived_id, now_ms
@@ -404,7 +405,7 @@ class Runner:
         taken: list[Work | Refused] = []
         try:
             self.producer.begin_transaction()
-            taken = [t for m in batch if (t := self._prepare(m, Envelope.parse(m.headers()))) is not None]
+            taken = [t for m in batch if (t := self._prepare(m, _envelope_of(m))) is not None]
             clock.lap("decode")
             work = self._begin_all(taken)
             clock.lap("begin")
@@ -889,7 +890,7 @@ class Runner:
     def _dead_letter(self, message: Message, reason: DeadLetterReason, error: str) -> None:
         topic = message.topic() or ""
         # an incoming dlq.* header is a forgery (or a stale copy): only ours tell the origin
-        headers: HeaderList = [(k, v) for k, v in pairs(message.headers())
+        headers: HeaderList = [(k, v) for k, v in pairs(headers_if_readable(message))
                                if not k.startswith(DLQ_HEADER_PREFIX)]
         key, value = message.key(), message.value()
         size = _size(key) + _size(value) + sum(HEADER_OVERHEAD_BYTES + _size(k) + _size(v) for k, v in headers)
@@ -990,6 +991,13 @@ def _waves(work: list[Work]) -> list[list[Work]]:
             waves.append([])
         waves[k].append(w)
     return waves
+
+
+def _envelope_of(message: Message) -> Envelope | Unusable:
+    try:
+        return Envelope.parse(headers_of(message))
+    except UnreadableHeaders as exc:
+        return Unusable(DeadLetterReason.MISSING_HEADERS, str(exc))
 
 
 def _next_offsets(batch: list[Message]) -> list[TopicPartition]:

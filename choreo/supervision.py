@@ -56,6 +56,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from choreo import keys
 from choreo.effects import OnceEffect
+from choreo.kafka import headers_if_readable
 from choreo.redis_client import NodePipelines, raise_first, write_waited
 from choreo.runtime_events import CompensationRecord
 from choreo.state import (MAX_ERROR_CHARS, deadline_index, deadline_shard, deadline_shards, delivery_key,
@@ -841,7 +842,7 @@ class SourceReader:
                         return None
                     continue
                 if msg.offset() == offset:
-                    raw_headers: Any = msg.headers() or []
+                    raw_headers: Any = headers_if_readable(msg) or []
                     headers = [(str(k), v if isinstance(v, bytes) else str(v or "").encode())
                                for k, v in raw_headers]
                     return Fetched(msg.value(), headers)

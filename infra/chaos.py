@@ -71,7 +71,7 @@ from confluent_kafka import (
 
 from choreo.config import REPO_ROOT, Settings, settings
 from choreo.envelope import pairs
-from choreo.kafka import wait_transactions_settled
+from choreo.kafka import headers_if_readable, wait_transactions_settled
 from choreo.pool import Pool
 from choreo.redis_client import connect
 from choreo.serde import forget_registry_clients
@@ -538,7 +538,7 @@ class Duplicator(threading.Thread):
                 for msg in consumer.consume(200, 0.2):
                     if msg.error() is not None or self.rng.random() >= self.plan.duplicate_rate:
                         continue
-                    headers: list[tuple[str, str | bytes | None]] = list(pairs(msg.headers()))
+                    headers: list[tuple[str, str | bytes | None]] = list(pairs(headers_if_readable(msg)))
                     if any(k == COPY_HEADER for k, _ in headers):
                         continue
                     due = time.monotonic() + self.rng.uniform(0.0, self.plan.max_copy_delay_s)

@@ -28,7 +28,7 @@ from rich.table import Table
 
 from choreo import contracts, topology
 from choreo.config import settings
-from choreo.kafka import base_config, admin as kafka_admin
+from choreo.kafka import base_config, admin as kafka_admin, headers_if_readable
 from choreo.envelope import Envelope
 from choreo.runtime_events import RUNTIME_EVENTS
 from choreo.serde import Decoder, registry_client
@@ -101,7 +101,7 @@ class Observer:
                 key, topic = msg.key(), msg.topic()
                 if msg.error() or key is None or topic is None:
                     continue
-                env = Envelope.from_headers(msg.headers())
+                env = Envelope.from_headers(headers_if_readable(msg))
                 now = time.monotonic()
                 delivery = key.decode()
                 with self.lock:

@@ -16,6 +16,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from choreo.config import settings
+from choreo.kafka import headers_if_readable
 from choreo.envelope import Envelope, header_value
 from choreo.state import deadline_shards, delivery_key
 from infra.process import port_in_use
@@ -113,7 +114,7 @@ def read_topic(topic: str, timeout_s: float = 10.0) -> list[Record]:
                         done.add(tp.partition)
                 continue
             records.append(Record(topic, msg.partition(), msg.offset(), msg.key(), msg.value(),
-                                  list(msg.headers() or []), msg.timestamp()[1]))
+                                  list(headers_if_readable(msg) or []), msg.timestamp()[1]))
             if msg.offset() + 1 >= ends[msg.partition()]:
                 done.add(msg.partition())
         return records

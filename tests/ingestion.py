@@ -14,6 +14,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from choreo.config import settings
 from choreo.envelope import header_value
+from choreo.kafka import headers_if_readable
 from choreo.serde import Decoder, registry_client
 from choreo.redis_client import connect
 from producers.admission import inflight_keys
@@ -83,7 +84,7 @@ def records_since(start: dict[int, int]) -> list[tuple[str, DeliveryRequested, d
             msg = consumer.poll(0.2)
             if msg is None or msg.error():
                 continue
-            raw = msg.headers() or []
+            raw = headers_if_readable(msg) or []
             headers = {h[0]: header_value(raw, h[0]) or "" for h in raw}
             key = msg.key()
             out.append((bytes(key).decode() if key else "", decode(msg.value()), headers))

@@ -107,7 +107,7 @@ from confluent_kafka import Message, TopicPartition
 
 from choreo import layout
 from choreo.batch import BatchScript, Item
-from choreo.kafka import wait_transactions_settled
+from choreo.kafka import headers_if_readable, wait_transactions_settled
 from choreo.config import settings
 from choreo.dedupe import seen_field, seen_key
 from choreo.envelope import H_CORRELATION_ID, MAX_ID_CHARS, Envelope, header_value, now_ms
@@ -176,7 +176,7 @@ class Pass:
     def accept(self) -> Callable[[Message], bool] | None:
         if self.shares == 1:
             return None
-        return lambda message: self.share_of(delivery_of(message.headers(), message.key())) == self.share
+        return lambda message: self.share_of(delivery_of(headers_if_readable(message), message.key())) == self.share
 
     def share_of(self, delivery: str) -> int:
         digest = hashlib.blake2b(delivery.encode(), digest_size=8, key=self.salt).digest()
@@ -406,7 +406,7 @@ class Rebuilder:
         """The first record that lies outside its delivery's partition (by the producers'
         partitioner), as a sentence, or "": one read of the window, nothing decoded."""
         def outside(message: Message) -> bool:  # a record of no delivery gives no fact
-            delivery = delivery_of(message.headers(), message.key()).encode()
+            delivery = delivery_of(headers_if_readable(message), message.key()).encode()
             return bool(delivery) and partition_for(delivery, partitions, self.partitioner) != message.partition()
 
         for partition in sorted({s.partition for s in spans}):  # as the passes read: what it buffers

@@ -23,7 +23,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from fastavro import schemaless_reader
 
-from choreo.kafka import base_config
+from choreo.kafka import base_config, headers_if_readable
 from choreo.envelope import Envelope, header_value, pairs
 from choreo.serde import (MAGIC_BYTE, DecodeFailure, RegistryUnavailable, WriterSchemas, bounded_writer,
                           registry_client, schema_id_of)
@@ -142,7 +142,7 @@ class Rec:
         # an empty value in its place would be a header's last value (``header_value``)
         return cls(message.topic() or "", message.partition() or 0, message.offset() or 0, ts,
                    message.key(), message.value(),
-                   [(k, v if isinstance(v, bytes) else v.encode()) for k, v in pairs(message.headers())
+                   [(k, v if isinstance(v, bytes) else v.encode()) for k, v in pairs(headers_if_readable(message))
                     if v is not None])
 
     @property

@@ -54,6 +54,7 @@ from schemas.models import (
 from tests.factories import delivery_request, request_body
 from tests.helpers import Record, read_topic, wait_for
 from tests.pipeline import Pipeline, submit
+from tests.raw_kafka import RawRecord, produce_raw
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -147,6 +148,8 @@ class Poisoner:
             return one(good[:5] + bytes(10_000_000), R.OVERSIZED)
         if kind == "many_headers":  # a few bytes each, a megabyte on the wire: librdkafka reads none
             return one(b"\xff not avro", R.MISSING_HEADERS, h=[*hdr, *[("h", None)] * 340_000])
+        if kind == "binary_header_name":  # a name no UTF-8 decoder reads (surrogate escapes: raw bytes)
+            return one(good, R.MISSING_HEADERS, h=[*hdr, ("\udcff\udcfename", b"v")])
         if kind == "late_time":  # a production time no datetime holds (an outcome is dated by it)
             return one(good, R.MISSING_HEADERS,
                        h=[(k, b"9" * 17 if k == "produced_at_ms" else v) for k, v in hdr])
@@ -177,7 +180,7 @@ class Poisoner:
 
 
 KINDS = ["garbage", "wrong_magic", "unknown_schema", "truncated", "wrong_schema", "oversized", "huge",
-         "huge_compressed", "many_headers", "tombstone", "empty", "no_headers", "bad_headers", "late_time", "hop_storm",
+         "huge_compressed", "many_headers", "binary_header_name", "tombstone", "empty", "no_headers", "bad_headers", "late_time", "hop_storm",
          "other_delivery"]
 
 
@@ -229,12 +232,19 @@ def produce(records: list[Poison]) -> None:
     producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers, "acks": "all",
                          "linger.ms": 5, "message.max.bytes": 20_000_000, "compression.type": "lz4"})
     failures: list[str] = []
+    raw: list[RawRecord] = []
     for p in records:
+        if not all(name.isascii() for name, _ in p.headers):  # past what the Python client writes
+            raw.append((p.topic, p.key.encode(), p.value or b"", [
+                (name.encode("utf-8", "surrogateescape"), v if isinstance(v, bytes) else (v or "").encode())
+                for name, v in p.headers]))
+            continue
         producer.produce(p.topic, key=p.key.encode(), value=p.value, headers=list(p.headers),
                          on_delivery=lambda err, _m: failures.append(str(err)) if err else None)
         producer.poll(0)
     assert producer.flush(60) == 0
     assert not failures, failures[:3]
+    produce_raw(raw)
 
 
 def dead_letters(run: str) -> dict[tuple[str, str], Record]:
