@@ -18,6 +18,7 @@ be dead-lettered, runs the check alone (a begin with no step).
 from __future__ import annotations
 
 import base64
+import re
 import uuid
 
 from choreo import keys
@@ -40,14 +41,23 @@ def seen_prefix(service: str, event_id: str) -> str:
     return f"{service}:{compact_id(event_id)}:"
 
 
+# how the runtime writes ids: read by ``bytes.fromhex`` in a third of ``uuid.UUID``'s time (its
+# parse was about a tenth of a service's CPU), to the same bytes
+_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
 def compact_id(event_id: str) -> str:
     """An event id as it is written into Redis field names: a UUID's 16 bytes in URL-safe
     base64 (22 characters instead of 36: a delivery's dedupe entries and effect answers name
     about a dozen events, bench/README.md); any other id as it is."""
-    try:
-        return base64.urlsafe_b64encode(uuid.UUID(event_id).bytes).rstrip(b"=").decode()
-    except ValueError:
-        return event_id
+    if _CANONICAL_UUID.fullmatch(event_id):
+        raw = bytes.fromhex(event_id.replace("-", ""))
+    else:
+        try:
+            raw = uuid.UUID(event_id).bytes
+        except ValueError:
+            return event_id
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
 def sighting(service: str, delivery_id: str, event_id: str, position: str) -> Sighting:

@@ -3,6 +3,7 @@ Python reads it through) and the event ids in dedupe and effect field names."""
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 
@@ -51,6 +52,21 @@ def test_event_ids_in_field_names_are_compact_and_distinct() -> None:
     assert len(compact) == len(ids) and {len(c) for c in compact} == {22}
     assert seen_field("package", ids[0], 2) == f"package:{compact_id(ids[0])}:2"
     assert compact_id("not-a-uuid:with:colons") == "not-a-uuid:with:colons"  # a foreign producer's id
+
+
+def test_an_id_compacts_as_uuid_reads_it_in_every_form_uuid_takes() -> None:
+    """A service of another version, or the rebuild, must name the same event the same way."""
+    def by_uuid(event_id: str) -> str:
+        try:
+            return base64.urlsafe_b64encode(uuid.UUID(event_id).bytes).rstrip(b"=").decode()
+        except ValueError:
+            return event_id
+
+    one = uuid.uuid4()
+    forms = [str(one), str(one).upper(), one.hex, "{%s}" % one, one.urn, f" {one} ",
+             str(one).replace("-", " "), str(one)[:-1] + "g", str(one)[:-1], str(one) + "\n", "", "-" * 36]
+    forms += [str(uuid.uuid4()) for _ in range(1000)]
+    assert [compact_id(f) for f in forms] == [by_uuid(f) for f in forms]
 
 
 def test_a_step_name_must_not_clash_with_the_hash_layout() -> None:
