@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -145,7 +145,7 @@ class Rec:
                    [(k, v if isinstance(v, bytes) else v.encode()) for k, v in pairs(headers_if_readable(message))
                     if v is not None])
 
-    @property
+    @cached_property
     def envelope(self) -> Envelope | None:
         return Envelope.from_headers(self.headers)
 

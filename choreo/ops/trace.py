@@ -27,6 +27,7 @@ measures the scan on a topic of a million events.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -177,24 +178,42 @@ def _add(total: ScanStats, stats: ScanStats) -> None:
 
 def causal_order(records: list[Rec]) -> list[Rec]:
     """Sort by production time, then make sure no event is shown before its cause (clocks
-    of different producers may disagree by a few ms; a transaction's records share one)."""
+    of different producers may disagree by a few ms; a transaction's records share one).
+
+    The earliest record whose cause is shown (or not among the records) comes next; when
+    every record left waits for a cause (a cycle, which fresh ids never make), the earliest.
+    Each record is looked at a bounded number of times: records written to hang a lookup
+    (thousands under one key, each naming the next as its cause) cost n log n, not n²."""
     by_time = sorted(records, key=lambda r: (_produced_at(r), r.timestamp_ms, r.topic, r.offset))
-    ids = {env.event_id for r in by_time if (env := r.envelope)}
-    shown: set[str] = set()
-    ordered: list[Rec] = []
-    waiting = list(by_time)
-    while waiting:
-        for i, record in enumerate(waiting):
-            env = record.envelope
-            cause = env.causation_id if env else ""
-            if not cause or cause not in ids or cause in shown or kind_of(record.topic) != "event":
-                break
+    envelopes = [r.envelope for r in by_time]
+    ids = {env.event_id for env in envelopes if env}
+    ready: list[int] = []  # positions in time order, each record's cause shown (or none)
+    waiting: dict[str, list[int]] = {}  # a cause's event id -> the records it holds back
+    held: list[int] = []  # every waiting record's position, for a cycle (stale entries skipped)
+    for i, (record, env) in enumerate(zip(by_time, envelopes)):
+        cause = env.causation_id if env else ""
+        if cause and cause in ids and kind_of(record.topic) == "event":
+            waiting.setdefault(cause, []).append(i)
+            held.append(i)
         else:
-            i = 0  # a cycle of causes (cannot happen with fresh ids): keep time order
-        record = waiting.pop(i)
-        ordered.append(record)
-        if (env := record.envelope) is not None:
-            shown.add(env.event_id)
+            ready.append(i)
+    heapq.heapify(ready)
+    taken = [False] * len(by_time)
+    ordered: list[Rec] = []
+    while len(ordered) < len(by_time):
+        if ready:
+            i = heapq.heappop(ready)
+        else:
+            i = heapq.heappop(held)
+            if taken[i]:
+                continue
+        if taken[i]:
+            continue
+        taken[i] = True
+        ordered.append(by_time[i])
+        if (env := envelopes[i]) is not None:
+            for freed in waiting.pop(env.event_id, ()):
+                heapq.heappush(ready, freed)
     return ordered
 
 
@@ -251,9 +270,11 @@ def consumer_group(service: str) -> str:
 def trace(delivery_id: str, workflow: Workflow, *, since_ms: int | None = None,
           partitioner: str = "consistent_random", progress: Progress | None = None,
           redis_client: redis.Redis | None = None, decode: bool = True,
-          extra_topics: Sequence[str] = ()) -> Trace:
+          extra_topics: Sequence[str] = (), decode_topics: frozenset[str] | None = None) -> Trace:
     """Find, order and describe every record of one delivery (in the workflow's topics and
-    ``extra_topics``, e.g. the topics of a subscriber outside the workflow)."""
+    ``extra_topics``, e.g. the topics of a subscriber outside the workflow). ``decode_topics``:
+    the only topics whose bodies are decoded, when a caller needs a few (each unknown
+    writer schema id is a registry round trip)."""
     client = redis_client or connect(settings().redis_url, socket_timeout=2)
     consumer = reader()
     try:
@@ -299,7 +320,9 @@ def trace(delivery_id: str, workflow: Workflow, *, since_ms: int | None = None,
         env = r.envelope
         at = _produced_at(r)
         source_topic = r.header("dlq.source.topic") or r.topic
-        body: dict[str, Any] | str = decoder(source_topic if r.topic.endswith(".dlq") else r.topic, r.value) if decoder else ""
+        wanted = decode_topics is None or r.topic in decode_topics
+        body: dict[str, Any] | str = (decoder(source_topic if r.topic.endswith(".dlq") else r.topic, r.value)
+                                      if decoder is not None and wanted else "")
         hops.append(Hop(
             topic=r.topic, partition=r.partition, offset=r.offset, kind=kind_of(r.topic), time_ms=at,
             since_start_ms=at - start, since_previous_ms=at - previous,

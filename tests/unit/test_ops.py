@@ -74,6 +74,33 @@ def test_causal_order_never_shows_an_effect_before_its_cause() -> None:
     assert ordered == ["e1", "e2", "e3"]
 
 
+def test_causal_order_reads_each_envelope_once_whatever_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records under one key, each naming the next as its cause (the reverse of their time
+    order), in a cycle at the end: each in its place, each envelope parsed once."""
+    n = 3000
+    envs = [Envelope.first(f"e{i}", "d", "X", "p") for i in range(n)]
+    envs = [env.__class__(**{**env.__dict__, "causation_id": f"e{i + 1}" if i + 1 < n else "e0",
+                             "produced_at_ms": 1000 + i}) for i, env in enumerate(envs)]
+    records = [_rec("t", env, 1000 + i) for i, env in enumerate(envs)]
+    parsed = []
+    real = Envelope.from_headers
+    monkeypatch.setattr(Envelope, "from_headers", staticmethod(lambda h: parsed.append(1) or real(h)))
+    ordered = [r.envelope.event_id for r in causal_order(records) if r.envelope]
+    # e0 waits for e1 ... e(n-1) for e0: a cycle, broken at the earliest; then each effect
+    # follows its cause, walking the chain backwards
+    assert ordered == ["e0"] + [f"e{i}" for i in range(n - 1, 0, -1)]
+    assert len(parsed) == n
+    # a copy of an event (the same id) frees what waits for it; a record of no event waits for nothing
+    first = Envelope.first("a", "d", "X", "p")
+    child = first.child("b", "Y", "q")
+    late_copy = first.__class__(**{**first.__dict__, "produced_at_ms": 500})
+    early_child = child.__class__(**{**child.__dict__, "produced_at_ms": 1})
+    mixed = [_rec("t", early_child, 1), _rec("t.dlq", early_child, 2), _rec("t", late_copy, 500),
+             _rec("t", first.__class__(**{**first.__dict__, "produced_at_ms": 600}), 600)]
+    assert [(r.topic, r.envelope.event_id) for r in causal_order(mixed) if r.envelope] == [
+        ("t.dlq", "b"), ("t", "a"), ("t", "b"), ("t", "a")]
+
+
 def _flow(*services: Service, extra: dict[str, str] | None = None) -> Workflow:
     flow = Workflow("broken", service_refs=[], extra_producers=extra or {})
     flow.__dict__["services"] = list(services)
