@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from pydantic import ValidationError
 
 from choreo.ops.trace import Hop, trace
 from choreo.outcomes import told
@@ -49,6 +50,9 @@ class KafkaHistory:
         self._decided: OrderedDict[str, History] = OrderedDict()
         self._lock = threading.Lock()
         self._deciding = {model.__name__: model for model in workflow.outcome_labels}
+        # the bodies a status needs: the request's (its owner) and the deciding events'
+        self._read_bodies = frozenset({*workflow.extra_producers, CompensationRecord.topic,
+                                       *(model.topic for model in workflow.outcome_labels)})
 
     def lookup(self, delivery_id: str, caller: str) -> History | None:
         """The delivery's story as a status, or None if Kafka holds no request for it (within
@@ -80,15 +84,20 @@ class KafkaHistory:
 
     def _told(self, hop: Hop) -> str | None:
         """The outcome ``hop`` tells the submitter (``choreo.outcomes.told``), if any: a deciding
-        event's, or the compensation log record's that ends a failure's compensation."""
+        event's, or the compensation log record's that ends a failure's compensation. Only
+        on the topic its model is published to: the event type is a header, and any writer of
+        another topic could name a deciding one; a body that is not such an event tells none."""
         model = CompensationRecord if hop.kind == "compensation" else (
             self._deciding.get(hop.event_type) if hop.kind == "event" else None)
-        if model is None or not isinstance(hop.body, dict):
+        if model is None or hop.topic != model.topic or not isinstance(hop.body, dict):
             return None
-        return told(model.model_validate(hop.body), self.workflow)
+        try:
+            return told(model.model_validate(hop.body), self.workflow)
+        except ValidationError:
+            return None
 
     def _read(self, delivery_id: str) -> History | None:
-        story = trace(delivery_id, self.workflow, redis_client=self.redis)
+        story = trace(delivery_id, self.workflow, redis_client=self.redis, decode_topics=self._read_bodies)
         entry = set(self.workflow.extra_producers)
         request = next((h for h in story.hops if h.topic in entry and isinstance(h.body, dict)), None)
         if request is None:

@@ -1,5 +1,6 @@
-"""The Kafka lookups of expired deliveries are shared out per caller: one caller holds at
-most its own slots, and a lookup that fails gives its slot back."""
+"""A delivery's status told from Kafka: the lookups are shared out per caller (one caller
+holds at most its own slots, and a lookup that fails gives its slot back), and only a
+deciding event on its own topic tells an outcome."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 
 from consumers.workflow import WORKFLOW
+from choreo.ops.trace import Hop
 from producers.history import History, HistoryBusy, KafkaHistory
 
 
@@ -59,3 +61,20 @@ def test_a_lookup_that_fails_gives_its_slots_back() -> None:
             history.lookup("broken", "alice")
         answers.append(history.lookup("fine", "alice"))
     assert answers == [None, None, None]
+
+
+def hop(topic: str, event_type: str, body: dict[str, Any] | str) -> Hop:
+    return Hop(topic=topic, partition=0, offset=0, kind="event", time_ms=0, since_start_ms=0,
+               since_previous_ms=0, event_type=event_type, producer="x", attempt=1, hops=0, event_id="e",
+               causation_id="", body=body)
+
+
+def test_only_a_deciding_event_on_its_own_topic_tells_an_outcome() -> None:
+    history = Held(concurrency=1, per_caller=1)
+    shipped = {"delivery_id": "d", "package_id": "p", "drone_id": "r", "shipped_at": 1_700_000_000_000}
+    assert history._told(hop("delivery.shipped", "DeliveryShipped", shipped)) == "shipped"
+    # a writer of another topic naming a deciding event type in its header
+    assert history._told(hop("drone.scheduled", "DeliveryShipped", shipped)) is None
+    # a body that is no such event: told nothing, not an error answered to the owner
+    assert history._told(hop("delivery.shipped", "DeliveryShipped", {"delivery_id": "d"})) is None
+    assert history._told(hop("delivery.shipped", "DeliveryShipped", "<12 bytes, not Confluent wire format>")) is None
