@@ -337,10 +337,14 @@ def uvicorn_config(app: Any, host: str, port: int, limits: HttpLimits, error_bod
                    **options: Any) -> uvicorn.Config:
     """uvicorn's configuration held to ``limits``: uvicorn's own settings where it has them
     (keep-alive, connection limit), the guarded protocol for the rest, on uvloop, no
-    websockets (neither server speaks them), and TLS when configured (``tls_options``)."""
+    websockets (neither server speaks them), and TLS when configured (``tls_options``). A
+    client is its peer's address: uvicorn would take it from ``X-Forwarded-For`` when the
+    peer is loopback, and a local client could then be any number of clients to the
+    per-client bounds (event streams, Kafka lookups)."""
     return uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limits, error_body),
                           loop="uvloop", ws="none", timeout_keep_alive=limits.keep_alive_s,
-                          limit_concurrency=limits.max_connections, **{**tls_options(), **options})
+                          limit_concurrency=limits.max_connections, proxy_headers=False,
+                          **{**tls_options(), **options})
 
 
 def loopback(host: str) -> bool:

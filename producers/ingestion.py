@@ -45,6 +45,7 @@ import asyncio
 import hmac
 import json
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
@@ -440,13 +441,17 @@ def create_app(settings: IngestionSettings | None = None,
             return await run_in_threadpool(sub.status, delivery_id)
 
         async def story() -> dict[str, Any] | None:
-            for _ in range(10):  # the lookup slots are busy only briefly
+            # the caller's own lookup slot may be taken by its other lookups: wait for it
+            # within the stream's time, since giving up would tell an "unknown" delivery
+            ends = time.monotonic() + cfg.sse_max_s
+            while True:
                 try:
                     told = await from_kafka(request, delivery_id, caller)
                     return told.status if told is not None else None
                 except HistoryBusy:
+                    if time.monotonic() >= ends or await request.is_disconnected():
+                        return None
                     await asyncio.sleep(0.5)
-            return None
 
         async def body() -> AsyncIterator[bytes]:
             try:

@@ -174,6 +174,9 @@ def test_streams_are_bounded_per_client_and_in_time(stack: None) -> None:
             wait_for(lambda: first, timeout_s=10, interval_s=0.05, what="the first stream's events")
             second = client.get(f"/deliveries/{delivery_id}/events")
             assert second.status_code == 429 and second.headers["retry-after"]
+            # a client is its address, not what a header says it is
+            forged = client.get(f"/deliveries/{delivery_id}/events", headers={"X-Forwarded-For": "198.51.100.7"})
+            assert forged.status_code == 429
             reader.join(15)
             assert 2.5 < time.monotonic() - started < 10  # ended by its time limit
             assert first[-1][0] == "timeout" and {d["status"] for n, d in first if n == "step"} == {"pending"}
