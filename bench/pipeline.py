@@ -354,7 +354,7 @@ class Observer:
                 key = msg.key()
                 if msg.error() is not None or key is None:
                     continue
-                delivery = key.decode()
+                delivery = key.decode(errors="replace")
                 with self.lock:
                     self.count[delivery] += 1
                     self.seen.setdefault(delivery, (now, msg.topic() or ""))
@@ -662,7 +662,8 @@ class Bench:
 
     def capture_samples(self) -> dict[str, Record]:
         """One committed record (value and headers) per happy-path topic, from the warm-up."""
-        from choreo.kafka import base_config
+        from choreo.envelope import pairs
+        from choreo.kafka import base_config, headers_of
 
         consumer = Consumer({**base_config(), "group.id": "bench-samples", "enable.auto.commit": False,
                              "isolation.level": "read_committed"})
@@ -676,9 +677,7 @@ class Bench:
                         consumer.assign([TopicPartition(topic, partition, max(low, high - 20))])
                         msgs = [m for m in consumer.consume(20, 5) if m.error() is None]
                         if msgs:
-                            raw = msgs[-1].headers() or []
-                            headers: list[tuple[str, str | bytes | None]] = (
-                                list(raw.items()) if isinstance(raw, dict) else list(raw))
+                            headers: list[tuple[str, str | bytes | None]] = list(pairs(headers_of(msgs[-1])))
                             samples[topic] = Record(msgs[-1].value() or b"", headers)
                             break
         finally:

@@ -101,10 +101,12 @@ def transactional_consumer_config(group: str, client_id: str) -> dict[str, Any]:
     }
 
 
-# The client's ``headers()`` returns its list with the decoding error left set. A call through
-# C (``methodcaller``) always checks for that and raises ``SystemError``; the interpreter's
-# specialised call of a hot ``message.headers()`` does not, and the error then surfaces at
-# some later, unrelated call (measured: Python 3.11, confluent-kafka 2.16.1)
+# The client's ``headers()`` returns its list with the decoding error left set. The
+# interpreter's specialised call of a hot ``message.headers()`` does not check for that, and
+# the error surfaces at some later, unrelated call; a call of a ``methodcaller`` object is
+# never specialised, and its generic call path raises ``SystemError`` (measured: Python 3.11,
+# confluent-kafka 2.16.1). Every read of a record's headers must come through here: a direct
+# call that left the error set would be blamed on the next record read here
 _read_headers = operator.methodcaller("headers")
 
 

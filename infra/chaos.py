@@ -597,7 +597,7 @@ class Tracker(threading.Thread):
                     key, topic = msg.key(), msg.topic() or ""
                     if msg.error() is not None or key is None:
                         continue
-                    delivery = key.decode()
+                    delivery = key.decode(errors="replace")
                     with self.lock:
                         if topic in TERMINAL:
                             self.terminal[delivery] += 1

@@ -103,7 +103,7 @@ class Observer:
                     continue
                 env = Envelope.from_headers(headers_if_readable(msg))
                 now = time.monotonic()
-                delivery = key.decode()
+                delivery = key.decode(errors="replace")
                 with self.lock:
                     seen = self.deliveries[delivery]
                     seen.timeline.append((now, topic, env.producer if env else "?",
