@@ -27,8 +27,8 @@ from types import FrameType, GeneratorType
 from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
-from redis.exceptions import RedisError
 from confluent_kafka.schema_registry.error import SchemaRegistryError
+from redis.exceptions import RedisError
 
 from choreo import metrics
 from choreo.kafka import (TransactionalProducer, UnreadableHeaders, headers_if_readable, headers_of,

@@ -629,11 +629,11 @@ class Rebuilder:
             event = event_as(model)
             if event is not None and part not in facts.results:
                 facts.results[part] = (r.timestamp_ms, ok, result_text(event))
-        if declared.outcome is not None and (failure := event_as(declared.outcome[2])) is not None:
+        if declared.outcome is not None and (deciding := event_as(declared.outcome[2])) is not None:
             join, outcome, _ = declared.outcome
             facts.outcome = facts.outcome or outcome
             if outcome == FAILED:  # unread too when its reader runs outside the workflow
-                listed = undoes(getattr(failure, "compensate", None) or (), self.workflow)  # as the supervisor lists them
+                listed = undoes(getattr(deciding, "compensate", None) or (), self.workflow)  # as the supervisor lists them
                 readers = self.handlers.get(r.topic, [])
                 read = bool(readers) and all(read_by(reader.service) for reader in readers)
                 facts.failure_unread = facts.failure_unread or not read
@@ -647,7 +647,7 @@ class Rebuilder:
                                                           r.timestamp_ms)
                 if not facts.undo and all(accepts(reader.service) for reader in readers):
                     # the order the supervisor asks the undos in, as it records it on reading this
-                    why = f"{getattr(failure, 'reason', '')}: {getattr(failure, 'detail', '')}"
+                    why = f"{getattr(deciding, 'reason', '')}: {getattr(deciding, 'detail', '')}"
                     facts.undo = undo_fields(listed, why)
             if outcome == join.outcome and facts.terminal is None:
                 facts.terminal = (r.topic, r.partition, r.offset)
