@@ -41,7 +41,7 @@ from choreo.events import Event, disagrees_with
 from choreo.logs import get_logger
 from choreo.memory import collect_batch_cycles, settle_garbage_collector
 from choreo.redis_client import TRANSIENT, connect, is_cluster, refused_by_redis
-from choreo.serde import DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
+from choreo.serde import MAX_VALUE_BYTES, DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
 from choreo.effects import EffectCall, Op, dropped_by, run_all
 from choreo import layout, tracing
 from choreo.outcomes import REPLIES, ReplyTopics, outcome_of, told
@@ -103,6 +103,7 @@ class Work:
     span: Any = None  # its handler's span, when tracing is on (choreo.tracing)
     # its handler's first operation, run in its begin (``Handler.first_op_in_begin``), and the answer
     first: tuple[EffectCall, str | None] | None = None
+    encoded: dict[int, bytes] = field(default_factory=dict)  # id(an output) -> its value, once encoded
 
 
 @dataclass
@@ -657,11 +658,11 @@ class Runner:
                 self._drive(runs)
                 retry: list[Attempt] = []
                 for run in runs:
+                    if not run.dropped and run.error is None:
+                        run.error = self._encode_outputs(run)
                     if run.dropped:
                         self._note_dropped(run.work, run.dropped)
                     elif run.error is None:
-                        for out in _as_events(run.result):
-                            run.ctx.emit(out)
                         run.work.ctx = run.ctx
                         done.append(run.work)
                     elif self._retry(run):
@@ -674,6 +675,27 @@ class Runner:
                     time.sleep(delay)
                 runs = retry
         return sorted(done, key=lambda w: order[id(w)])
+
+    def _encode_outputs(self, run: Attempt) -> Rejected | None:
+        """Encode the try's outputs before its step completes: one the consumers would refuse
+        as too large (or the producer outright) is the input's failure, refused while the step
+        can still fail. Found only when it was published, the step was completed already, and
+        each reading of the batch published it again, for ever. A registry that cannot be
+        asked now leaves the encoding to the publishing, which holds the batch as before."""
+        w, ctx = run.work, run.ctx
+        for out in _as_events(run.result):
+            ctx.emit(out)
+        w.encoded = {}
+        for emitted in ctx.emitted:
+            try:
+                value = self.encoder(type(emitted.event), emitted.topic)(emitted.event)
+            except RegistryUnavailable:
+                return None
+            if len(value) > MAX_VALUE_BYTES:
+                return Rejected(f"its {type(emitted.event).__name__} for {emitted.topic} would be {len(value)} "
+                                f"bytes, over the {MAX_VALUE_BYTES} a consumer takes", DeadLetterReason.OVERSIZED)
+            w.encoded[id(emitted)] = value
+        return None
 
     def _context(self, w: Work, try_no: int = 1) -> Context:
         """A handler's context for one try of ``w``: its effects fenced by the step it runs
@@ -782,7 +804,7 @@ class Runner:
             [(w.envelope.correlation_id, w.handler.step or "", w.envelope.attempt) for w in closing],
             now, own, [o for w in done if id(w) not in closes and id(w) not in refused for o in opens[id(w)]],
             [[op.write for op in w.ctx.writes if op.write is not None] if w.ctx else [] for w in closing])))
-        publish: list[tuple[Emitted, Envelope, Any]] = []
+        publish: list[tuple[Emitted, Envelope, Any, bytes | None]] = []
         late_opens: list[tuple[str, str, int, int]] = []
         for w in done:
             finished = verdicts.get(id(w), "ok")
@@ -794,11 +816,12 @@ class Runner:
                 self._note_dropped(w, refused[id(w)])
                 continue
             late_opens += elsewhere.get(id(w), [])
-            publish += [(emitted, w.envelope, w.span) for emitted in (w.ctx.emitted if w.ctx else ())]
+            publish += [(emitted, w.envelope, w.span, w.encoded.get(id(emitted)))
+                        for emitted in (w.ctx.emitted if w.ctx else ())]
         if late_opens:
             self.state.open_many(late_opens, now)
-        for emitted, cause, span in publish:
-            self._produce(emitted, cause, span)
+        for emitted, cause, span, value in publish:
+            self._produce(emitted, cause, span, value)
 
     def _before_deadline(self, envelope: Envelope, delay_s: float) -> bool:
         return envelope.deadline_ms == 0 or now_ms() + delay_s * 1000 < envelope.deadline_ms
@@ -824,16 +847,17 @@ class Runner:
         if pending:
             self.state.open_many(pending, now)
 
-    def _produce(self, emitted: Emitted, cause: Envelope, handling: Any = None) -> None:
+    def _produce(self, emitted: Emitted, cause: Envelope, handling: Any = None, value: bytes | None = None) -> None:
         """Produce in the open transaction (the steps it triggers were opened before: by its
         attempt's finish, or ``_open_steps``); traced, its span (under ``handling``, the
-        handler's) is the output's parent."""
+        handler's) is the output's parent. ``value``: the event already encoded."""
         # an output starts its own steps at attempt 1: inheriting the input's attempt (say 2,
         # after a requeue) would make the other half of a fan-in look stale downstream
         envelope = (emitted.cause or cause).child(
             emitted.event_id, type(emitted.event).__name__, self.service.name,
             attempt=emitted.attempt if emitted.attempt is not None else 1)
-        value = self.encoder(type(emitted.event), emitted.topic)(emitted.event)
+        if value is None:
+            value = self.encoder(type(emitted.event), emitted.topic)(emitted.event)
         span = tracing.start_child(f"produce {emitted.topic}", handling or (emitted.cause or cause).traceparent,
                                    tracing.SpanKind.PRODUCER, {
                                        "choreo.service": self.service.name,

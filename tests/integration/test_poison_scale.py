@@ -407,3 +407,30 @@ def _terminal(ids: set[str]) -> dict[str, _Timed]:
                 env = r.envelope
                 found.setdefault(r.key.decode(), _Timed(topic, env.produced_at_ms if env else 0))
     return found
+
+
+def test_a_decision_too_large_to_publish_fails_its_step_and_holds_nothing(pipeline: Pipeline) -> None:
+    """Two halves of a fan-in, each under the size a consumer takes, whose decision carries
+    both: the join's output is over it. Found only when it was published, the step was
+    completed and every reading of the batch published it again: the partition stood still."""
+    run = uuid.uuid4().hex[:8]
+    poisoner = Poisoner(run)
+    delivery_id = f"poison-{run}-join"
+    big = 524_200  # each half's value just under serde.MAX_VALUE_BYTES
+    halves = [PackageReady(delivery_id=delivery_id, package_id="p" * big, package_size="SMALL", weight_kg=1.0,
+                           ready_at=NOW),
+              DroneScheduled(delivery_id=delivery_id, drone_id="d" * big, scheduled_at=NOW)]
+    produce([Poison(h.topic, delivery_id, "big_half", poisoner.encode(h, h.topic),
+                    [(k, v if isinstance(v, bytes) else (v or "").encode()) for k, v in Envelope.first(
+                        str(uuid.uuid4()), delivery_id, type(h).__name__, "poison-test").to_headers()],
+                    frozenset()) for h in halves])
+    letters = wait_for(lambda: [r for (key, service), r in dead_letters(run).items()
+                                if key == delivery_id and service == "delivery"],
+                       timeout_s=90, interval_s=2, what="the deciding half dead-lettered")
+    assert [r.header("dlq.reason") for r in letters] == ["OVERSIZED"]
+    assert "DeliveryShipped for delivery.shipped would be" in (letters[0].header("dlq.error") or "")
+    after = submit([delivery_request() for _ in range(5)])
+    ended = wait_for(lambda: at_least(_terminal(set(after)), len(after)), timeout_s=90, interval_s=2,
+                     what="deliveries after it to end")
+    assert {r.topic for r in ended.values()} == {"delivery.shipped"}
+    assert pipeline.alive()

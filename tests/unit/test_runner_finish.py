@@ -34,14 +34,14 @@ def test_an_attempt_kept_open_whose_write_is_refused_publishes_nothing(
                           effect=lambda effect, keys, args: asked.append((effect, keys, args)) or "a call")
     log = _Log()
     work = SimpleNamespace(handler=SimpleNamespace(step="wait"), ctx=ctx, topic="t", log=log, span=None,
-                           envelope=SimpleNamespace(correlation_id="d-1", attempt=1))
+                           envelope=SimpleNamespace(correlation_id="d-1", attempt=1), encoded={})
     runner: Any = object.__new__(Runner)
     produced: list[Any] = []
     runner.service = SimpleNamespace(name="svc")
     runner.redis = None
     runner.workflow = None
     runner.state = SimpleNamespace(complete_many=lambda *args: [], open_many=lambda *args: None)
-    runner._produce = lambda emitted, cause, span: produced.append(emitted)
+    runner._produce = lambda emitted, cause, span, value: produced.append(emitted)
     monkeypatch.setattr(runner_module, "run_all", lambda client, calls: [answer for _ in calls])
     runner._finish_all([work])
     assert asked == [(write.effect, write.keys, write.args)]
