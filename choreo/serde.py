@@ -269,6 +269,11 @@ def _referenced(client: SchemaRegistryClient, schema_id: int,
         raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
                             f"schema id {schema_id} has a reference without subject or version")
     subject, version = reference.subject, reference.version
+    if subject.strip(".") == "":
+        # no URL names it: the client's ``subjects/../versions/1`` reaches ``/versions/1``,
+        # whose plain 404 would read as a registry unavailable, for ever
+        raise DecodeFailure(DeadLetterReason.UNKNOWN_SCHEMA,
+                            f"schema id {schema_id} references the subject {subject[:20]!r}, which no URL names")
     found = _ask(schema_id, lambda: client.get_version(subject, version, deleted=True))
     if (found.schema.schema_type or "AVRO") != "AVRO":
         raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,

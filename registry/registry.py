@@ -51,9 +51,12 @@ LATEST = avro_schema.LATEST
 
 
 def check_subject(subject: str) -> str:
-    """Reject what Confluent rejects (control characters, reserved names) plus absurd lengths."""
+    """Reject what Confluent rejects (control characters, reserved names) plus absurd lengths
+    and names of dots only, which no URL path can carry (a client's ``subjects/..`` is
+    ``/``)."""
     shown = subject if len(subject) <= 80 else subject[:80] + "..."
-    if (not subject.strip() or len(subject) > MAX_SUBJECT_CHARS or subject in RESERVED_SUBJECTS
+    if (not subject.strip() or not subject.strip(".") or len(subject) > MAX_SUBJECT_CHARS
+            or subject in RESERVED_SUBJECTS
             or any(unicodedata.category(ch) in ("Cc", "Cs") for ch in subject)):
         raise errors.invalid_subject(repr(shown))
     return subject

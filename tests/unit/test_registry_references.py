@@ -15,6 +15,8 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from starlette.testclient import TestClient
 
 from choreo import avro_bounds
+from choreo.errors import DeadLetterReason
+from choreo.serde import DecodeFailure, _referenced
 from registry import errors
 from registry.api import Api, create_app
 from registry.avro_schema import Reference, identity_of, parse
@@ -260,3 +262,17 @@ def test_confluent_clients_serialize_with_references_over_the_api(registry: Regi
         with pytest.raises(SchemaRegistryError) as info:
             sr.delete_version("location", 1)
         assert (info.value.http_status_code, info.value.error_code) == (422, 42206)
+
+
+def test_a_reference_to_a_subject_no_url_names_condemns_the_event() -> None:
+    """A registry that holds a subject ``..`` (ours refuses the name) makes the client ask
+    ``/versions/1``: its plain 404 read as a registry unavailable held every consumer of the
+    topic for ever; the consumer refuses the writer schema instead, asking nothing."""
+    class NeverAsked:
+        def get_version(self, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("asked the registry")
+
+    for subject in ("..", "."):
+        with pytest.raises(DecodeFailure) as info:
+            _referenced(NeverAsked(), 7, SchemaReference(name="x.Pad", subject=subject, version=1))  # type: ignore[arg-type]
+        assert info.value.reason is DeadLetterReason.UNKNOWN_SCHEMA
