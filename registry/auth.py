@@ -164,7 +164,7 @@ class Peers:
         return self._mac("lease", instance_id, url)
 
     def lease_ok(self, instance_id: str, url: str, signature: str) -> bool:
-        return hmac.compare_digest(self.sign_lease(instance_id, url), signature)
+        return hmac.compare_digest(self.sign_lease(instance_id, url).encode(), signature.encode(errors="replace"))
 
     def _request_mac(self, method: str, target: str, user: str, body: bytes, stamp: str) -> str:
         return self._mac("request", method.upper(), target, user, stamp, hashlib.sha256(body).hexdigest())
@@ -180,7 +180,8 @@ class Peers:
         user = headers.get(PRINCIPAL_HEADER)
         stamp = headers.get(TIMESTAMP_HEADER, "")
         signature = headers.get(SIGNATURE_HEADER, "")
-        if user is None or not stamp.isdigit() or abs(time.time() - int(stamp)) > self.max_skew_s:
+        if (user is None or not (stamp.isascii() and stamp.isdigit()) or len(stamp) > 12
+                or abs(time.time() - int(stamp)) > self.max_skew_s):
             return None
         expected = self._request_mac(method, target, user, body, stamp)
-        return user if hmac.compare_digest(expected, signature) else None
+        return user if hmac.compare_digest(expected.encode(), signature.encode(errors="replace")) else None

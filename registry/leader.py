@@ -159,6 +159,8 @@ class LeaderElection:
                 log.info("leadership_acquired", instance=self.instance_id, term=token, url=self.url)
         except redis.RedisError as exc:
             log.warning("lease_unreachable", error=str(exc))
+        except Exception:  # whatever the lease holds: the election goes on, it is tried again next tick
+            log.exception("lease_tick_failed")
 
     def _evict_untrusted(self) -> None:
         raw = self.client.get(self.key)
@@ -196,5 +198,5 @@ def _parse(raw: bytes | str | None) -> Lease | None:
     try:
         data = json.loads(raw)
         return Lease(str(data["id"]), str(data["url"]), int(data["token"]), str(data.get("sig", "")))
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError):  # a token of 1e400: inf
         return None

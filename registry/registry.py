@@ -67,7 +67,7 @@ def parse_version(raw: str) -> int:
     text = raw.strip()
     if text.lower() == "latest":
         return LATEST
-    if text.lstrip("-").isdigit() and len(text) <= 11:
+    if text.isascii() and text.lstrip("-").isdigit() and len(text) <= 11:  # "²" is a digit to isdigit
         number = int(text)
         if number == LATEST or 1 <= number <= MAX_INT:
             return number
@@ -77,7 +77,7 @@ def parse_version(raw: str) -> int:
 def parse_schema_id(raw: str) -> int:
     """Like JAX-RS: a path id that is not a 32-bit integer is no resource at all (404/404)."""
     text = raw.strip()
-    if text.lstrip("-").isdigit() and len(text) <= 11 and -(2**31) <= int(text) <= MAX_INT:
+    if text.isascii() and text.lstrip("-").isdigit() and len(text) <= 11 and -(2**31) <= int(text) <= MAX_INT:
         return int(text)
     raise errors.http_error(404, "Not Found")
 

@@ -45,6 +45,7 @@ def test_a_lease_verifies_only_with_the_secret_it_was_signed_with() -> None:
     assert peers.lease_ok("i-1", "http://10.0.0.1:8081", signature)
     assert not peers.lease_ok("i-1", "http://evil:8081", signature)
     assert not peers.lease_ok("i-1", "http://10.0.0.1:8081", "")
+    assert not peers.lease_ok("i-1", "http://10.0.0.1:8081", "\u00e9" * 64)  # refused, not a TypeError
     assert not Peers(b"t" * 40).lease_ok("i-1", "http://10.0.0.1:8081", signature)
     with pytest.raises(ValueError):
         Peers(b"short")
@@ -64,3 +65,8 @@ def test_a_forwarded_request_verifies_only_as_it_was_signed_and_while_recent() -
     stale = {**headers, TIMESTAMP_HEADER: old,
              SIGNATURE_HEADER: peers._request_mac("POST", "/subjects/a-value/versions", "admin", b'{"schema": "x"}', old)}
     assert peers.verify_request(stale, "POST", "/subjects/a-value/versions", b'{"schema": "x"}') is None
+    for stamp in ("\u00b2", "1" + "0" * 400):  # a digit to isdigit that int() refuses; past any time
+        assert peers.verify_request({**headers, TIMESTAMP_HEADER: stamp}, "POST", "/subjects/a-value/versions",
+                                    b'{"schema": "x"}') is None
+    assert peers.verify_request({**headers, SIGNATURE_HEADER: "\u00e9"}, "POST", "/subjects/a-value/versions",
+                                b'{"schema": "x"}') is None

@@ -10,6 +10,7 @@ import pytest
 from registry import errors
 from registry.avro_schema import ParsedSchema, parse
 from registry.compat import Level, problems, reader_writer_problems
+from registry import leader
 from registry.registry import LATEST, check_subject, parse_schema_id, parse_version
 from registry.state import State, config_record, mode_record, schema_id_record, version_record
 
@@ -183,7 +184,7 @@ def test_replay_skips_garbage_without_failing() -> None:
 def test_versions() -> None:
     assert parse_version("latest") == LATEST and parse_version("-1") == LATEST
     assert parse_version("1") == 1 and parse_version(str(2**31 - 1)) == 2**31 - 1
-    for bad in ("0", "-2", "abc", str(2**31), "99999999999999999999", "1.5", ""):
+    for bad in ("0", "-2", "abc", str(2**31), "99999999999999999999", "1.5", "", "\u00b2", "\u0661"):
         with pytest.raises(errors.RegistryError) as info:
             parse_version(bad)
         assert info.value.error_code == 42202
@@ -191,7 +192,7 @@ def test_versions() -> None:
 
 def test_schema_ids() -> None:
     assert parse_schema_id("12") == 12
-    for bad in ("x", "1.0", str(2**40), ""):
+    for bad in ("x", "1.0", str(2**40), "", "\u00b2", "\u0661"):  # digits to isdigit, not to int
         with pytest.raises(errors.RegistryError) as info:
             parse_schema_id(bad)
         assert (info.value.status, info.value.error_code) == (404, 404)
@@ -205,3 +206,10 @@ def test_subject_names() -> None:
         with pytest.raises(errors.RegistryError) as info:
             check_subject(bad)
         assert info.value.error_code == 42208
+
+
+def test_a_lease_no_instance_wrote_reads_as_none() -> None:
+    """Whoever can write the lease key must not stop the election (its tick raised)."""
+    for raw in ('{"id":"x","url":"u","token":1e400}', '{"id":"x","url":"u","token":"t"}', "[]", "{", b"\xff"):
+        assert leader._parse(raw) is None
+    assert leader._parse('{"id":"x","url":"u","token":3}') == leader.Lease("x", "u", 3, "")

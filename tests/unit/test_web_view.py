@@ -9,7 +9,7 @@ from starlette.requests import Request
 
 from choreo.ops.flowdoc import flow_edges
 from choreo.http_serving import loopback
-from choreo.ops.web.auth import OperatorTokens, Sessions, parse_tokens, same_origin
+from choreo.ops.web.auth import OperatorTokens, Sessions, host_is_loopback, parse_tokens, same_origin
 from choreo.ops.web.graph import layout
 from consumers.workflow import WORKFLOW
 
@@ -55,6 +55,16 @@ def test_loopback_and_same_origin() -> None:
     assert not same_origin(_request(host="127.0.0.1:8090", origin="https://elsewhere.example"))
     assert not same_origin(_request(host="127.0.0.1:8090", sec_fetch_site="cross-site"))
     assert not same_origin(_request(host="127.0.0.1:8090", origin="null"))
+    # what no URL parser reads is no origin and no host: refused, not a 500
+    assert not same_origin(_request(host="127.0.0.1:8090", origin="http://[x"))
+    assert not host_is_loopback(_request(host="[::1"))
+    assert host_is_loopback(_request(host="[::1]:8090"))
+
+
+def test_a_csrf_token_of_any_characters_is_refused_not_an_error() -> None:
+    sessions = Sessions(ttl_s=3600)
+    session = sessions.open("a")
+    assert not sessions.csrf_ok(session, "é" * 64)
 
 
 def test_the_flow_is_laid_out_from_the_declarations() -> None:

@@ -264,13 +264,17 @@ def _refuse(request: Request, status: int, message: str) -> Response:
 
 
 async def _form(request: Request) -> dict[str, str] | None:
-    """A urlencoded form of at most ``MAX_FORM_BYTES`` (None past it): first value per name."""
+    """A urlencoded form of at most ``MAX_FORM_BYTES`` and 16 fields (None past either):
+    first value per name."""
     body = b""
     async for chunk in request.stream():
         body += chunk
         if len(body) > MAX_FORM_BYTES:
             return None
-    fields = parse_qs(body.decode(errors="replace"), max_num_fields=16)
+    try:
+        fields = parse_qs(body.decode(errors="replace"), max_num_fields=16)
+    except ValueError:  # more fields than any form of the view has
+        return None
     return {name: values[0] for name, values in fields.items()}
 
 

@@ -95,7 +95,7 @@ class Sessions:
         return hmac.new(self._key, session.encode(), hashlib.sha256).hexdigest()
 
     def csrf_ok(self, session: str, presented: str | None) -> bool:
-        return hmac.compare_digest(self.csrf(session), presented or "")
+        return hmac.compare_digest(self.csrf(session).encode(), (presented or "").encode(errors="replace"))
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,10 @@ def host_is_loopback(request: Request) -> bool:
     """The ``Host`` the browser asked for is a loopback name: a page whose DNS name was
     re-pointed at 127.0.0.1 (DNS rebinding) asks with its own name and is refused."""
     host = request.headers.get("host", "")
-    return loopback(urlsplit(f"//{host}").hostname or "")
+    try:
+        return loopback(urlsplit(f"//{host}").hostname or "")
+    except ValueError:  # "[::1": no host at all
+        return False
 
 
 def same_origin(request: Request) -> bool:
@@ -126,4 +129,7 @@ def same_origin(request: Request) -> bool:
     origin = request.headers.get("origin")
     if origin is None:
         return True
-    return urlsplit(origin).netloc == request.headers.get("host", "")
+    try:
+        return urlsplit(origin).netloc == request.headers.get("host", "")
+    except ValueError:  # "http://[x": no origin at all
+        return False
