@@ -25,6 +25,8 @@ well. ``check`` refuses every schema that allows either, and bounds the rest:
   ``MAX_NODES`` large; its text at most ``MAX_SCHEMA_CHARS`` long.
 * A decimal on ``bytes`` has no size bound and converting n bytes to a ``Decimal`` takes
   O(n²) (18 s for 512 KB): only a decimal on a ``fixed`` of at most ``MAX_DECIMAL_BYTES``.
+* A record has at most ``MAX_FIELDS`` fields: avro's parser, which the registry runs on
+  every schema it checks, is quadratic in them.
 
 A schema with references (Confluent's schema references: named types defined by other
 registered schemas) is judged as the schema it resolves to: ``resolve`` collects what it
@@ -48,6 +50,7 @@ MAX_DEPTH = 32  # nesting levels of the expanded schema
 MAX_NODES = 10_000  # types in the expanded schema, each use of a named type counted again
 MAX_STEPS_PER_BYTE = 4  # nodes an array item or map entry may visit per byte it takes
 MAX_DECIMAL_BYTES = 64  # the largest fixed a decimal may use (153 digits)
+MAX_FIELDS = 1_000  # fields of one record: avro's parser checks each name against the others
 MAX_REFERENCES = 64  # schemas one schema references, directly or through others
 MAX_REFERENCE_DEPTH = 8  # levels of references below a schema
 
@@ -239,6 +242,10 @@ class _Walk:
             self.open.add(full)
             inner = namespace_of(full)
             fields = node.get("fields")
+            if isinstance(fields, list) and len(fields) > MAX_FIELDS:
+                # parsing is quadratic in them: 8,700 fields in 256 KiB took a second of the
+                # registry's CPU per parse, and every check parses again
+                raise UnboundedSchema(f"record {full[:100]!r} has {len(fields)} fields, over {MAX_FIELDS}")
             costs = [self.cost(f.get("type"), inner, depth + 1)
                      for f in (fields if isinstance(fields, list) else []) if isinstance(f, dict)]
             self.open.discard(full)

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from choreo.avro_bounds import (
-    MAX_DECIMAL_BYTES, MAX_DEPTH, MAX_NODES, MAX_SCHEMA_CHARS, MAX_STEPS_PER_BYTE, UnboundedSchema,
+    MAX_DECIMAL_BYTES, MAX_DEPTH, MAX_FIELDS, MAX_NODES, MAX_SCHEMA_CHARS, MAX_STEPS_PER_BYTE, UnboundedSchema,
     check, check_size,
 )
 from choreo.serde import MAX_VALUE_BYTES
@@ -160,7 +160,7 @@ def test_size_is_bounded_in_nodes_and_text() -> None:
     for i in range(1, 20):  # each type holds the previous twice: 2^20 types expanded
         doubling.append(record(f"T{i}", f"T{i - 1}", f"T{i - 1}"))
     refused(record("Top", *doubling), f"more than {MAX_NODES} types")
-    check(record("Wide", *["int"] * (MAX_NODES - 2)))
+    check(record("Wide", *[record(f"W{i}", *["int"] * (MAX_FIELDS - 2)) for i in range(10)]))  # 9,981 types
     check_size(" " * MAX_SCHEMA_CHARS)
     with pytest.raises(UnboundedSchema, match="characters"):
         check_size(" " * (MAX_SCHEMA_CHARS + 1))
@@ -229,3 +229,8 @@ def test_the_costliest_accepted_items_read_a_maximal_value_in_well_under_a_secon
     elapsed = time.perf_counter() - started
     assert isinstance(decoded, dict) and len(decoded["f0"]) == count
     assert elapsed < 3.0, elapsed  # ~0.25 s here; a refused schema's 7 bytes never finish
+
+
+def test_a_record_of_more_fields_than_a_parse_can_afford_is_refused() -> None:
+    check(record("R", *["int"] * MAX_FIELDS))
+    refused(record("R", *["int"] * (MAX_FIELDS + 1)), f"over {MAX_FIELDS}")
