@@ -20,12 +20,14 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from choreo.ops.trace import Hop, trace
+from choreo.ops.trace import Hop, Keeping, trace
 from choreo.outcomes import told
 from choreo.runtime_events import CompensationRecord
 from choreo.workflow import Workflow
 
 REMEMBERED = 1024  # decided deliveries' answers kept, the oldest forgotten first
+MAX_STORY_RECORDS = 200  # a delivery's records a lookup keeps (a real story has a few dozen)
+MAX_STORY_VALUE_BYTES = 64 * 1024  # a request's body is at most that as JSON (INGESTION_MAX_BODY_BYTES)
 
 
 class HistoryBusy(RuntimeError):
@@ -50,9 +52,12 @@ class KafkaHistory:
         self._decided: OrderedDict[str, History] = OrderedDict()
         self._lock = threading.Lock()
         self._deciding = {model.__name__: model for model in workflow.outcome_labels}
-        # the bodies a status needs: the request's (its owner) and the deciding events'
-        self._read_bodies = frozenset({*workflow.extra_producers, CompensationRecord.topic,
-                                       *(model.topic for model in workflow.outcome_labels)})
+        # what a status needs of the story: the request's body (its owner) and the deciding
+        # events', all small; a story padded by anyone able to write a topic stays bounded
+        self._keeping = Keeping(
+            values_of=frozenset({*workflow.extra_producers, CompensationRecord.topic,
+                                 *(model.topic for model in workflow.outcome_labels)}),
+            max_value_bytes=MAX_STORY_VALUE_BYTES, max_records=MAX_STORY_RECORDS)
 
     def lookup(self, delivery_id: str, caller: str) -> History | None:
         """The delivery's story as a status, or None if Kafka holds no request for it (within
@@ -82,14 +87,16 @@ class KafkaHistory:
                     self._decided.popitem(last=False)
         return found
 
-    def _told(self, hop: Hop) -> str | None:
+    def _told(self, hop: Hop, delivery_id: str) -> str | None:
         """The outcome ``hop`` tells the submitter (``choreo.outcomes.told``), if any: a deciding
         event's, or the compensation log record's that ends a failure's compensation. Only
         on the topic its model is published to: the event type is a header, and any writer of
-        another topic could name a deciding one; a body that is not such an event tells none."""
+        another topic could name a deciding one; a body that is not such an event, or is
+        another delivery's, tells none."""
         model = CompensationRecord if hop.kind == "compensation" else (
             self._deciding.get(hop.event_type) if hop.kind == "event" else None)
-        if model is None or hop.topic != model.topic or not isinstance(hop.body, dict):
+        if (model is None or hop.topic != model.topic or not isinstance(hop.body, dict)
+                or hop.body.get("delivery_id") != delivery_id):
             return None
         try:
             return told(model.model_validate(hop.body), self.workflow)
@@ -97,15 +104,18 @@ class KafkaHistory:
             return None
 
     def _read(self, delivery_id: str) -> History | None:
-        story = trace(delivery_id, self.workflow, redis_client=self.redis, decode_topics=self._read_bodies)
+        story = trace(delivery_id, self.workflow, redis_client=self.redis, keeping=self._keeping)
         entry = set(self.workflow.extra_producers)
-        request = next((h for h in story.hops if h.topic in entry and isinstance(h.body, dict)), None)
-        if request is None:
+        # the request names the owner: one that is this delivery's, and only one owner among
+        # them (copies of it are the same request); a second owner is a forgery, and no one
+        # is told then rather than maybe the wrong one
+        owners = {str(h.body.get("owner_id", "")) for h in story.hops
+                  if h.topic in entry and isinstance(h.body, dict) and h.body.get("delivery_id") == delivery_id}
+        if len(owners) != 1:
             return None
-        outcome = next((told for h in story.hops if (told := self._told(h)) is not None), None)
+        outcome = next((told for h in story.hops if (told := self._told(h, delivery_id)) is not None), None)
         history = [{"topic": h.topic, "kind": h.kind, "event_type": h.event_type, "producer": h.producer,
                     "attempt": h.attempt, "time_ms": h.time_ms} for h in story.hops]  # never the bodies
         status = {"delivery_id": delivery_id, "status": outcome or "in_progress", "outcome": outcome,
                   "source": "kafka", "history": history}
-        assert isinstance(request.body, dict)
-        return History(str(request.body.get("owner_id", "")), status)
+        return History(owners.pop(), status)

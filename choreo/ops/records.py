@@ -14,7 +14,7 @@ import re
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property, partial
@@ -134,6 +134,7 @@ class Rec:
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]] = field(default_factory=list)
+    cut_bytes: int = 0  # its value's size, when a scan did not keep the value (``trace.Keeping``)
 
     @classmethod
     def of(cls, message: Message) -> Rec:
@@ -245,7 +246,7 @@ def _at_time(consumer: Consumer, topic: str, parts: list[int], ms: int, ends: di
 
 def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None,
          batch: int = 5000, idle_timeout_s: float = 30.0,
-         accept: Callable[[Message], bool] | None = None) -> Iterator[Rec]:
+         accept: Callable[[Message], bool] | None = None) -> Generator[Rec, None, None]:
     """Every committed record of ``spans``, partition by partition in offset order.
 
     ``accept`` filters on the raw message before a ``Rec`` is built (e.g. compare the key

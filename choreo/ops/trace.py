@@ -28,9 +28,10 @@ measures the scan on a topic of a million events.
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import redis
@@ -42,6 +43,7 @@ from choreo.ops.records import (
 )
 from choreo.redis_client import connect
 from choreo.runner import RECOVERY_TOPIC, dlq_topic
+from choreo.serde import MAX_VALUE_BYTES
 from choreo.state import delivery_key, flat_fields, text
 from choreo.topology import derive
 from choreo.workflow import Workflow
@@ -55,6 +57,25 @@ class ScanStats:
     partitions: int = 0
     records_read: int = 0
     seconds: float = 0.0
+    cut: bool = False  # the delivery had more records than the scan keeps (``Keeping.max_records``)
+
+
+@dataclass(frozen=True)
+class Keeping:
+    """What a scan keeps of the delivery's records: every record and every value (an
+    operator's trace), or, for a server answering whoever asks, a bounded story of a
+    delivery anyone able to write a topic can pad: the values of a few topics, each up to a
+    size, and so many records. A value not kept is ``Rec.cut_bytes`` long."""
+
+    values_of: frozenset[str] | None = None  # None: every topic's
+    max_value_bytes: int = MAX_VALUE_BYTES  # what a consumer takes: a larger one is refused anyway
+    max_records: int | None = None
+
+    def kept(self, record: Rec) -> Rec:
+        size = len(record.value or b"")
+        if size > self.max_value_bytes or (self.values_of is not None and record.topic not in self.values_of):
+            return replace(record, value=None, cut_bytes=size)
+        return record
 
 
 @dataclass
@@ -114,7 +135,8 @@ def workflow_topics(workflow: Workflow, present: dict[str, int]) -> dict[str, in
 
 def scan_delivery(consumer: Consumer, delivery_id: str, topics: dict[str, int], since_ms: int | None,
                   partitioner: str = "consistent_random", progress: Progress | None = None,
-                  compound: Mapping[str, Sequence[str]] | None = None) -> tuple[list[Rec], ScanStats]:
+                  compound: Mapping[str, Sequence[str]] | None = None,
+                  keeping: Keeping = Keeping()) -> tuple[list[Rec], ScanStats]:
     """The delivery's records in ``topics`` (name → partition count) from ``since_ms`` on:
     one partition per topic, keys compared as bytes.
 
@@ -139,7 +161,10 @@ def scan_delivery(consumer: Consumer, delivery_id: str, topics: dict[str, int], 
     # ``read`` pauses each partition it has finished, and a pause outlives unassign/assign:
     # a consumer that scans a partition a second time (the request searched first) resumes it
     consumer.resume([TopicPartition(s.topic, s.partition) for s in spans])
-    found = list(read(consumer, spans, progress, accept=accept))
+    records = read(consumer, spans, progress, accept=accept)
+    found = [keeping.kept(r) for r in itertools.islice(records, keeping.max_records)]
+    stats.cut = keeping.max_records is not None and next(records, None) is not None
+    records.close()
     stats.seconds = time.perf_counter() - started
     return found, stats
 
@@ -174,6 +199,7 @@ def _add(total: ScanStats, stats: ScanStats) -> None:
     total.partitions += stats.partitions
     total.records_read += stats.records_read
     total.seconds += stats.seconds
+    total.cut = total.cut or stats.cut
 
 
 def causal_order(records: list[Rec]) -> list[Rec]:
@@ -270,11 +296,10 @@ def consumer_group(service: str) -> str:
 def trace(delivery_id: str, workflow: Workflow, *, since_ms: int | None = None,
           partitioner: str = "consistent_random", progress: Progress | None = None,
           redis_client: redis.Redis | None = None, decode: bool = True,
-          extra_topics: Sequence[str] = (), decode_topics: frozenset[str] | None = None) -> Trace:
+          extra_topics: Sequence[str] = (), keeping: Keeping = Keeping()) -> Trace:
     """Find, order and describe every record of one delivery (in the workflow's topics and
-    ``extra_topics``, e.g. the topics of a subscriber outside the workflow). ``decode_topics``:
-    the only topics whose bodies are decoded, when a caller needs a few (each unknown
-    writer schema id is a registry round trip)."""
+    ``extra_topics``, e.g. the topics of a subscriber outside the workflow); ``keeping``: what
+    of them (a body is decoded only from a value kept)."""
     client = redis_client or connect(settings().redis_url, socket_timeout=2)
     consumer = reader()
     try:
@@ -290,13 +315,15 @@ def trace(delivery_id: str, workflow: Workflow, *, since_ms: int | None = None,
             else:
                 entry = {t: topics[t] for t in workflow.extra_producers if t in topics}
                 window_start = int(time.time() * 1000) - DEFAULT_WINDOW_MS
-                first, stats = scan_delivery(consumer, delivery_id, entry, window_start, partitioner, progress)
+                first, stats = scan_delivery(consumer, delivery_id, entry, window_start, partitioner, progress,
+                                             keeping=keeping)
                 total = stats
                 since_ms = (min(r.timestamp_ms for r in first) - REQUEST_SLACK_MS) if first else window_start
                 how = "request event" if first else "default window"
         steps = [s.name for s in workflow.steps]
         compound = {t: steps for t in derive(workflow).configs if t in topics}  # compacted logs
-        records, stats = scan_delivery(consumer, delivery_id, topics, since_ms, partitioner, progress, compound)
+        records, stats = scan_delivery(consumer, delivery_id, topics, since_ms, partitioner, progress, compound,
+                                       keeping)
         _add(total, stats)
         entry = {t: topics[t] for t in workflow.extra_producers if t in topics}
         if how == "state table" and entry and not any(r.topic in entry for r in records):
@@ -306,7 +333,7 @@ def trace(delivery_id: str, workflow: Workflow, *, since_ms: int | None = None,
             if requested is not None:
                 since_ms, how = requested - REQUEST_SLACK_MS, "request event before the state table's times"
                 records, stats = scan_delivery(consumer, delivery_id, topics, since_ms, partitioner,
-                                               progress, compound)
+                                               progress, compound, keeping)
                 _add(total, stats)
         done = consumption(consumer, workflow, records)
     finally:
@@ -320,9 +347,10 @@ def trace(delivery_id: str, workflow: Workflow, *, since_ms: int | None = None,
         env = r.envelope
         at = _produced_at(r)
         source_topic = r.header("dlq.source.topic") or r.topic
-        wanted = decode_topics is None or r.topic in decode_topics
-        body: dict[str, Any] | str = (decoder(source_topic if r.topic.endswith(".dlq") else r.topic, r.value)
-                                      if decoder is not None and wanted else "")
+        body: dict[str, Any] | str = (
+            f"<{r.cut_bytes} bytes, not kept>" if r.cut_bytes
+            else decoder(source_topic if r.topic.endswith(".dlq") else r.topic, r.value) if decoder is not None
+            else "")
         hops.append(Hop(
             topic=r.topic, partition=r.partition, offset=r.offset, kind=kind_of(r.topic), time_ms=at,
             since_start_ms=at - start, since_previous_ms=at - previous,

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from consumers.workflow import WORKFLOW
-from choreo.ops.trace import Hop
+from choreo.ops.trace import Hop, ScanStats, Trace
+from producers import history as history_module
 from producers.history import History, HistoryBusy, KafkaHistory
 
 
@@ -72,9 +73,28 @@ def hop(topic: str, event_type: str, body: dict[str, Any] | str) -> Hop:
 def test_only_a_deciding_event_on_its_own_topic_tells_an_outcome() -> None:
     history = Held(concurrency=1, per_caller=1)
     shipped = {"delivery_id": "d", "package_id": "p", "drone_id": "r", "shipped_at": 1_700_000_000_000}
-    assert history._told(hop("delivery.shipped", "DeliveryShipped", shipped)) == "shipped"
+    assert history._told(hop("delivery.shipped", "DeliveryShipped", shipped), "d") == "shipped"
+    # another delivery's event under this one's key
+    assert history._told(hop("delivery.shipped", "DeliveryShipped", shipped), "e") is None
     # a writer of another topic naming a deciding event type in its header
-    assert history._told(hop("drone.scheduled", "DeliveryShipped", shipped)) is None
+    assert history._told(hop("drone.scheduled", "DeliveryShipped", shipped), "d") is None
     # a body that is no such event: told nothing, not an error answered to the owner
-    assert history._told(hop("delivery.shipped", "DeliveryShipped", {"delivery_id": "d"})) is None
-    assert history._told(hop("delivery.shipped", "DeliveryShipped", "<12 bytes, not Confluent wire format>")) is None
+    assert history._told(hop("delivery.shipped", "DeliveryShipped", {"delivery_id": "d"}), "d") is None
+    assert history._told(hop("delivery.shipped", "DeliveryShipped", "<12 bytes, not Confluent wire format>"), "d") is None
+
+
+def test_the_owner_is_told_by_the_delivery_s_own_request_and_only_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    history = Held(concurrency=1, per_caller=1)
+    stories: list[list[Hop]] = []
+    monkeypatch.setattr(history_module, "trace", lambda *args, **kwargs: Trace("d", stories.pop(), {}, ScanStats(), 0, ""))
+
+    def request(owner: str, delivery_id: str = "d") -> Hop:
+        return hop("delivery.requested", "DeliveryRequested", {"delivery_id": delivery_id, "owner_id": owner})
+
+    stories.append([request("alice"), request("alice")])  # a copy: the same request
+    found = KafkaHistory._read(history, "d")
+    assert found is not None and found.owner_id == "alice" and found.status["outcome"] is None
+    stories.append([request("eve", "x"), request("alice")])  # another delivery's request under this key
+    assert (found := KafkaHistory._read(history, "d")) is not None and found.owner_id == "alice"
+    stories.append([request("eve"), request("alice")])  # a forged second request: no one is told
+    assert KafkaHistory._read(history, "d") is None

@@ -12,7 +12,8 @@ from choreo.envelope import H_CORRELATION_ID, Envelope, header_value
 from choreo.ops import flowdoc, topocheck
 from choreo.ops.rebuild import delivery_of
 from choreo.ops.records import Rec, murmur2, parse_time, partition_for
-from choreo.ops.trace import causal_order
+from choreo.ops.trace import Keeping, causal_order
+from choreo.serde import MAX_VALUE_BYTES
 from choreo.runner import H_DLQ_REASON
 from choreo.service import Context, Service
 from choreo.workflow import Workflow
@@ -99,6 +100,19 @@ def test_causal_order_reads_each_envelope_once_whatever_the_chain(monkeypatch: p
              _rec("t", first.__class__(**{**first.__dict__, "produced_at_ms": 600}), 600)]
     assert [(r.topic, r.envelope.event_id) for r in causal_order(mixed) if r.envelope] == [
         ("t.dlq", "b"), ("t", "a"), ("t", "b"), ("t", "a")]
+
+
+def test_a_bounded_scan_keeps_the_values_it_reads_and_no_more() -> None:
+    def rec(topic: str, size: int) -> Rec:
+        return Rec(topic, 0, 0, 0, b"d", b"x" * size)
+
+    everything = Keeping()
+    assert everything.kept(rec("any", 100)).value == b"x" * 100
+    big = everything.kept(rec("any", MAX_VALUE_BYTES + 1))  # what every consumer refuses
+    assert big.value is None and big.cut_bytes == MAX_VALUE_BYTES + 1
+    status = Keeping(values_of=frozenset({"wanted"}), max_value_bytes=10)
+    assert status.kept(rec("wanted", 10)).value == b"x" * 10
+    assert (status.kept(rec("wanted", 11)).cut_bytes, status.kept(rec("other", 1)).cut_bytes) == (11, 1)
 
 
 def _flow(*services: Service, extra: dict[str, str] | None = None) -> Workflow:
