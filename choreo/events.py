@@ -29,7 +29,9 @@ def _read_schema(path: Path) -> str:
 class Event(BaseModel):
     """An event: subclasses name their contract file and the topic they are published to."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # no NaN or infinity: JSON has neither (a join keeps its parts as JSON, which wrote NaN
+    # as null and then could not read the part back), and no business value is one
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     schema_file: ClassVar[Path]
     topic: ClassVar[str]

@@ -227,10 +227,14 @@ def on_delivery_failed(failure: Any, ctx: Context) -> Effects[None]:
     failed (or was closed) after taking a member has no undo, and an abandoned one's undo
     may never be asked (``Marked.undone_with_holds``, ``Workflow.pools_not_undone``)."""
     reason = f"{failure.reason}: {failure.detail}"[:500]
-    undone = undoes(failure.compensate, watched().flow)
+    flow = watched().flow
+    undone = undoes(failure.compensate, flow)
+    # the failed step's deadline entry goes: only a step of the workflow names one (an id
+    # with '|' in a step's place would name another delivery's entry)
+    failed_step = failure.failed_step if failure.failed_step in {s.name for s in flow.steps} else ""
     raw = ctx.once(MARK_COMPENSATING, keys=[delivery_key(failure.delivery_id), deadline_index(failure.delivery_id)],
-                   args=[now_ms(), failure.delivery_id, failure.failed_step, reason,
-                         watched().flow.retention_s, ",".join(watched().flow.compensations()), *undone])
+                   args=[now_ms(), failure.delivery_id, failed_step, reason,
+                         flow.retention_s, ",".join(flow.compensations()), *undone])
     marked = parse_marked(raw)
     if marked.closed:  # left out of a failure written by hand: they must not run now
         ctx.log.warning("compensation.closed_unlisted", steps=list(marked.closed))

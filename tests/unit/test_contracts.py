@@ -10,10 +10,10 @@ from typing import Any
 
 import fastavro
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from choreo.runtime_events import RUNTIME_CONTRACTS
-from schemas.models import ALL_EVENTS, DeliveryRequested, Location
+from schemas.models import ALL_EVENTS, DeliveryRequested, Location, PackageReady
 
 REPO = Path(__file__).resolve().parents[2]
 # every contract directory with the models mirroring it: the domain's and the runtime's own
@@ -71,3 +71,12 @@ def test_model_round_trips_through_avro() -> None:
     fastavro.schemaless_writer(buf, parsed, event.to_avro())
     buf.seek(0)
     assert DeliveryRequested.from_avro(fastavro.schemaless_reader(buf, parsed)) == event
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_no_event_takes_a_float_json_cannot_write(value: float) -> None:
+    """Avro carries NaN and infinity; JSON, where a join keeps its parts, has neither (a part
+    with NaN was written as null and could not be read back, failing the delivery)."""
+    with pytest.raises(ValidationError):
+        PackageReady(delivery_id="d", package_id="p", package_size="SMALL", weight_kg=value,
+                     ready_at=datetime(2030, 1, 1, tzinfo=UTC))

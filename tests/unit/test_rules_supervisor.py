@@ -92,6 +92,15 @@ def test_a_failed_delivery_marks_its_steps_logs_them_and_asks_the_newest_to_undo
                                   derived_id("d-1", "undo", "drone"))]
 
 
+def test_a_failed_step_that_is_no_step_of_the_workflow_names_no_deadline_entry() -> None:
+    """Its deadline entry is ``<delivery>|<step>``: a step ``B|package`` of delivery ``A``
+    would name delivery ``A|B``'s entry."""
+    outcome = run(supervisor.service, failure("X", "B|package", ["package"]),
+                  topic=supervisor.watched().failed_topic, answers={"mark_compensating": "{}", "pool_release": "0"})
+    mark = outcome.effects[0]
+    assert mark.name == "mark_compensating" and mark.args[1:3] == ("d-1", "")
+
+
 def test_a_failure_that_undoes_no_drone_step_gives_the_drone_back_itself() -> None:
     """The drone step holds its drone before dispatch answers: failed, closed or refused by
     dispatch, it is not in the list, and no undo would give the drone back."""
