@@ -124,8 +124,8 @@ from choreo.redis_client import NodePipelines, connect, raise_first
 from choreo.runner import RECOVERY_TOPIC, dlq_topic, read_input
 from choreo.release import awaiting_key, released
 from choreo.runtime_events import CompensationRecord, StepReport
-from choreo.serde import Decoder, DecodeFailure, RegistryUnavailable, registry_client
-from choreo.state import Restored, Source, StateTable, StepStatus, delivery_key, index_member
+from choreo.serde import MAX_VALUE_BYTES, Decoder, DecodeFailure, RegistryUnavailable, registry_client
+from choreo.state import MAX_ERROR_CHARS, Restored, Source, StateTable, StepStatus, delivery_key, index_member
 from choreo.supervision import CLOSED_BY_FAILURE, awaiting_operator_index, undo_fields
 from choreo.workflow import Workflow
 
@@ -355,6 +355,7 @@ class Rebuilder:
         self.records = {record.name: record for s in workflow.services for record in s.records}
         self.pools = {pool.name: pool for s in workflow.services for pool in s.pools}
         self.compensable = set(workflow.compensations())
+        self.step_names = {step.name for step in workflow.steps}
         self._merge_script = BatchScript(client, "rebuild_merge", _MERGE)
 
     def merge_fields(self, writes: Iterable[tuple[str, Mapping[str, str | int], int]]) -> None:
@@ -585,13 +586,18 @@ class Rebuilder:
             if self._dead_letter(r):
                 self.side_dead_letters[delivery] = self.side_dead_letters.get(delivery, 0) + 1
             return
-        body = self.decode(r.topic, r.value)
+        # a value its readers refuse for its size restores nothing (nor is it decoded: ten
+        # megabytes compressed to kilobytes each, kept for the whole rebuild)
+        body = self.decode(r.topic, r.value) if len(r.value or b"") <= MAX_VALUE_BYTES else None
         # (a report or a record whose body names another delivery than its envelope, its
-        # readers dead-letter unread: ``events.disagrees_with``)
+        # readers dead-letter unread: ``events.disagrees_with``; the supervisor refuses a
+        # report of no workflow step, and only a step with an undo is compensated)
         if (isinstance(body, dict) and r.topic == RECOVERY_TOPIC and (report := _event(StepReport, body))
-                and report.delivery_id == delivery):
-            self.reports.setdefault(delivery, {})[(report.step, report.attempt)] = f"{report.kind}: {report.error}"
-        if isinstance(body, dict) and r.topic == CompensationRecord.topic and (record := _event(CompensationRecord, body)):
+                and report.delivery_id == delivery and report.step in self.step_names):
+            self.reports.setdefault(delivery, {})[(report.step, report.attempt)] = (
+                f"{report.kind}: {report.error}"[:MAX_ERROR_CHARS])
+        if (isinstance(body, dict) and r.topic == CompensationRecord.topic
+                and (record := _event(CompensationRecord, body)) and record.step in self.compensable):
             # a scan's record written before its envelope named the delivery (a request or a
             # failure, with an empty correlation id) gives its key alone, ``<delivery>|<step>``:
             # filed under that delivery, not one of that name. No other record without a

@@ -18,7 +18,8 @@ from choreo.errors import DeadLetterReason
 from choreo.events import Event
 from choreo.ops.rebuild import Rebuilder
 from choreo.ops.records import Rec
-from choreo.serde import DecodeFailure, RegistryUnavailable, forget_registry_clients
+from choreo.serde import MAX_VALUE_BYTES, DecodeFailure, RegistryUnavailable, forget_registry_clients
+from choreo.state import MAX_ERROR_CHARS
 from consumers.workflow import WORKFLOW
 from schemas.models import DroneScheduled
 
@@ -112,6 +113,33 @@ def test_a_compensation_record_whose_envelope_names_no_delivery_is_filed_under_i
     headers = [(k, b"" if k == H_CORRELATION_ID else v) for k, v in _headers(scan)]
     rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|package", BODY, headers), {})
     assert rebuilder.compensation == {}
+
+
+def test_reports_and_compensation_records_of_no_step_restore_nothing_and_errors_are_cut() -> None:
+    """A report or a record naming a field of the delivery's state that is no step (say
+    ``fanin.package``) was written into the state table and stopped the rebuild; an error of
+    megabytes was kept for the whole rebuild."""
+    envelope = Envelope.first("e-6", "d-1", "StepReport", "drone-scheduler")
+    report = {"delivery_id": "d-1", "step": "drone", "kind": "FAILED", "attempt": 1, "service": "drone-scheduler",
+              "source_topic": "delivery.requested", "source_event_id": "e-0", "error": "x" * 100_000,
+              "reported_at": "2026-12-05T00:00:00+00:00"}
+    for step, filed in (("drone", 1), ("fanin.package", 0), ("outcome", 0)):
+        rebuilder = _rebuilder({**report, "step": step})
+        rebuilder._fact(Rec("recovery", 0, 5, 1_800_000_000_000, b"d-1", BODY, _headers(envelope)), {})
+        assert len(rebuilder.reports.get("d-1", {})) == filed
+        assert all(len(error) == MAX_ERROR_CHARS for error in rebuilder.reports.get("d-1", {}).values())
+    record = {"delivery_id": "d-1", "step": "fanin.package", "status": "COMPENSATED", "attempt": 1,
+              "reason": "", "recorded_at": "2026-12-05T00:00:00+00:00", "outcome": "", "undone": []}
+    rebuilder = _rebuilder(record)
+    rebuilder._fact(Rec("compensation.log", 0, 5, 1_800_000_000_000, b"d-1|fanin.package", BODY,
+                        _headers(Envelope.first("e-7", "d-1", "CompensationRecord", "supervisor"))), {})
+    assert rebuilder.compensation == {}
+    # a value its readers refuse for its size is not even decoded
+    rebuilder = _rebuilder(report)
+    rebuilder.decode = lambda topic, value: pytest.fail("decoded")  # type: ignore[method-assign]
+    rebuilder._fact(Rec("recovery", 0, 5, 1_800_000_000_000, b"d-1", BODY + b"x" * MAX_VALUE_BYTES,
+                        _headers(envelope)), {})
+    assert rebuilder.reports == {}
 
 
 def test_a_failure_whose_body_names_another_delivery_fails_none() -> None:
