@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from producers.errors import AdmissionRefused, PublishError
@@ -161,13 +162,13 @@ def _report(outcome: Outcome, as_json: bool) -> None:
             print(delivery_id)
         for item in outcome.errors:
             where = f"line {item['line']}" if item["line"] else "request"
-            err.print(f"[red]{where}:[/] {item['error']}", highlight=False)
+            err.print(f"[red]{where}:[/] {escape(str(item['error']))}", highlight=False)
         err.print(f"accepted {len(outcome.delivery_ids)}, rejected {len(outcome.errors)}")
     if outcome.stopped_at_line:
-        err.print(f"[bold red]stopped at line {outcome.stopped_at_line}:[/] {outcome.stop_reason}"
+        err.print(f"[bold red]stopped at line {outcome.stopped_at_line}:[/] {escape(outcome.stop_reason)}"
                   f" (resume from line {outcome.stopped_at_line})", highlight=False)
     elif outcome.stopped_at_line == 0:
-        err.print(f"[bold red]not submitted:[/] {outcome.stop_reason}", highlight=False)
+        err.print(f"[bold red]not submitted:[/] {escape(outcome.stop_reason)}", highlight=False)
 
 
 @app.command("emit")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
@@ -32,6 +33,25 @@ out = Console(markup=False, emoji=False)  # what it prints comes from Redis and 
 
 WORKFLOW_OPT = typer.Option("consumers.workflow:WORKFLOW", "--workflow", help="module:attr of the Workflow")
 JSON_OPT = typer.Option(False, "--json", help="one JSON document on stdout, for scripts")
+
+
+def _time(text: str) -> int:
+    """An operator's ``--since``/``--from`` as epoch ms, or a clear refusal."""
+    from choreo.ops.records import parse_time
+
+    try:
+        return parse_time(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)[:200]) from None
+
+
+def _as_written(delivery_id: str) -> str:
+    """A pasted delivery id as the pipeline writes it (a UUID in its canonical lowercase,
+    whatever form it was pasted in: braces, capitals); any other id as it is."""
+    try:
+        return str(uuid.UUID(delivery_id.strip()))
+    except ValueError:
+        return delivery_id
 
 
 def _workflow(ref: str) -> Workflow:
@@ -120,7 +140,6 @@ def replay_cmd(
     as_json: bool = JSON_OPT,
 ) -> None:
     """Re-consume a topic range into a service's handlers (live group untouched), or move a group."""
-    from choreo.ops.records import parse_time
     from choreo.ops.replay import RangeSpec, move_group, replay_into_service
     from choreo.service import load_service
 
@@ -128,7 +147,7 @@ def replay_cmd(
     topics = topic or ([t for t in service.topics] if service else [])
     if not topics:
         _fail("name --topic (or a service whose topics to replay)")
-    spec = RangeSpec(topics, parse_time(since) if since else None, parse_time(until) if until else None,
+    spec = RangeSpec(topics, _time(since) if since else None, _time(until) if until else None,
                      _offsets(offsets))
     if spec.since_ms is None and spec.offsets is None:
         _fail("give a range: --from/--to or --offsets")
@@ -184,11 +203,10 @@ def rebuild_cmd(
     Pause the workflow's services first (stop or SIGSTOP them), resume them afterwards.
     """
     from choreo.ops.rebuild import PASS_RECORDS, rebuild
-    from choreo.ops.records import parse_time
 
     try:
         with _progress("reading topics", as_json) as (total, advance):
-            report = rebuild(_workflow(workflow), since_ms=parse_time(since),
+            report = rebuild(_workflow(workflow), since_ms=_time(since),
                              progress_total=total, progress=advance, force=force,
                              pass_records=pass_records or PASS_RECORDS, partitioner=partitioner)
     except RuntimeError as exc:
@@ -299,11 +317,11 @@ def trace_cmd(
     as_json: bool = JSON_OPT,
 ) -> None:
     """The whole story of one delivery across every topic, in causal order."""
-    from choreo.ops.records import parse_time
     from choreo.ops.trace import trace
 
+    delivery_id = _as_written(delivery_id)
     with _progress(f"tracing {_safe(delivery_id)}", as_json) as (_, advance):
-        result = trace(delivery_id, _workflow(workflow), since_ms=parse_time(since) if since else None,
+        result = trace(delivery_id, _workflow(workflow), since_ms=_time(since) if since else None,
                        partitioner=partitioner, progress=advance, extra_topics=topic)
     if as_json:
         _emit_json(result.as_dict())
@@ -333,14 +351,13 @@ def trace_cmd(
 def _selection(topic: list[str], reason: list[str], delivery: list[str], partition: int | None,
                offsets: str, since: str, limit: int) -> Any:
     from choreo.ops.dlq import Selection
-    from choreo.ops.records import parse_time
 
     rng = None
     if offsets:
         first, _, last = offsets.partition("-")
         rng = (int(first), int(last or first))
     return Selection(topics=topic, reasons=reason, delivery_ids=delivery, partition=partition, offsets=rng,
-                     since_ms=parse_time(since) if since else None, limit=limit)
+                     since_ms=_time(since) if since else None, limit=limit)
 
 
 TOPIC_OPT = typer.Option([], "--topic", "-t", help="DLQ topic or its source topic (repeatable)")

@@ -10,13 +10,15 @@ transaction markers that are never delivered, so a partition is done when the co
 from __future__ import annotations
 
 import io
+import math
 import re
 import time
 import uuid
 import zlib
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
+from datetime import time as dt_time
 from functools import cached_property, partial
 from typing import Any
 
@@ -50,14 +52,22 @@ def shown_time(ms: int, with_date: bool = True) -> str:
     return shown[:-3]
 
 
+EARLIEST_EPOCH_MS = 10**11  # 1973-03-03: a smaller number is a time in seconds
+
+
 def parse_time(text: str, now_ms: int | None = None) -> int:
     """An operator's time as epoch ms: ISO 8601 (naive means UTC, the brokers' clock),
-    epoch ms, ``now``, or relative (``-15m``, ``2h ago``)."""
+    epoch ms (``0``: the start of every log), ``now``, or relative (``-15m``, ``2h ago``).
+    A number that would be a time before 1973 is refused: epoch seconds pasted as they are
+    would select every record a topic holds."""
     text = text.strip()
     now = now_ms if now_ms is not None else int(time.time() * 1000)
     if text == "now":
         return now
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
+        if 0 < int(text) < EARLIEST_EPOCH_MS:
+            raise ValueError(f"{text[:20]} is before 1973 as epoch milliseconds (epoch seconds?): "
+                             "give milliseconds, an ISO 8601 time or -15m")
         return int(text)
     relative = _RELATIVE.match(text)
     if relative:
@@ -352,11 +362,19 @@ class BodyDecoder:
 
 
 def _plain(value: Any) -> Any:
-    """Datetimes and nested records as JSON-friendly values."""
+    """A decoded body as JSON holds it: whatever type a writer schema decodes to (bytes,
+    decimals, UUIDs, dates and times, floats JSON has not) becomes text, so every tool can
+    print what any registered schema wrote."""
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_plain(v) for v in value]
-    if isinstance(value, datetime):
+    if isinstance(value, (datetime, date, dt_time)):
         return value.isoformat()
-    return value
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    return str(value)

@@ -3,15 +3,20 @@ deliberately broken topologies, and the generated docs being current."""
 
 from __future__ import annotations
 
+import json
+import uuid
 import zlib
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
+from datetime import time as dt_time
+from decimal import Decimal
 
 import pytest
 
 from choreo.envelope import H_CORRELATION_ID, Envelope, header_value
 from choreo.ops import flowdoc, topocheck
+from choreo.ops.cli import _as_written
 from choreo.ops.rebuild import delivery_of
-from choreo.ops.records import Rec, murmur2, parse_time, partition_for
+from choreo.ops.records import Rec, _plain, murmur2, parse_time, partition_for
 from choreo.ops.trace import Keeping, causal_order
 from choreo.serde import MAX_VALUE_BYTES
 from choreo.runner import H_DLQ_REASON
@@ -43,6 +48,17 @@ def test_parse_time_forms() -> None:
     assert parse_time("1700000000000") == 1_700_000_000_000
     assert parse_time("2026-11-29T10:00") == int(datetime(2026, 11, 29, 10, tzinfo=UTC).timestamp() * 1000)
     assert parse_time("2026-11-29T10:00+01:00") == int(datetime(2026, 11, 29, 9, tzinfo=UTC).timestamp() * 1000)
+    assert parse_time("0") == 0  # the start of every log
+    for pasted in ("1700000000", "\u00b2"):  # epoch seconds would select every record; a digit int() refuses
+        with pytest.raises(ValueError):
+            parse_time(pasted)
+
+
+def test_a_pasted_delivery_id_is_read_as_the_pipeline_writes_it() -> None:
+    written = "0f1a4a88-6cde-4ccc-aaa4-ab307c16e78b"
+    for pasted in (written.upper(), "{%s}" % written, f" {written} ", written.replace("-", "")):
+        assert _as_written(pasted) == written
+    assert _as_written("poison-run-1") == "poison-run-1"
 
 
 def test_a_header_given_twice_reads_as_its_last_as_the_services_read_it() -> None:
@@ -113,6 +129,16 @@ def test_a_bounded_scan_keeps_the_values_it_reads_and_no_more() -> None:
     status = Keeping(values_of=frozenset({"wanted"}), max_value_bytes=10)
     assert status.kept(rec("wanted", 10)).value == b"x" * 10
     assert (status.kept(rec("wanted", 11)).cut_bytes, status.kept(rec("other", 1)).cut_bytes) == (11, 1)
+
+
+def test_a_body_of_any_type_a_writer_schema_decodes_to_prints_as_json() -> None:
+    """``ops trace --bodies`` printed bodies with ``json.dumps``: a registered schema with
+    bytes, a decimal, a UUID or a date made it raise."""
+    body = {"raw": b"\x00\xff", "amount": Decimal("1.50"), "id": uuid.UUID(int=5), "day": date(2030, 1, 2),
+            "at": dt_time(1, 2), "odd": float("nan"), "list": [1, None, True, "x"]}
+    assert json.loads(json.dumps(_plain(body), allow_nan=False)) == {
+        "raw": "00ff", "amount": "1.50", "id": "00000000-0000-0000-0000-000000000005", "day": "2030-01-02",
+        "at": "01:02:00", "odd": "nan", "list": [1, None, True, "x"]}
 
 
 def _flow(*services: Service, extra: dict[str, str] | None = None) -> Workflow:
