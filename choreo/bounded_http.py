@@ -18,8 +18,9 @@ from __future__ import annotations
 import ipaddress
 import math
 import socket
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -48,7 +49,7 @@ def public_addresses(host: str, port: int) -> list[str]:
     """The public addresses ``host`` resolves to, in the resolver's order; ``ConnectError``
     when there is none. The lookup is bounded by the request's time (a resolver has no
     timeout of its own: a name server that never answers held the request)."""
-    lookup = _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    lookup = _lookup(host, port)
     try:
         found = lookup.result(timeout=_left(None, httpcore.ConnectTimeout))
     except FutureTimeout as exc:
@@ -62,7 +63,28 @@ def public_addresses(host: str, port: int) -> list[str]:
 
 
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
-_resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="resolve")
+_resolver = ThreadPoolExecutor(max_workers=8, thread_name_prefix="resolve")
+_lookups: dict[tuple[str, int], Future[list[Any]]] = {}  # under way, one per name
+_lookups_lock = threading.RLock()  # a lookup done at once forgets itself while it is held
+
+
+def _lookup(host: str, port: int) -> Future[list[Any]]:
+    """The lookup of ``host`` under way, else a new one. A lookup that outlives its request
+    cannot be stopped (``getaddrinfo`` holds its thread): each try of an owner whose name
+    server never answers would take another of the pool's threads, and other owners' names
+    would wait behind them. Shared, a name holds one thread however often it is tried."""
+    with _lookups_lock:
+        running = _lookups.get((host, port))
+        if running is None:
+            running = _lookups[(host, port)] = _resolver.submit(socket.getaddrinfo, host, port,
+                                                                type=socket.SOCK_STREAM)
+            running.add_done_callback(lambda _: _forget(host, port))
+        return running
+
+
+def _forget(host: str, port: int) -> None:
+    with _lookups_lock:
+        _lookups.pop((host, port), None)
 
 
 def _public(address: str) -> bool:

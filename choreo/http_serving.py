@@ -112,7 +112,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        ip = self.client[0] if self.client else ""
+        ip = client_key(self.client[0] if self.client else "")
         if self.guard.per_ip[ip] >= self.limits.max_connections_per_ip:
             log.warning("http.too_many_connections", client=ip, limit=self.limits.max_connections_per_ip)
             # closed at once, not lingering: this connection is counted against no address's
@@ -345,6 +345,21 @@ def uvicorn_config(app: Any, host: str, port: int, limits: HttpLimits, error_bod
                           loop="uvloop", ws="none", timeout_keep_alive=limits.keep_alive_s,
                           limit_concurrency=limits.max_connections, proxy_headers=False,
                           **{**tls_options(), **options})
+
+
+def client_key(address: str) -> str:
+    """Who a peer's address counts as, for the per-client bounds: an IPv4 address, or an
+    IPv6 address's /64 (one host is usually given a whole /64, and would be thousands of
+    clients by its addresses)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def loopback(host: str) -> bool:

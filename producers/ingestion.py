@@ -59,6 +59,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from choreo.http_serving import client_key
 from choreo.logs import get_logger
 from choreo.tokens import BearerTokens
 from choreo.tokens import parse_tokens as parse_bearer_tokens
@@ -396,7 +397,7 @@ def create_app(settings: IngestionSettings | None = None,
         if not canonical_uuid(delivery_id):
             return None, "", error(422, "invalid_delivery_id", "a delivery id is a UUID")
         delivery_id = delivery_id.lower()
-        caller = owner if owner is not None else (request.client.host if request.client else "")
+        caller = owner if owner is not None else client_key(request.client.host if request.client else "")
         unknown = error(404, "not_found", f"no delivery {delivery_id}")
         recorded: str | None = None
         if owner is not None:

@@ -4,6 +4,7 @@ time bounding its name's lookup (the resolver is replaced: no DNS is asked)."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from typing import Any
 
@@ -51,3 +52,28 @@ def test_a_name_server_that_does_not_answer_ends_the_request_in_its_time(monkeyp
     with within(0.3), pytest.raises(httpcore.ConnectTimeout, match="did not resolve"):
         public_addresses("hooks.example", 443)
     assert time.monotonic() - started < 1.0
+
+
+def test_a_name_that_never_resolves_holds_one_lookup_thread_however_often_it_is_tried(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup cannot be stopped once it outlived its request: an owner's name server that
+    never answers took a thread of the pool at each try, and the next owner's name waited
+    behind them until its own try timed out."""
+    answer = _answers("8.8.4.4")
+    release = threading.Event()
+
+    def resolver(host: str, port: int, *args: Any, **kwargs: Any) -> list[Any]:
+        if host == "stuck.example":
+            release.wait(10)
+            return []
+        return answer(host, port)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    try:
+        for _ in range(12):
+            with within(0.05), pytest.raises(httpcore.ConnectTimeout):
+                public_addresses("stuck.example", 443)
+        with within(1.0):
+            assert public_addresses("other.example", 443) == ["8.8.4.4"]
+    finally:
+        release.set()

@@ -8,7 +8,7 @@ import pytest
 from starlette.requests import Request
 
 from choreo.ops.flowdoc import flow_edges
-from choreo.http_serving import loopback
+from choreo.http_serving import client_key, loopback
 from choreo.ops.web.auth import OperatorTokens, Sessions, host_is_loopback, parse_tokens, same_origin
 from choreo.ops.web.graph import layout
 from consumers.workflow import WORKFLOW
@@ -59,6 +59,15 @@ def test_loopback_and_same_origin() -> None:
     assert not same_origin(_request(host="127.0.0.1:8090", origin="http://[x"))
     assert not host_is_loopback(_request(host="[::1"))
     assert host_is_loopback(_request(host="[::1]:8090"))
+
+
+def test_a_client_is_its_ipv4_address_or_its_ipv6_64() -> None:
+    """A host given a /64 would be thousands of clients to the per-client bounds by its addresses."""
+    assert client_key("203.0.113.7") == "203.0.113.7"
+    assert client_key("2001:db8:1:2::1") == client_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert client_key("2001:db8:1:3::1") != client_key("2001:db8:1:2::1")
+    assert client_key("::ffff:203.0.113.7") == "203.0.113.7"
+    assert client_key("fe80::1%eth0") == "fe80::/64" and client_key("") == ""
 
 
 def test_a_csrf_token_of_any_characters_is_refused_not_an_error() -> None:
