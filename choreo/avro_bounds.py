@@ -243,8 +243,8 @@ class _Walk:
             inner = namespace_of(full)
             fields = node.get("fields")
             if isinstance(fields, list) and len(fields) > MAX_FIELDS:
-                # parsing is quadratic in them: 8,700 fields in 256 KiB took a second of the
-                # registry's CPU per parse, and every check parses again
+                # parsing is quadratic in them: 8,700 fields fit in 256 KiB and cost a second
+                # of the registry's CPU per parse, and every check parses again
                 raise UnboundedSchema(f"record {full[:100]!r} has {len(fields)} fields, over {MAX_FIELDS}")
             costs = [self.cost(f.get("type"), inner, depth + 1)
                      for f in (fields if isinstance(fields, list) else []) if isinstance(f, dict)]

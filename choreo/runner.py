@@ -679,9 +679,9 @@ class Runner:
     def _encode_outputs(self, run: Attempt) -> Rejected | None:
         """Encode the try's outputs before its step completes: one the consumers would refuse
         as too large (or the producer outright) is the input's failure, refused while the step
-        can still fail. Found only when it was published, the step was completed already, and
-        each reading of the batch published it again, for ever. A registry that cannot be
-        asked now leaves the encoding to the publishing, which holds the batch as before."""
+        can still fail: found only at publishing, the step would be completed already, and each
+        reading of the batch would publish it again, for ever. A registry that cannot be asked
+        now leaves the encoding to the publishing, which holds the batch until it answers."""
         w, ctx = run.work, run.ctx
         for out in _as_events(run.result):
             ctx.emit(out)
