@@ -748,6 +748,8 @@ class Runner:
         # its input would be committed without the outputs the step's completion owes
         replayed_bug = w.verdict is Begin.REPLAY and getattr(error, "reason", None) is DeadLetterReason.HANDLER_ERROR
         if isinstance(error, Rejected) and not replayed_bug:
+            if w.verdict is Begin.REPLAY:  # completed before, its outputs now never published
+                w.log.error("step.completed_outputs_refused", step=step, error=str(error)[:300])
             if step is not None:
                 self.state.finish(envelope.correlation_id, step, envelope.attempt, now_ms(),
                                   StepStatus.FAILED, str(error))

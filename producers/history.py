@@ -27,11 +27,16 @@ from choreo.workflow import Workflow
 
 REMEMBERED = 1024  # decided deliveries' answers kept, the oldest forgotten first
 MAX_STORY_RECORDS = 200  # a delivery's records a lookup keeps (a real story has a few dozen)
-MAX_STORY_VALUE_BYTES = 64 * 1024  # a request's body is at most that as JSON (INGESTION_MAX_BODY_BYTES)
+MAX_STORY_HEADER_BYTES = 16 * 1024  # an envelope's headers are a few hundred bytes
 
 
 class HistoryBusy(RuntimeError):
     """Every lookup slot is taken: the caller should retry shortly."""
+
+
+class HistoryTooLong(RuntimeError):
+    """The delivery has more records than a lookup keeps (``MAX_STORY_RECORDS``: someone
+    padded it): what is kept may lack the request or the outcome, so nothing is told."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,9 @@ class History:
 
 
 class KafkaHistory:
-    def __init__(self, workflow: Workflow, client: redis.Redis, concurrency: int, per_caller: int) -> None:
+    def __init__(self, workflow: Workflow, client: redis.Redis, concurrency: int, per_caller: int,
+                 max_value_bytes: int) -> None:
+        """``max_value_bytes``: the largest request body ingestion takes (its Avro is no larger)."""
         self.workflow = workflow
         self.redis = client
         self._slots = threading.BoundedSemaphore(concurrency)
@@ -57,7 +64,7 @@ class KafkaHistory:
         self._keeping = Keeping(
             values_of=frozenset({*workflow.extra_producers, CompensationRecord.topic,
                                  *(model.topic for model in workflow.outcome_labels)}),
-            max_value_bytes=MAX_STORY_VALUE_BYTES, max_records=MAX_STORY_RECORDS)
+            max_value_bytes=max_value_bytes, max_header_bytes=MAX_STORY_HEADER_BYTES, max_records=MAX_STORY_RECORDS)
 
     def lookup(self, delivery_id: str, caller: str) -> History | None:
         """The delivery's story as a status, or None if Kafka holds no request for it (within
@@ -105,6 +112,8 @@ class KafkaHistory:
 
     def _read(self, delivery_id: str) -> History | None:
         story = trace(delivery_id, self.workflow, redis_client=self.redis, keeping=self._keeping)
+        if story.stats.cut:
+            raise HistoryTooLong(f"more than {MAX_STORY_RECORDS} records")
         entry = set(self.workflow.extra_producers)
         # the request names the owner: one that is this delivery's, and only one owner among
         # them (copies of it are the same request); a second owner is a forgery, and no one

@@ -69,7 +69,7 @@ from producers import metrics
 from producers.errors import (
     AdmissionRefused, IdempotencyConflict, IdempotencyInProgress, PublishTimeout,
 )
-from producers.history import History, HistoryBusy, KafkaHistory
+from producers.history import History, HistoryBusy, HistoryTooLong, KafkaHistory
 from producers.model import OWNER_ID_PATTERN, DeliveryRequestIn, InvalidRequest
 from producers.settings import IngestionSettings
 from producers.stream import StreamSlots, delivery_events
@@ -258,7 +258,7 @@ def create_app(settings: IngestionSettings | None = None,
         publisher = getattr(sub, "publisher", None)  # a stand-in submitter may have none
         if publisher is not None and publisher.workflow is not None:
             app.state.history = KafkaHistory(publisher.workflow, sub.redis, cfg.history_concurrency,
-                                             cfg.history_per_caller)
+                                             cfg.history_per_caller, cfg.max_body_bytes)
         if settle_gc:  # the process is ours (``choreo serve``), its start-up done
             settle_garbage_collector()
         try:
@@ -414,6 +414,9 @@ def create_app(settings: IngestionSettings | None = None,
         except HistoryBusy:
             return None, caller, error(503, "busy", "the delivery's history cannot be read now; retry",
                                        headers={"Retry-After": "1"})
+        except HistoryTooLong:
+            return None, caller, error(503, "history_too_long",
+                                       "the delivery's history is longer than a status lookup reads")
         if told is None or (owner is not None
                             and not hmac.compare_digest(told.owner_id.encode(), owner.encode())):
             return None, caller, unknown
@@ -437,6 +440,7 @@ def create_app(settings: IngestionSettings | None = None,
             return error(429, "too_many_streams", "too many open event streams; close one or retry later",
                          headers={"Retry-After": "5"})
         sub = sub_of(request)
+        ends = time.monotonic() + cfg.sse_max_s  # the stream's own end (``delivery_events``)
 
         async def state() -> dict[str, Any] | None:
             return await run_in_threadpool(sub.status, delivery_id)
@@ -444,7 +448,6 @@ def create_app(settings: IngestionSettings | None = None,
         async def story() -> dict[str, Any] | None:
             # the caller's own lookup slot may be taken by its other lookups: wait for it
             # within the stream's time, since giving up would tell an "unknown" delivery
-            ends = time.monotonic() + cfg.sse_max_s
             while True:
                 try:
                     told = await from_kafka(request, delivery_id, caller)
@@ -453,6 +456,8 @@ def create_app(settings: IngestionSettings | None = None,
                     if time.monotonic() >= ends or await request.is_disconnected():
                         return None
                     await asyncio.sleep(0.5)
+                except HistoryTooLong:
+                    return None
 
         async def body() -> AsyncIterator[bytes]:
             try:

@@ -14,6 +14,7 @@ meanwhile, and a check is stopped at ``check_timeout_s``.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import unicodedata
@@ -62,12 +63,15 @@ def check_subject(subject: str) -> str:
     return subject
 
 
+_INTEGER = re.compile(r"-?[0-9]{1,10}")
+
+
 def parse_version(raw: str) -> int:
     """``latest``/``-1`` give LATEST; a number in [1, 2^31-1] gives itself; else 42202."""
     text = raw.strip()
     if text.lower() == "latest":
         return LATEST
-    if text.isascii() and text.lstrip("-").isdigit() and len(text) <= 11:  # "²" is a digit to isdigit
+    if _INTEGER.fullmatch(text):  # not isdigit: "²" is a digit to it, and "--1" passed lstrip("-")
         number = int(text)
         if number == LATEST or 1 <= number <= MAX_INT:
             return number
@@ -77,7 +81,7 @@ def parse_version(raw: str) -> int:
 def parse_schema_id(raw: str) -> int:
     """Like JAX-RS: a path id that is not a 32-bit integer is no resource at all (404/404)."""
     text = raw.strip()
-    if text.isascii() and text.lstrip("-").isdigit() and len(text) <= 11 and -(2**31) <= int(text) <= MAX_INT:
+    if _INTEGER.fullmatch(text) and -(2**31) <= int(text) <= MAX_INT:
         return int(text)
     raise errors.http_error(404, "Not Found")
 

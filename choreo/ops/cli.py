@@ -35,12 +35,12 @@ WORKFLOW_OPT = typer.Option("consumers.workflow:WORKFLOW", "--workflow", help="m
 JSON_OPT = typer.Option(False, "--json", help="one JSON document on stdout, for scripts")
 
 
-def _time(text: str) -> int:
-    """An operator's ``--since``/``--from`` as epoch ms, or a clear refusal."""
+def _time(text: str, now_ms: int | None = None) -> int:
+    """An operator's ``--since``/``--from``/``--window`` as epoch ms, or a clear refusal."""
     from choreo.ops.records import parse_time
 
     try:
-        return parse_time(text)
+        return parse_time(text, now_ms)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)[:200]) from None
 
@@ -355,8 +355,11 @@ def _selection(topic: list[str], reason: list[str], delivery: list[str], partiti
     rng = None
     if offsets:
         first, _, last = offsets.partition("-")
+        if not (first.isascii() and first.isdigit() and (last.isascii() and last.isdigit() or not last)):
+            raise typer.BadParameter(f"--offsets {offsets[:40]!r}: give N or N-M")
         rng = (int(first), int(last or first))
-    return Selection(topics=topic, reasons=reason, delivery_ids=delivery, partition=partition, offsets=rng,
+    return Selection(topics=topic, reasons=reason, delivery_ids=[_as_written(d) for d in delivery],
+                     partition=partition, offsets=rng,
                      since_ms=_time(since) if since else None, limit=limit)
 
 
@@ -458,10 +461,9 @@ def status_cmd(limit: int = typer.Option(1000, help="steps of the deadline index
                workflow: str = WORKFLOW_OPT, as_json: bool = JSON_OPT) -> None:
     """Deliveries in flight, stuck (past deadline), failed, compensating and waiting for an
     operator's decision on an undo failed for good; consumer lag."""
-    from choreo.ops.records import parse_time
     from choreo.ops.status import status
 
-    window_ms = parse_time("now", 0) - parse_time(f"-{window.lstrip('-')}", 0)
+    window_ms = -_time(f"-{window.lstrip('-')}", 0)
     result = status(_workflow(workflow), limit=limit, window_ms=window_ms, with_lag=lag)
     if as_json:
         _emit_json(result)

@@ -509,8 +509,8 @@ class Rebuilder:
                     return cast(E, read_input(self._memo(r.topic, model, reads), r.value, env, env.hops))
                 except DecodeFailure:
                     return None
-            if not written:
-                written.append(self.decode(r.topic, r.value))
+            if not written:  # a value over what a consumer takes is refused by any reader
+                written.append(self.decode(r.topic, r.value) if len(r.value or b"") <= MAX_VALUE_BYTES else "")
             body = written[0]
             return _event(model, body) if isinstance(body, dict) and not disagrees_with(body, env) else None
 

@@ -65,16 +65,21 @@ class Keeping:
     """What a scan keeps of the delivery's records: every record and every value (an
     operator's trace), or, for a server answering whoever asks, a bounded story of a
     delivery anyone able to write a topic can pad: the values of a few topics, each up to a
-    size, and so many records. A value not kept is ``Rec.cut_bytes`` long."""
+    size, headers up to a size, and so many records (past them the story is ``cut``). A
+    value not kept is ``Rec.cut_bytes`` long; headers not kept are none."""
 
     values_of: frozenset[str] | None = None  # None: every topic's
     max_value_bytes: int = MAX_VALUE_BYTES  # what a consumer takes: a larger one is refused anyway
+    max_header_bytes: int | None = None
     max_records: int | None = None
 
     def kept(self, record: Rec) -> Rec:
         size = len(record.value or b"")
         if size > self.max_value_bytes or (self.values_of is not None and record.topic not in self.values_of):
-            return replace(record, value=None, cut_bytes=size)
+            record = replace(record, value=None, cut_bytes=size)
+        if (self.max_header_bytes is not None
+                and sum(len(k) + len(v) for k, v in record.headers) > self.max_header_bytes):
+            record = replace(record, headers=[])
         return record
 
 
@@ -142,7 +147,9 @@ def scan_delivery(consumer: Consumer, delivery_id: str, topics: dict[str, int], 
 
     ``compound`` names topics keyed by ``<delivery>|<suffix>`` (a compacted log keeps one
     record per such key, e.g. the compensation log per step) with their possible suffixes:
-    their partitions are those of the compound keys.
+    their partitions are those of the compound keys. A record is the delivery's when its key
+    is the id or one of those compound keys exactly (on any topic: a dead letter keeps its
+    record's key), never any key that merely starts with the id.
     """
     started = time.perf_counter()
     key = delivery_id.encode()
@@ -154,9 +161,10 @@ def scan_delivery(consumer: Consumer, delivery_id: str, topics: dict[str, int], 
         spans += resolve(consumer, topic, parts, since_ms=since_ms)
     stats = ScanStats(partitions=len(spans), records_read=sum(s.size for s in spans))
 
+    wanted = {key, *(prefix + s.encode() for suffixes in (compound or {}).values() for s in suffixes)}
+
     def accept(m: Message) -> bool:
-        k = m.key()
-        return k == key or (k is not None and k.startswith(prefix))
+        return m.key() in wanted
 
     # ``read`` pauses each partition it has finished, and a pause outlives unassign/assign:
     # a consumer that scans a partition a second time (the request searched first) resumes it

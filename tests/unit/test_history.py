@@ -12,14 +12,14 @@ import pytest
 from consumers.workflow import WORKFLOW
 from choreo.ops.trace import Hop, ScanStats, Trace
 from producers import history as history_module
-from producers.history import History, HistoryBusy, KafkaHistory
+from producers.history import History, HistoryBusy, HistoryTooLong, KafkaHistory
 
 
 class Held(KafkaHistory):
     """Every read waits until released (or raises), so slots stay taken while a test looks."""
 
     def __init__(self, concurrency: int, per_caller: int) -> None:
-        super().__init__(WORKFLOW, None, concurrency, per_caller)  # type: ignore[arg-type]
+        super().__init__(WORKFLOW, None, concurrency, per_caller, 64 * 1024)  # type: ignore[arg-type]
         self.release = threading.Event()
         self.reading = threading.Semaphore(0)
 
@@ -98,3 +98,14 @@ def test_the_owner_is_told_by_the_delivery_s_own_request_and_only_one(monkeypatc
     assert (found := KafkaHistory._read(history, "d")) is not None and found.owner_id == "alice"
     stories.append([request("eve"), request("alice")])  # a forged second request: no one is told
     assert KafkaHistory._read(history, "d") is None
+
+
+def test_a_story_longer_than_a_lookup_keeps_tells_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Padded past the records a lookup keeps, the request or the outcome may be among those
+    left out: neither an owner nor a status is told from the rest."""
+    history = Held(concurrency=1, per_caller=1)
+    padded = Trace("d", [hop("delivery.requested", "DeliveryRequested", {"delivery_id": "d", "owner_id": "alice"})],
+                   {}, ScanStats(cut=True), 0, "")
+    monkeypatch.setattr(history_module, "trace", lambda *args, **kwargs: padded)
+    with pytest.raises(HistoryTooLong):
+        KafkaHistory._read(history, "d")

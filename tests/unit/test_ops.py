@@ -129,6 +129,9 @@ def test_a_bounded_scan_keeps_the_values_it_reads_and_no_more() -> None:
     status = Keeping(values_of=frozenset({"wanted"}), max_value_bytes=10)
     assert status.kept(rec("wanted", 10)).value == b"x" * 10
     assert (status.kept(rec("wanted", 11)).cut_bytes, status.kept(rec("other", 1)).cut_bytes) == (11, 1)
+    headed = Keeping(max_header_bytes=10)
+    assert headed.kept(Rec("t", 0, 0, 0, b"d", b"", [("a", b"12345678")])).headers == [("a", b"12345678")]
+    assert headed.kept(Rec("t", 0, 0, 0, b"d", b"", [("a", b"123456789"), ("b", b"")])).headers == []
 
 
 def test_a_body_of_any_type_a_writer_schema_decodes_to_prints_as_json() -> None:

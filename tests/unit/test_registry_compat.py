@@ -184,7 +184,7 @@ def test_replay_skips_garbage_without_failing() -> None:
 def test_versions() -> None:
     assert parse_version("latest") == LATEST and parse_version("-1") == LATEST
     assert parse_version("1") == 1 and parse_version(str(2**31 - 1)) == 2**31 - 1
-    for bad in ("0", "-2", "abc", str(2**31), "99999999999999999999", "1.5", "", "\u00b2", "\u0661"):
+    for bad in ("0", "-2", "abc", str(2**31), "99999999999999999999", "1.5", "", "\u00b2", "\u0661", "--1"):
         with pytest.raises(errors.RegistryError) as info:
             parse_version(bad)
         assert info.value.error_code == 42202
@@ -192,7 +192,7 @@ def test_versions() -> None:
 
 def test_schema_ids() -> None:
     assert parse_schema_id("12") == 12
-    for bad in ("x", "1.0", str(2**40), "", "\u00b2", "\u0661"):  # digits to isdigit, not to int
+    for bad in ("x", "1.0", str(2**40), "", "\u00b2", "\u0661", "--1"):  # digits to isdigit, not to int
         with pytest.raises(errors.RegistryError) as info:
             parse_schema_id(bad)
         assert (info.value.status, info.value.error_code) == (404, 404)
