@@ -235,13 +235,8 @@ def causal_order(records: list[Rec]) -> list[Rec]:
     taken = [False] * len(by_time)
     ordered: list[Rec] = []
     while len(ordered) < len(by_time):
-        if ready:
-            i = heapq.heappop(ready)
-        else:
-            i = heapq.heappop(held)
-            if taken[i]:
-                continue
-        if taken[i]:
+        i = heapq.heappop(ready if ready else held)
+        if taken[i]:  # freed after a cycle took it, or taken since it was held
             continue
         taken[i] = True
         ordered.append(by_time[i])
