@@ -41,7 +41,8 @@ from choreo.events import Event, disagrees_with
 from choreo.logs import get_logger
 from choreo.memory import collect_batch_cycles, settle_garbage_collector
 from choreo.redis_client import TRANSIENT, connect, is_cluster, refused_by_redis
-from choreo.serde import MAX_VALUE_BYTES, DecodeFailure, Decoder, Encoder, RegistryUnavailable, registry_client
+from choreo.serde import (MAX_VALUE_BYTES, DecodeFailure, Decoder, Encoder, RegistryUnavailable, Unwritable,
+                          registry_client)
 from choreo.effects import EffectCall, Op, dropped_by, run_all
 from choreo import layout, tracing
 from choreo.outcomes import REPLIES, ReplyTopics, outcome_of, told
@@ -208,7 +209,7 @@ class Attempt:
                     "typed operations or ctx.effect(...) only (emit events with ctx.emit or return them)")
         except StopIteration as stop:
             if self._gen is None:  # a plain handler's own StopIteration is a bug, not a result
-                self.request, self.error = None, self._bug(RuntimeError("it raised StopIteration"))
+                self.request, self.error = None, self.bug(RuntimeError("it raised StopIteration"))
             else:
                 self.request, self.result = None, stop.value
         except (Retryable, Rejected) as exc:
@@ -224,17 +225,27 @@ class Attempt:
             # restart on the same record: its partition stood still
             if refused_by_redis(exc):  # about Redis, not the input: the batch is read again
                 raise
-            self.request, self.error = None, self._bug(exc)
+            self.request, self.error = None, self.bug(exc)
         finally:
             self.seconds += time.perf_counter() - started
 
-    def _bug(self, exc: Exception) -> Rejected:
-        """The refusal of an input whose handler raised ``exc``, which it carries as its cause
-        (``choreo.testing.run`` raises it for the test to see)."""
-        refusal = Rejected(f"{self.work.handler.fn.__name__} raised {type(exc).__name__}: {str(exc)[:300]}",
+    def bug(self, exc: Exception, did: str = "raised") -> Rejected:
+        """The refusal of an input whose handler raised ``exc``, or emitted what could not be
+        written (``did``), which it carries as its cause (``choreo.testing.run`` raises it for
+        the test to see)."""
+        refusal = Rejected(f"{self.work.handler.fn.__name__} {did} {type(exc).__name__}: {str(exc)[:300]}",
                            DeadLetterReason.HANDLER_ERROR)
         refusal.__cause__ = exc
         return refusal
+
+
+def oversized(emitted: Emitted, size: int) -> Rejected | None:
+    """The refusal of an input whose output ``emitted`` encodes to ``size`` bytes, more than a
+    consumer takes (``serde.MAX_VALUE_BYTES``)."""
+    if size <= MAX_VALUE_BYTES:
+        return None
+    return Rejected(f"its {type(emitted.event).__name__} for {emitted.topic} would be {size} bytes, "
+                    f"over the {MAX_VALUE_BYTES} a consumer takes", DeadLetterReason.OVERSIZED)
 
 
 def read_input(decoder: Callable[[bytes | None], Event], value: bytes | None, envelope: Envelope,
@@ -678,10 +689,11 @@ class Runner:
 
     def _encode_outputs(self, run: Attempt) -> Rejected | None:
         """Encode the try's outputs before its step completes: one the consumers would refuse
-        as too large (or the producer outright) is the input's failure, refused while the step
-        can still fail: found only at publishing, the step would be completed already, and each
-        reading of the batch would publish it again, for ever. A registry that cannot be asked
-        now leaves the encoding to the publishing, which holds the batch until it answers."""
+        as too large (or the producer outright), or one Avro cannot write, is the input's
+        failure, refused while the step can still fail: found only at publishing, the step
+        would be completed already, and each reading of the batch would fail again, for ever.
+        A registry that cannot be asked now leaves the encoding to the publishing, which holds
+        the batch until it answers."""
         w, ctx = run.work, run.ctx
         for out in _as_events(run.result):
             ctx.emit(out)
@@ -691,9 +703,11 @@ class Runner:
                 value = self.encoder(type(emitted.event), emitted.topic)(emitted.event)
             except RegistryUnavailable:
                 return None
-            if len(value) > MAX_VALUE_BYTES:
-                return Rejected(f"its {type(emitted.event).__name__} for {emitted.topic} would be {len(value)} "
-                                f"bytes, over the {MAX_VALUE_BYTES} a consumer takes", DeadLetterReason.OVERSIZED)
+            except Unwritable as exc:
+                return run.bug(exc, "emitted what Avro cannot write,")
+            refusal = oversized(emitted, len(value))
+            if refusal is not None:
+                return refusal
             w.encoded[id(emitted)] = value
         return None
 

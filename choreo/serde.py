@@ -16,14 +16,14 @@ import io
 import json
 import time
 from collections.abc import Callable, Hashable
-from functools import partial
+from functools import cache, partial
 from typing import Any, Generic, TypeVar
 
 from confluent_kafka.schema_registry import SchemaReference, SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from confluent_kafka.serialization import MessageField, SerializationContext
-from fastavro import parse_schema, schemaless_reader
+from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.read import SchemaResolutionError
 from pydantic import ValidationError
 
@@ -50,6 +50,11 @@ class DecodeFailure(Exception):
     def __init__(self, reason: DeadLetterReason, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class Unwritable(Exception):
+    """An event whose own values Avro cannot write under its schema (a string that is not
+    Unicode, a number past its type's range): no retry writes it."""
 
 
 class RegistryUnavailable(Exception):
@@ -87,6 +92,25 @@ def forget_registry_clients() -> None:
     _clients.clear()
 
 
+FRAME_BYTES = 5  # the Confluent wire format's magic byte and schema id before the Avro body
+
+
+@cache
+def _writer_schema(model: type[Event]) -> Any:
+    return parse_schema(json.loads(model.avro_schema()))
+
+
+def avro_body(model: type[Event], record: dict[str, Any]) -> bytes:
+    """``record`` (an event of ``model``, as ``to_avro`` gives it) in Avro, without the
+    registry's framing; ``Unwritable`` when Avro cannot write its values."""
+    out = io.BytesIO()
+    try:
+        schemaless_writer(out, _writer_schema(model), record)
+    except Exception as exc:  # noqa: BLE001 - whatever the writer refuses a value with
+        raise Unwritable(f"{model.__name__}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+    return out.getvalue()
+
+
 class Encoder(Generic[E]):
     """Serializes one event type to one topic (subject ``<topic>-value``).
 
@@ -97,16 +121,19 @@ class Encoder(Generic[E]):
 
     def __init__(self, model: type[E], topic: str, client: SchemaRegistryClient) -> None:
         self.topic = topic
+        self._model = model
         self._ctx = SerializationContext(topic, MessageField.VALUE)
         register = settings().schema_registry_auto_register
         self._serializer = AvroSerializer(client, model.avro_schema(), conf={"auto.register.schemas": register})
 
     def __call__(self, event: E) -> bytes:
         """The event's bytes. ``RegistryUnavailable`` when the registry cannot be asked now
-        (its schema id is looked up once, then cached): the caller retries, where any other
-        error (a schema never registered) is for the deployment to fix."""
+        (its schema id is looked up once, then cached): the caller retries; ``Unwritable``
+        when the event's own values are what Avro cannot write; any other error (a schema
+        never registered) is for the deployment to fix."""
+        record = event.to_avro()
         try:
-            data = self._serializer(event.to_avro(), self._ctx)
+            data = self._serializer(record, self._ctx)
         except SchemaRegistryError as exc:
             if exc.http_status_code in RETRIABLE_STATUS:
                 raise RegistryUnavailable(str(exc)) from exc
@@ -114,6 +141,7 @@ class Encoder(Generic[E]):
         except Exception as exc:
             if _is_transport_error(exc):
                 raise RegistryUnavailable(str(exc)) from exc
+            avro_body(self._model, record)  # Unwritable when the event's own values are the fault
             raise
         if not isinstance(data, bytes):
             raise TypeError(f"serializer returned {type(data).__name__} for {self.topic}")

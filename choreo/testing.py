@@ -26,7 +26,8 @@ from choreo.envelope import Envelope, derived_id
 from choreo.errors import AttemptDropped, DeadLetterReason, Rejected, Retryable
 from choreo.events import Event, disagrees_with
 from choreo.join import Decision, Join, Joined, JoinFailed
-from choreo.runner import Attempt, Work, _as_events
+from choreo.runner import Attempt, Work, _as_events, oversized
+from choreo.serde import FRAME_BYTES, avro_body
 from choreo.service import Context, Emitted, HandlerResult, Service
 
 E = TypeVar("E", bound=Event)
@@ -218,7 +219,8 @@ def run(service: Service, event: Event, *, topic: str | None = None,
     A ``Retryable`` or ``Rejected`` is reported in ``error``, not raised: retrying and
     dead-lettering are the runner's business, the test checks which one the rule asked for.
     Anything else the handler raises is raised (the runner dead-letters its input as
-    ``HANDLER_ERROR``).
+    ``HANDLER_ERROR``), as is an output Avro cannot write (``serde.Unwritable``); an output
+    too large for a consumer is the ``OVERSIZED`` refusal the runner makes of it.
     """
     target = topic or _topic_of(service, event)
     handler = service.handlers.get(target)
@@ -261,6 +263,9 @@ def run(service: Service, event: Event, *, topic: str | None = None,
     if ok:
         for out in _as_events(run_.result):
             ctx.emit(out)
+        run_.error = _refusal_of_outputs(ctx.emitted)
+        ok = run_.error is None
+    if ok:
         # the writes a step left to its finish are applied there, after its other effects,
         # only when the handler ended well: asked of the script then (an in-memory record
         # applies them)
@@ -269,6 +274,18 @@ def run(service: Service, event: Event, *, topic: str | None = None,
     return Outcome(emitted=list(ctx.emitted) if ok else [], effects=script.asked,
                    kept_open=ctx.keep_step_open, error=run_.error, dropped=run_.dropped,
                    result=run_.result, logs=logs, context=ctx)
+
+
+def _refusal_of_outputs(emitted: list[Emitted]) -> Rejected | None:
+    """What the runner makes of the outputs before the step completes: one Avro cannot write
+    is a bug of the rule (raised here, dead-lettered there), one too large for a consumer the
+    input's refusal."""
+    for out in emitted:
+        size = FRAME_BYTES + len(avro_body(type(out.event), out.event.to_avro()))
+        refusal = oversized(out, size)
+        if refusal is not None:
+            return refusal
+    return None
 
 
 def _check_nothing_before_first_op(service: Service, fn: Callable[..., Any], event: Event,

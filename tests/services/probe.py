@@ -4,6 +4,8 @@
 * 11 kg: the handler yields its event instead of an effect (a bug in a rule) → dead letter;
 * 17 kg: the handler raises what is neither a retry nor a refusal (a bug, or an input its
   rule does not refuse) → dead letter;
+* 19 kg: its output names a package Avro cannot write (a string that is not Unicode) → dead
+  letter;
 * 7 kg: a transient failure on the first try, then success (in-process retry);
 * 9 kg: always transient → retries exhausted → reported to the recovery topic;
 * 3 kg: transient on its first three tries, across batches (a flaky remote call);
@@ -52,6 +54,7 @@ def handle(request: DeliveryRequested, ctx: Context) -> Effects[None]:
     if request.weight_kg == 42 and ctx.redis.set(f"probe:{TOPIC}:hung", 1, nx=True):
         ctx.redis.set(f"probe:{TOPIC}:hanging", 1)
         time.sleep(120)
-    ctx.emit(PackageReady(delivery_id=request.delivery_id, package_id=f"p-{request.delivery_id}",
+    unwritable = "\ud800" if request.weight_kg == 19 else ""
+    ctx.emit(PackageReady(delivery_id=request.delivery_id, package_id=f"p-{request.delivery_id}{unwritable}",
                           package_size=request.package_size, weight_kg=request.weight_kg,
                           ready_at=datetime.now(UTC)), topic=f"{TOPIC}.out")

@@ -9,9 +9,10 @@ import pytest
 
 from choreo.effects import RELEASED, STALE, OnceEffect
 from choreo.envelope import derived_id
-from choreo.errors import Rejected, Retryable
+from choreo.errors import DeadLetterReason, Rejected, Retryable
 from choreo.keys import of_delivery
 from choreo.pool import Pool, Reservation
+from choreo.serde import Unwritable
 from choreo.service import Context, Effects, Service
 from choreo.testing import Asked, HarnessError, Raw, Records, complete, failed, run
 from consumers import delivery
@@ -106,6 +107,25 @@ def test_a_rejection_is_reported() -> None:
 def test_any_other_exception_is_a_bug_and_propagates() -> None:
     with pytest.raises(KeyError):
         run(failing(KeyError("bug")), shipped(), answers={"ping": "pong"})
+
+
+def test_outputs_are_checked_as_the_runner_checks_them_before_the_step_completes() -> None:
+    """An output too large for a consumer is the input's OVERSIZED refusal, with nothing
+    emitted; one Avro cannot write (a string that is not Unicode) is a bug of the rule."""
+    service = Service("copier")
+
+    @service.on("delivery.shipped")
+    def copy(event: DeliveryShipped, ctx: Context) -> None:
+        ctx.emit(event.model_copy(update={"package_id": event.package_id * 100_000}), topic="copies")
+
+    fits = run(service, shipped(delivery_id="d-1"))
+    assert fits.error is None and len(fits.emitted) == 1
+    too_large = run(service, shipped(delivery_id="d-1").model_copy(update={"package_id": "p-123456"}))
+    assert isinstance(too_large.error, Rejected) and too_large.emitted == []
+    assert too_large.error.reason is DeadLetterReason.OVERSIZED
+    assert "DeliveryShipped for copies would be 8000" in str(too_large.error)
+    with pytest.raises(Unwritable, match="UnicodeEncodeError"):
+        run(service, shipped().model_copy(update={"package_id": "\ud800"}))
 
 
 def test_yielding_anything_but_an_operation_is_rejected_as_the_runner_does() -> None:
