@@ -10,13 +10,32 @@ import json
 from collections.abc import Mapping
 from functools import cache, partial
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, get_args, get_origin
 
+from annotated_types import MaxLen
 from pydantic import BaseModel, ConfigDict
 
 from choreo.envelope import Envelope
 
 E = TypeVar("E", bound="Event")
+# The most items a list in an event may hold. Each declares it (``Field(max_length=...)``):
+# an array of empty strings is a byte an item in Avro and a pointer an item in Python, so an
+# unbounded one let a record a consumer takes (512 KiB) hold some ten megabytes for its batch.
+MAX_ITEMS = 100
+_COLLECTIONS = (list, tuple, set, frozenset, dict)
+
+
+def _unbounded(model: type[BaseModel]) -> list[str]:
+    """The fields of ``model`` (and of the models nested in it) that are collections with no
+    declared most length."""
+    found = []
+    for name, info in model.model_fields.items():
+        types = [info.annotation, *get_args(info.annotation)]
+        if any(get_origin(t) in _COLLECTIONS or t in _COLLECTIONS for t in types) \
+                and not any(isinstance(m, MaxLen) for m in info.metadata):
+            found.append(f"{model.__name__}.{name}")
+        found += [f for t in types if isinstance(t, type) and issubclass(t, BaseModel) for f in _unbounded(t)]
+    return found
 
 
 @cache
@@ -35,6 +54,15 @@ class Event(BaseModel):
 
     schema_file: ClassVar[Path]
     topic: ClassVar[str]
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        """An event model whose lists are not bounded is refused where it is declared."""
+        super().__pydantic_init_subclass__(**kwargs)
+        unbounded = _unbounded(cls)
+        if unbounded:
+            raise TypeError(f"{', '.join(unbounded)}: every list an event carries declares its most "
+                            f"length (Field(max_length=...))")
 
     @classmethod
     def avro_schema(cls) -> str:

@@ -12,7 +12,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from choreo.events import Event
+from pydantic import Field
+
+from choreo.events import MAX_ITEMS, Event
 
 HERE = Path(__file__).parent
 
@@ -45,7 +47,7 @@ class CompensationRecord(Event):
     # on the record that ends a delivery's compensation: what its submitter is told
     # (``choreo.outcomes``) and the steps the compensation covered
     outcome: Literal["", "compensated", "failed"] = ""
-    undone: list[str] = []
+    undone: list[str] = Field(default=[], max_length=MAX_ITEMS)
 
 
 def undo_topic(step: str) -> str:
@@ -92,7 +94,7 @@ class DeliveryOutcome(Event):
     delivery_id: str
     outcome: str
     reason: str = ""
-    compensate: list[str] = []
+    compensate: list[str] = Field(default=[], max_length=MAX_ITEMS)
     event_type: str
     event_id: str
     trace_id: str = ""

@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from choreo.events import Event
+from choreo.events import MAX_ITEMS, Event
 
 HERE = Path(__file__).parent
 
@@ -96,7 +96,7 @@ class DeliveryFailed(Event):
     reason: str
     detail: str = ""
     failed_step: str
-    compensate: list[str] = []
+    compensate: list[str] = Field(default=[], max_length=MAX_ITEMS)
     failed_at: datetime
 
 

@@ -185,16 +185,16 @@ KINDS = ["garbage", "wrong_magic", "unknown_schema", "truncated", "wrong_schema"
 
 
 def floods(poisoner: Poisoner) -> list[Poison]:
-    """Failures that list one step ten thousand times: more values than Lua unpacks, had the
-    supervisor passed them on to its script as they came."""
+    """Failures that list one step ten thousand times: more values than Lua unpacks, and more
+    items than an event's list holds (``events.MAX_ITEMS``), written past the model's checks."""
     out = []
     for _ in range(PER_KIND):
         poisoner.n += 1
         key = f"poison-{poisoner.run}-{poisoner.n}"
-        failure = DeliveryFailed(delivery_id=key, reason="X", failed_step="drone", compensate=["package"] * 10_000,
-                                 failed_at=NOW)
+        failure = DeliveryFailed.model_construct(delivery_id=key, reason="X", detail="", failed_step="drone",
+                                                 compensate=["package"] * 10_000, failed_at=NOW)
         out.append(Poison("delivery.failed", key, "flood", poisoner.encode(failure, "delivery.failed"),
-                          poisoner.headers(key), frozenset()))
+                          poisoner.headers(key), frozenset({R.INVALID_PAYLOAD})))
     return out
 
 
@@ -327,12 +327,11 @@ def test_poison_at_scale(pipeline: Pipeline, redis_client: redis.Redis) -> None:
     started = time.monotonic()
     good_before = submit([delivery_request() for _ in range(20)])
     poisoner = Poisoner(run)
-    records = poison_all(poisoner)
+    records = poison_all(poisoner) + floods(poisoner)
     for p in records:
         if p.kind == "no_step":  # the field it names is there: read as a step record, it stopped the supervisor
             StateTable(redis_client).put(p.key, {"outcome": "shipped"})
     half = len(records) // 2
-    produce(floods(poisoner))  # read as failures: no dead letter, no process down
     produce(records[:half])
     good_among = submit([delivery_request() for _ in range(20)])
     produce(records[half:])

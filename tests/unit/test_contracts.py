@@ -12,8 +12,9 @@ import fastavro
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from choreo.events import MAX_ITEMS, Event
 from choreo.runtime_events import RUNTIME_CONTRACTS
-from schemas.models import ALL_EVENTS, DeliveryRequested, Location, PackageReady
+from schemas.models import ALL_EVENTS, DeliveryFailed, DeliveryRequested, Location, PackageReady
 
 REPO = Path(__file__).resolve().parents[2]
 # every contract directory with the models mirroring it: the domain's and the runtime's own
@@ -80,3 +81,29 @@ def test_no_event_takes_a_float_json_cannot_write(value: float) -> None:
     with pytest.raises(ValidationError):
         PackageReady(delivery_id="d", package_id="p", package_size="SMALL", weight_kg=value,
                      ready_at=datetime(2030, 1, 1, tzinfo=UTC))
+
+
+def test_a_list_of_a_byte_an_item_is_refused_past_its_bound() -> None:
+    """512 KiB of Avro, an empty string a byte: half a million items, some ten megabytes in
+    Python for as long as the batch holds the record. The model refuses it (the runtime's
+    decoder dead-letters it ``INVALID_PAYLOAD``)."""
+    parsed = fastavro.parse_schema(json.loads(DeliveryFailed.avro_schema()))
+    record = {"delivery_id": "d", "reason": "r", "failed_step": "s", "compensate": [""] * 500_000,
+              "failed_at": datetime(2030, 1, 1, tzinfo=UTC)}
+    buf = BytesIO()
+    fastavro.schemaless_writer(buf, parsed, record)
+    assert buf.tell() < 512 * 1024
+    buf.seek(0)
+    with pytest.raises(ValidationError, match="at most 100 items"):
+        DeliveryFailed.from_avro(fastavro.schemaless_reader(buf, parsed))
+    assert len(DeliveryFailed.from_avro({**record, "compensate": ["s"] * MAX_ITEMS}).compensate) == MAX_ITEMS
+
+
+def test_an_event_model_with_an_unbounded_list_is_refused_where_it_is_declared() -> None:
+    with pytest.raises(TypeError, match=r"Stops.names, Stop.tags: every list an event carries declares"):
+        class Stop(BaseModel):
+            tags: dict[str, str]
+
+        class Stops(Event):
+            names: list[str] | None = None
+            where: Stop

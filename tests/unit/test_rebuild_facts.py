@@ -15,7 +15,7 @@ import redis
 from choreo.config import settings
 from choreo.envelope import H_CORRELATION_ID, Envelope
 from choreo.errors import DeadLetterReason
-from choreo.events import Event
+from choreo.events import MAX_ITEMS, Event
 from choreo.ops.rebuild import Rebuilder
 from choreo.ops.records import Rec
 from choreo.serde import MAX_VALUE_BYTES, DecodeFailure, RegistryUnavailable, forget_registry_clients
@@ -320,9 +320,10 @@ def test_a_record_a_newer_writer_wrote_restores_what_its_first_version_would() -
 
 
 def test_a_failure_listing_a_step_many_times_restores_it_once_in_the_undo_order() -> None:
-    """As the supervisor records it (``outcomes.undoes``): a step listed ten thousand times
-    would be walked ten thousand times by every script that reads the order."""
-    rebuilder = _rebuilder({**FAILURE, "compensate": ["package"] * 10_000})
+    """As the supervisor records it (``outcomes.undoes``): a step listed a hundred times would
+    be walked a hundred times by every script that reads the order (more, and the failure is
+    refused: ``events.MAX_ITEMS``)."""
+    rebuilder = _rebuilder({**FAILURE, "compensate": ["package"] * MAX_ITEMS})
     envelope = Envelope.first("e-18", "d-1", "DeliveryFailed", "delivery")
     rebuilder._fact(Rec("delivery.failed", 0, 5, 1_800_000_000_000, b"d-1", BODY, _headers(envelope)), {})
     assert rebuilder.facts["d-1"].undo["undo.order"] == "package"
