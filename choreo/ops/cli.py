@@ -381,8 +381,7 @@ def dlq_list(topic: list[str] = TOPIC_OPT, reason: list[str] = REASON_OPT, deliv
     from choreo.ops.dlq import dead_letters, summary
 
     with _progress("reading dead letters", as_json) as (_, advance):
-        found = dead_letters(_selection(topic, reason, delivery, partition, offsets, since, limit), advance)
-    letters = [letter for letter, _ in found]
+        letters = dead_letters(_selection(topic, reason, delivery, partition, offsets, since, limit), advance)
     if as_json:
         _emit_json({"summary": summary(letters), "dead_letters": letters})
         return

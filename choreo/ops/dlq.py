@@ -32,14 +32,17 @@ committed. A Redis set would not be atomic with the produce, and would be lost w
 (which is when a rebuild might tempt someone to redrive again). All redrives share one
 ``transactional.id``: a second concurrent redrive fences the first, and the markers are
 read only after ``init_transactions`` (which completes or aborts the fenced one), so two
-operators cannot both redrive the same record.
+operators cannot both redrive the same record. A redrive sends the letters as it reads them,
+a transaction per ``REDRIVE_CHUNK_BYTES`` of records (a selection can be more than memory
+holds): one stopped halfway has redriven what it committed, which the next one skips.
 """
 
 from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -60,6 +63,7 @@ from choreo.service import retry_topic
 REDRIVEN_TOPIC = "choreo.dlq.redriven"
 REDRIVE_TXN_ID = "choreo-ops-redrive"
 DLQ_SUFFIX = ".dlq"
+REDRIVE_CHUNK_BYTES = 64 * 1024 * 1024  # the most of the records a redrive holds, and one transaction carries
 
 
 @dataclass
@@ -157,9 +161,16 @@ class Selection:
                 and (not self.delivery_ids or letter.delivery_id in self.delivery_ids))
 
 
-def dead_letters(selection: Selection, progress: Progress | None = None,
-                 with_records: bool = False) -> list[tuple[DeadLetter, Rec]]:
-    """The selected dead letters, oldest first per partition, each with its record."""
+def dead_letters(selection: Selection, progress: Progress | None = None) -> list[DeadLetter]:
+    """The selected dead letters, oldest first per partition, without their records (a
+    letter's value can be most of a megabyte: a listing keeps none)."""
+    with closing(_selected(selection, progress)) as selected:
+        return [letter for letter, _ in selected]
+
+
+def _selected(selection: Selection, progress: Progress | None = None) -> Generator[tuple[DeadLetter, Rec], None, None]:
+    """The selected dead letters, oldest first per partition, each with its record, as they
+    are read."""
     redriven = redriven_positions()
     consumer = reader()
     try:
@@ -173,14 +184,14 @@ def dead_letters(selection: Selection, progress: Progress | None = None,
                 offsets = {p: (first, last + 1) for p in (partitions or range(present[topic]))}
             spans += resolve(consumer, topic, partitions, since_ms=selection.since_ms,
                              until_ms=selection.until_ms, offsets=offsets)
-        found: list[tuple[DeadLetter, Rec]] = []
+        found = 0
         for record in read(consumer, spans, progress):
             letter = DeadLetter.of(record, redriven)
             if selection.matches(letter):
-                found.append((letter, record))
-                if selection.limit and len(found) >= selection.limit:
-                    break
-        return found
+                yield letter, record
+                found += 1
+                if selection.limit and found >= selection.limit:
+                    return
     finally:
         consumer.close()
 
@@ -198,10 +209,11 @@ def summary(letters: Iterable[DeadLetter]) -> list[dict[str, Any]]:
 def show(topic: str, partition: int, offset: int) -> dict[str, Any]:
     """One dead letter in full: headers, the decoded body when possible, the raw size."""
     selection = Selection(topics=[topic], partition=partition, offsets=(offset, offset))
-    found = dead_letters(selection)
-    if not found:
+    with closing(_selected(selection)) as selected:
+        found = next(selected, None)
+    if found is None:
         raise LookupError(f"no record at {topic}[{partition}]@{offset}")
-    letter, record = found[0]
+    letter, record = found
     body = BodyDecoder()(letter.source_topic, record.value)
     return {
         "dead_letter": asdict(letter),
@@ -238,9 +250,11 @@ def _forget_seen(pipe: Any, letter: DeadLetter) -> None:
 
 def redrive(selection: Selection, *, dry_run: bool = False, progress: Progress | None = None,
             on_each: Callable[[DeadLetter], None] | None = None) -> RedriveResult:
-    """Send the selected dead letters back to their source topic, each at most once."""
+    """Send the selected dead letters back to their source topic, each at most once: in
+    transactions of up to ``REDRIVE_CHUNK_BYTES`` of records each, as they are read."""
     cfg = settings()
     ensure_topics({REDRIVEN_TOPIC: 1}, config={"cleanup.policy": "compact"})
+    result = RedriveResult([], [], dry_run)
     producer: Producer | None = None
     if not dry_run:
         producer = Producer({
@@ -250,27 +264,50 @@ def redrive(selection: Selection, *, dry_run: bool = False, progress: Progress |
             "linger.ms": 5,
         })
         producer.init_transactions(30)  # fences a concurrent redrive before markers are read
-    selected = dead_letters(selection, progress)
-    result = RedriveResult([], [], dry_run)
-    todo: list[tuple[DeadLetter, Rec]] = []
-    for letter, record in selected:
-        if letter.redriven:
-            result.skipped.append((letter, "already redriven"))
-        elif letter.problem:
-            result.skipped.append((letter, f"untrusted: {letter.problem}"))
-        elif not letter.event_id:
-            result.skipped.append((letter, "no envelope: it would only be dead-lettered again"))
-        else:
-            todo.append((letter, record))
-    if dry_run or producer is None or not todo:
-        result.redriven = [letter for letter, _ in todo] if dry_run else []
-        return result
-    client = connect(cfg.redis_url, socket_timeout=5)
+    client = None if producer is None else connect(cfg.redis_url, socket_timeout=5)
+    chunk: list[tuple[DeadLetter, Rec]] = []
+    held = 0
+    with closing(_selected(selection, progress)) as selected:
+        for letter, record in selected:
+            why = _not_redriven(letter)
+            if why:
+                result.skipped.append((letter, why))
+            elif producer is None:
+                result.redriven.append(letter)
+            else:
+                chunk.append((letter, record))
+                held += _bytes_of(record)
+                if held >= REDRIVE_CHUNK_BYTES:
+                    _redrive_chunk(producer, client, chunk, result, on_each)
+                    chunk, held = [], 0
+    if chunk and producer is not None:
+        _redrive_chunk(producer, client, chunk, result, on_each)
+    return result
+
+
+def _bytes_of(record: Rec) -> int:
+    return len(record.key or b"") + len(record.value or b"") + sum(len(k) + len(v) for k, v in record.headers)
+
+
+def _not_redriven(letter: DeadLetter) -> str:
+    """Why ``letter`` is not redriven, or ``""``."""
+    if letter.redriven:
+        return "already redriven"
+    if letter.problem:
+        return f"untrusted: {letter.problem}"
+    if not letter.event_id:
+        return "no envelope: it would only be dead-lettered again"
+    return ""
+
+
+def _redrive_chunk(producer: Producer, client: Any, chunk: list[tuple[DeadLetter, Rec]], result: RedriveResult,
+                   on_each: Callable[[DeadLetter], None] | None) -> None:
+    """One transaction: ``chunk``'s records back to their source topics, with their markers."""
     producer.begin_transaction()
     try:
         forget = client.pipeline(transaction=False)
-        by = f"{socket.gethostname()}"
-        for letter, record in todo:
+        by = socket.gethostname()
+        for letter, record in chunk:
             _forget_seen(forget, letter)
             headers: HeaderList = [(k, v) for k, v in record.headers if not k.startswith((DLQ_HEADER_PREFIX, "redrive."))]
             headers.append(("redrive.from", letter.position.encode()))
@@ -287,4 +324,3 @@ def redrive(selection: Selection, *, dry_run: bool = False, progress: Progress |
     except BaseException:
         producer.abort_transaction(30)
         raise
-    return result

@@ -16,6 +16,7 @@ from confluent_kafka import Producer
 from choreo.config import settings
 from choreo.envelope import Envelope
 from choreo.kafka import ensure_topics
+from choreo.ops import dlq
 from choreo.ops.dlq import Selection, dead_letters, redrive, show, summary
 from choreo.publisher import Publisher
 from tests.factories import delivery_request
@@ -37,7 +38,8 @@ def _causes(topic: str) -> Counter[str]:
 
 
 def test_redrive_after_the_fix_delivers_each_event_once(services: list[ServiceProcess], stack: None,
-                                                        redis_client: redis.Redis, unique: str) -> None:
+                                                        redis_client: redis.Redis, unique: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     topic = f"t.ops.dlq.{unique}"
     ensure_topics([topic, f"{topic}.out", f"{topic}.other", f"{topic}.dlq"], partitions=3)
     publisher = Publisher("test")
@@ -57,14 +59,16 @@ def test_redrive_after_the_fix_delivers_each_event_once(services: list[ServicePr
     wait_for(lambda: len(read_topic(f"{topic}.dlq")) == 3 and len(read_topic(f"{topic}.other")) == 13
              and len(read_topic(f"{topic}.out")) == 10, what="3 dead letters, 13 + 10 outputs")
 
-    letters = [letter for letter, _ in dead_letters(Selection(topics=[topic]))]
+    letters = dead_letters(Selection(topics=[topic]))
     assert summary(letters) == [{"topic": f"{topic}.dlq", "reason": "REJECTED", "count": 3, "redriven": 0}]
     shown = show(f"{topic}.dlq", letters[0].partition, letters[0].offset)
     assert shown["headers"]["dlq.reason"] == "REJECTED" and shown["body"]["weight_kg"] == 13
 
     redis_client.set(f"ops:{topic}:fixed", 1)  # the cause is fixed
+    monkeypatch.setattr(dlq, "REDRIVE_CHUNK_BYTES", 1)  # a transaction a record: the first two in two
     first = redrive(Selection(topics=[topic], reasons=["REJECTED"], delivery_ids=bad_deliveries[:2]))
     assert len(first.redriven) == 2 and first.skipped == []
+    monkeypatch.undo()
     rest = redrive(Selection(topics=[topic], reasons=["REJECTED"]))
     assert len(rest.redriven) == 1 and [why for _, why in rest.skipped] == ["already redriven"] * 2
     again = redrive(Selection(topics=[topic]))
@@ -76,7 +80,7 @@ def test_redrive_after_the_fix_delivers_each_event_once(services: list[ServicePr
     assert set(_causes(f"{topic}.out").values()) == {1} and len(read_topic(f"{topic}.out")) == 13
     assert len(read_topic(f"{topic}.other")) == 13  # the other subscriber skipped the copies
     assert len(read_topic(f"{topic}.dlq")) == 3  # nothing was dead-lettered again
-    redriven = [letter for letter, _ in dead_letters(Selection(topics=[topic]))]
+    redriven = dead_letters(Selection(topics=[topic]))
     assert all(letter.redriven for letter in redriven)
     copies = [r for r in read_topic(topic) if r.header("redrive.from")]
     assert len(copies) == 3 and {r.header("event_id") for r in copies} == set(bad)
