@@ -19,6 +19,7 @@ shared secret, and sends the caller's name in a signed request, never the caller
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,9 @@ ACCEPTED_TYPES = frozenset({
 FORWARDED_HEADER = "x-registry-forwarded"
 POSITION_HEADER = "x-registry-log-position"
 DENIED = 40301  # Confluent's error code for a login without the role an operation needs
+MAX_SCHEMAS_PAGE = 1000  # schemas one GET /schemas answers with at most
+MAX_SCHEMAS_PAGE_CHARS = 8 * 1024 * 1024  # and the schema text past which its page ends
+_COUNT = re.compile(r"-?[0-9]{1,9}")
 
 
 @dataclass
@@ -105,15 +109,38 @@ def _referenced_by(call: Call) -> list[int]:
 
 
 def _all_schemas(call: Call) -> list[dict[str, Any]]:
+    """A page of every schema, in subject and version order: from ``offset``, at most
+    ``limit`` (``MAX_SCHEMAS_PAGE``, also when asked for more or for all) and ending early
+    once the page's text passes ``MAX_SCHEMAS_PAGE_CHARS``: the whole store, every schema up
+    to 256 KiB, was built into one answer at every call."""
     reg = call.registry
-    prefix = call.query.get("subjectPrefix")
-    found = []
-    for subject in reg.subjects(call.flag("deleted"), False, prefix):
+    offset, limit = _query_count(call, "offset", 0), _query_count(call, "limit", MAX_SCHEMAS_PAGE)
+    limit = MAX_SCHEMAS_PAGE if limit <= 0 else min(limit, MAX_SCHEMAS_PAGE)
+    found: list[dict[str, Any]] = []
+    seen = chars = 0
+    for subject in reg.subjects(call.flag("deleted"), False, call.query.get("subjectPrefix")):
         versions = reg.versions(subject, call.flag("deleted"))
         if call.flag("latestOnly"):
             versions = versions[-1:]
-        found += [reg.version(subject, str(v), call.flag("deleted")) for v in versions]
+        for version in versions:
+            seen += 1
+            if seen <= offset:
+                continue
+            found.append(reg.version(subject, str(version), call.flag("deleted")))
+            chars += len(found[-1]["schema"])
+            if len(found) >= limit or chars >= MAX_SCHEMAS_PAGE_CHARS:
+                return found
     return found
+
+
+def _query_count(call: Call, name: str, default: int) -> int:
+    """A query's count (``-1`` for all, as Confluent's API takes it), else a 400."""
+    raw = call.query.get(name)
+    if raw is None:
+        return default
+    if not _COUNT.fullmatch(raw.strip()):
+        raise errors.http_error(400, f"{name} is not a count")
+    return int(raw)
 
 
 def _metadata(call: Call) -> Any:

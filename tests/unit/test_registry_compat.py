@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
-from registry import errors
+from registry import api, errors
 from registry.avro_schema import ParsedSchema, parse
 from registry.compat import Level, problems, reader_writer_problems
 from registry import leader
-from registry.registry import LATEST, check_subject, parse_schema_id, parse_version
+from registry.registry import LATEST, Registry, check_subject, parse_schema_id, parse_version
 from registry.state import State, config_record, mode_record, schema_id_record, version_record
+from registry.store import KafkaStore
 
 
 def record(*fields: dict[str, Any], name: str = "Delivery", namespace: str = "drone") -> ParsedSchema:
@@ -213,3 +214,34 @@ def test_a_lease_no_instance_wrote_reads_as_none() -> None:
     for raw in ('{"id":"x","url":"u","token":1e400}', '{"id":"x","url":"u","token":"t"}', "[]", "{", b"\xff"):
         assert leader._parse(raw) is None
     assert leader._parse('{"id":"x","url":"u","token":3}') == leader.Lease("x", "u", 3, "")
+
+
+# -- listing every schema --------------------------------------------------------------------
+
+def _listing(state: State, **query: str) -> list[dict[str, Any]]:
+    registry = Registry(state, cast(KafkaStore, None), cast(leader.LeaderElection, None))
+    return api._all_schemas(api.Call(registry, {}, query))
+
+
+def test_every_schema_is_listed_a_bounded_page_at_a_time() -> None:
+    """The whole store was one answer; now at most ``MAX_SCHEMAS_PAGE`` schemas and about
+    ``MAX_SCHEMAS_PAGE_CHARS`` of text a call, paged by ``offset``."""
+    state = State()
+    text = record(ID).text
+    state.apply(*schema_id_record(1, text))
+    for n in range(1, 1_201):
+        assert state.apply(*version_record(f"s{n:05d}-value", 1, 1))
+    first = _listing(state)
+    assert len(first) == api.MAX_SCHEMAS_PAGE == len(_listing(state, limit="-1")) == len(_listing(state, limit="5000"))
+    assert [s["subject"] for s in _listing(state, offset="1000")] == [f"s{n:05d}-value" for n in range(1_001, 1_201)]
+    assert [s["subject"] for s in _listing(state, offset="2", limit="2")] == ["s00003-value", "s00004-value"]
+    assert _listing(state, offset="1200") == []
+    big = json.dumps({"type": "record", "name": "Big", "fields": [ID], "doc": "x" * 3_000_000})
+    state.apply(*schema_id_record(2, big))
+    for n in range(1, 6):
+        state.apply(*version_record(f"big{n}-value", 1, 2))
+    assert len(_listing(state, subjectPrefix="big")) == 3  # 9 MB of text: the page ends past 8 MiB
+    for bad in ("x", "1.5", "", "\u00b2", "--1", "9" * 12):
+        with pytest.raises(errors.RegistryError) as info:
+            _listing(state, offset=bad)
+        assert info.value.status == 400
