@@ -20,7 +20,8 @@ from choreo.envelope import Envelope
 E = TypeVar("E", bound="Event")
 # The most items a list in an event may hold. Each declares it (``Field(max_length=...)``):
 # an array of empty strings is a byte an item in Avro and a pointer an item in Python, so an
-# unbounded one let a record a consumer takes (512 KiB) hold some ten megabytes for its batch.
+# unbounded one would let a record a consumer takes (512 KiB) hold some ten megabytes for
+# its batch's life.
 MAX_ITEMS = 100
 _COLLECTIONS = (list, tuple, set, frozenset, dict)
 

@@ -111,8 +111,8 @@ def _referenced_by(call: Call) -> list[int]:
 def _all_schemas(call: Call) -> list[dict[str, Any]]:
     """A page of every schema, in subject and version order: from ``offset``, at most
     ``limit`` (``MAX_SCHEMAS_PAGE``, also when asked for more or for all) and ending early
-    once the page's text passes ``MAX_SCHEMAS_PAGE_CHARS``: the whole store, every schema up
-    to 256 KiB, was built into one answer at every call."""
+    once the page's text passes ``MAX_SCHEMAS_PAGE_CHARS``, so that no call builds the whole
+    store (every schema up to 256 KiB) into one answer."""
     reg = call.registry
     offset, limit = _query_count(call, "offset", 0), _query_count(call, "limit", MAX_SCHEMAS_PAGE)
     limit = MAX_SCHEMAS_PAGE if limit <= 0 else min(limit, MAX_SCHEMAS_PAGE)

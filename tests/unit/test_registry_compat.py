@@ -224,8 +224,8 @@ def _listing(state: State, **query: str) -> list[dict[str, Any]]:
 
 
 def test_every_schema_is_listed_a_bounded_page_at_a_time() -> None:
-    """The whole store was one answer; now at most ``MAX_SCHEMAS_PAGE`` schemas and about
-    ``MAX_SCHEMAS_PAGE_CHARS`` of text a call, paged by ``offset``."""
+    """At most ``MAX_SCHEMAS_PAGE`` schemas and about ``MAX_SCHEMAS_PAGE_CHARS`` of text a
+    call, paged by ``offset``: never the whole store in one answer."""
     state = State()
     text = record(ID).text
     state.apply(*schema_id_record(1, text))
