@@ -45,6 +45,24 @@ def _time(text: str, now_ms: int | None = None) -> int:
         raise typer.BadParameter(str(exc)[:200]) from None
 
 
+def _duration(text: str) -> int:
+    """An operator's ``--window`` in ms, or a clear refusal."""
+    from choreo.ops.records import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)[:200]) from None
+
+
+def _partitioner(name: str) -> str:
+    from choreo.ops.records import PARTITIONERS
+
+    if name not in PARTITIONERS:
+        raise typer.BadParameter(f"the partitioner is one of {', '.join(PARTITIONERS)}")
+    return name
+
+
 def _as_written(delivery_id: str) -> str:
     """A pasted delivery id as the pipeline writes it (a UUID in its canonical lowercase,
     whatever form it was pasted in: braces, capitals); any other id as it is."""
@@ -208,7 +226,7 @@ def rebuild_cmd(
         with _progress("reading topics", as_json) as (total, advance):
             report = rebuild(_workflow(workflow), since_ms=_time(since),
                              progress_total=total, progress=advance, force=force,
-                             pass_records=pass_records or PASS_RECORDS, partitioner=partitioner)
+                             pass_records=pass_records or PASS_RECORDS, partitioner=_partitioner(partitioner))
     except RuntimeError as exc:
         _fail(str(exc))
     if as_json:
@@ -322,7 +340,7 @@ def trace_cmd(
     delivery_id = _as_written(delivery_id)
     with _progress(f"tracing {_safe(delivery_id)}", as_json) as (_, advance):
         result = trace(delivery_id, _workflow(workflow), since_ms=_time(since) if since else None,
-                       partitioner=partitioner, progress=advance, extra_topics=topic)
+                       partitioner=_partitioner(partitioner), progress=advance, extra_topics=topic)
     if as_json:
         _emit_json(result.as_dict())
         return
@@ -366,7 +384,7 @@ def _selection(topic: list[str], reason: list[str], delivery: list[str], partiti
 TOPIC_OPT = typer.Option([], "--topic", "-t", help="DLQ topic or its source topic (repeatable)")
 REASON_OPT = typer.Option([], "--reason", "-r", help="dlq.reason code (repeatable)")
 DELIVERY_OPT = typer.Option([], "--delivery", "-d", help="delivery id (repeatable)")
-PARTITION_OPT = typer.Option(None, "--partition", "-p", help="DLQ partition")
+PARTITION_OPT = typer.Option(None, "--partition", "-p", min=0, max=2**31 - 1, help="DLQ partition")
 OFFSETS_OPT = typer.Option("", "--offsets", help="FIRST-LAST offsets in the DLQ partition (inclusive)")
 SINCE_OPT = typer.Option("", "--since", help="only dead letters from this time")
 
@@ -399,8 +417,9 @@ def dlq_list(topic: list[str] = TOPIC_OPT, reason: list[str] = REASON_OPT, deliv
 
 
 @dlq_app.command("show")
-def dlq_show(topic: str = typer.Argument(..., help="DLQ topic"), partition: int = typer.Argument(...),
-             offset: int = typer.Argument(...), as_json: bool = JSON_OPT) -> None:
+def dlq_show(topic: str = typer.Argument(..., help="DLQ topic"),
+             partition: int = typer.Argument(..., min=0, max=2**31 - 1),
+             offset: int = typer.Argument(..., min=0, max=2**63 - 1), as_json: bool = JSON_OPT) -> None:
     """One dead letter: headers and the decoded body when it can be decoded."""
     from choreo.ops.dlq import show
 
@@ -462,7 +481,7 @@ def status_cmd(limit: int = typer.Option(1000, help="steps of the deadline index
     operator's decision on an undo failed for good; consumer lag."""
     from choreo.ops.status import status
 
-    window_ms = -_time(f"-{window.lstrip('-')}", 0)
+    window_ms = _duration(window)
     result = status(_workflow(workflow), limit=limit, window_ms=window_ms, with_lag=lag)
     if as_json:
         _emit_json(result)

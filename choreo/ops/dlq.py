@@ -50,7 +50,7 @@ from confluent_kafka import Producer
 
 from choreo.config import settings
 from choreo.dedupe import seen_field, seen_key
-from choreo.envelope import HeaderList, now_ms
+from choreo.envelope import MAX_ID_CHARS, HeaderList, now_ms
 from choreo.kafka import base_config, ensure_topics
 from choreo.ops.records import BodyDecoder, Progress, Rec, existing_topics, read, reader, resolve
 from choreo.redis_client import connect
@@ -59,10 +59,12 @@ from choreo.runner import (
     H_DLQ_SOURCE_OFFSET, H_DLQ_SOURCE_PARTITION, H_DLQ_SOURCE_TOPIC, H_DLQ_TIME_MS,
 )
 from choreo.service import retry_topic
+from choreo.state import MAX_ERROR_CHARS
 
 REDRIVEN_TOPIC = "choreo.dlq.redriven"
 REDRIVE_TXN_ID = "choreo-ops-redrive"
 DLQ_SUFFIX = ".dlq"
+MAX_TOPIC_CHARS = 249  # Kafka's longest topic name
 REDRIVE_CHUNK_BYTES = 64 * 1024 * 1024  # the most of the records a redrive holds, and one transaction carries
 
 
@@ -81,6 +83,7 @@ class DeadLetter:
     delivery_id: str
     event_id: str
     attempt: int
+    written_ms: int = 0  # the record's own timestamp (``time_ms`` is what its header says)
     redriven: bool = False
     problem: str = ""  # why its dlq.* headers cannot be trusted ("": written by the runtime)
 
@@ -99,16 +102,19 @@ class DeadLetter:
             if name.startswith(DLQ_HEADER_PREFIX):
                 found.setdefault(name, []).append(raw.decode(errors="replace"))
         dlq = {name: values[-1] for name, values in found.items()}
+        # what a header says is kept cut: a letter's headers are anybody's who can write the
+        # topic, and a listing, a redrive's result and the live view hold many letters
         letter = cls(
             dlq_topic=record.topic, partition=record.partition, offset=record.offset,
             time_ms=_integer(dlq.get(H_DLQ_TIME_MS), record.timestamp_ms),
-            reason=dlq.get(H_DLQ_REASON, ""), error=dlq.get(H_DLQ_ERROR, ""),
-            service=dlq.get(H_DLQ_SERVICE, ""),
-            source_topic=dlq.get(H_DLQ_SOURCE_TOPIC, record.topic.removesuffix(DLQ_SUFFIX)),
+            reason=dlq.get(H_DLQ_REASON, "")[:MAX_ID_CHARS], error=dlq.get(H_DLQ_ERROR, "")[:MAX_ERROR_CHARS],
+            service=dlq.get(H_DLQ_SERVICE, "")[:MAX_ID_CHARS],
+            source_topic=dlq.get(H_DLQ_SOURCE_TOPIC, record.topic.removesuffix(DLQ_SUFFIX))[:MAX_TOPIC_CHARS],
             source_partition=_integer(dlq.get(H_DLQ_SOURCE_PARTITION), -1),
             source_offset=_integer(dlq.get(H_DLQ_SOURCE_OFFSET), -1),
-            delivery_id=env.correlation_id if env else record.key_text,
+            delivery_id=env.correlation_id if env else record.key_text[:MAX_ID_CHARS],
             event_id=env.event_id if env else "", attempt=env.attempt if env else 0,
+            written_ms=record.timestamp_ms,
         )
         letter.problem = _untrusted(letter, found)
         letter.redriven = letter.position in redriven
@@ -178,6 +184,8 @@ def _selected(selection: Selection, progress: Progress | None = None) -> Generat
         spans = []
         for topic in selection.dlq_topics(present):
             partitions = [selection.partition] if selection.partition is not None else None
+            if partitions is not None and not 0 <= partitions[0] < present[topic]:
+                continue  # no such partition: no letter, where the broker would be asked for 10 s
             offsets = None
             if selection.offsets is not None:
                 first, last = selection.offsets

@@ -53,6 +53,8 @@ def shown_time(ms: int, with_date: bool = True) -> str:
 
 
 EARLIEST_EPOCH_MS = 10**11  # 1973-03-03: a smaller number is a time in seconds
+LATEST_EPOCH_MS = 253_402_300_799_999  # 9999-12-31: past it no date holds the time
+PARTITIONERS = ("consistent", "consistent_random", "murmur2", "murmur2_random")
 
 
 def parse_time(text: str, now_ms: int | None = None) -> int:
@@ -60,22 +62,40 @@ def parse_time(text: str, now_ms: int | None = None) -> int:
     epoch ms (``0``: the start of every log), ``now``, or relative (``-15m``, ``2h ago``).
     A number that would be a time before 1973 is refused: epoch seconds pasted as they are
     would select every record a topic holds."""
-    text = text.strip()
-    now = now_ms if now_ms is not None else int(time.time() * 1000)
+    ms = _epoch_ms(text.strip(), now_ms if now_ms is not None else int(time.time() * 1000))
+    if not 0 <= ms <= LATEST_EPOCH_MS:  # a negative time is Kafka's "the end" or "the start"
+        raise ValueError(f"{text.strip()[:20]} is not a time between 1970 and 9999")
+    return ms
+
+
+def _epoch_ms(text: str, now: int) -> int:
     if text == "now":
         return now
     if text.isascii() and text.isdigit():
+        if len(text) > 20:
+            return -1  # refused, as past year 9999
         if 0 < int(text) < EARLIEST_EPOCH_MS:
             raise ValueError(f"{text[:20]} is before 1973 as epoch milliseconds (epoch seconds?): "
                              "give milliseconds, an ISO 8601 time or -15m")
         return int(text)
-    relative = _RELATIVE.match(text)
-    if relative:
-        return now - int(float(relative.group(1)) * _UNITS_MS[relative.group(2)])
+    if _RELATIVE.match(text):
+        ago = parse_duration(text)
+        return now - ago if ago <= now else -1
     moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return int(moment.timestamp() * 1000)
+
+
+def parse_duration(text: str) -> int:
+    """An operator's span of time (``15m``, ``-2h``, ``2h ago``) in ms, at most 9999 years."""
+    relative = _RELATIVE.match(text.strip())
+    if relative is None:
+        raise ValueError(f"{text.strip()[:20]} is not a span of time such as 15m, 2h or 7d")
+    ms = float(relative.group(1)) * _UNITS_MS[relative.group(2)]
+    if ms > LATEST_EPOCH_MS:  # infinity too: 400 digits are a float's
+        raise ValueError(f"{text.strip()[:20]} is longer than 9999 years")
+    return int(ms)
 
 
 def partition_for(key: bytes, partitions: int, partitioner: str = "consistent_random") -> int:
@@ -85,9 +105,9 @@ def partition_for(key: bytes, partitions: int, partitioner: str = "consistent_ra
     CRC-32 of the key); Java clients and ``murmur2_random`` use murmur2. The trace must use
     the same function as the producers, so it is a parameter.
     """
-    if partitioner in ("consistent", "consistent_random"):
+    if partitioner in PARTITIONERS[:2]:
         return zlib.crc32(key) % partitions
-    if partitioner in ("murmur2", "murmur2_random"):
+    if partitioner in PARTITIONERS[2:]:
         return (murmur2(key) & 0x7FFFFFFF) % partitions
     raise ValueError(f"unknown partitioner {partitioner!r}")
 

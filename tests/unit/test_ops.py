@@ -270,6 +270,22 @@ def test_the_status_view_prints_hostile_text_from_redis_as_it_is(monkeypatch: py
     assert "60" in result.output.split("d-[/x]")[1].splitlines()[0]  # failed 60 s ago
 
 
+def test_a_letter_keeps_what_its_headers_say_cut() -> None:
+    """A letter's headers are anybody's who writes its topic: a megabyte reason, error or key
+    was held whole by every listing, a redrive's result and the live view's sampler (which
+    printed each reason four times a row on a page of hundreds of rows), and redriven from
+    its record's time, not the header's."""
+    from choreo.ops.dlq import MAX_TOPIC_CHARS, DeadLetter
+    from choreo.runner import DLQ_HEADERS, H_DLQ_TIME_MS
+
+    headers = [(name, b"999" if name == H_DLQ_TIME_MS else "\U0001f4a5".encode() * 250_000)
+               for name in DLQ_HEADERS]
+    letter = DeadLetter.of(Rec("t.dlq", 0, 5, 1_800_000_000_000, b"k" * 1_000_000, b"v", headers), set())
+    assert len(letter.reason) == len(letter.service) == len(letter.delivery_id) == 200
+    assert len(letter.error) == 500 and len(letter.source_topic) == MAX_TOPIC_CHARS and letter.problem
+    assert (letter.time_ms, letter.written_ms) == (999, 1_800_000_000_000)
+
+
 def test_a_letter_with_numbers_past_any_offset_or_date_is_read_and_shown() -> None:
     """Whoever writes a dead-letter topic writes its headers: 5,000 digits (past what ``int``
     reads) stopped every reader of the letter (the tools, the live view's sampler, the
@@ -286,3 +302,31 @@ def test_a_letter_with_numbers_past_any_offset_or_date_is_read_and_shown() -> No
     assert shown_time(letter.time_ms) == f"{'9' * 18} ms"
     assert shown_time(1_800_000_000_000) == "2027-01-15 08:00:00.000"
     assert shown_time(1_800_000_000_000, with_date=False) == "08:00:00.000"
+
+
+@pytest.mark.parametrize("args, refusal", [
+    (["status", "--no-lag", "--window", "9" * 400 + "h"], "longer than 9999 years"),
+    (["status", "--no-lag", "--window", "yesterday"], "not a span of time"),
+    (["dlq", "list", "--since", "99999999999999999999d"], "longer than 9999 years"),
+    (["dlq", "list", "--since", "9" * 30], "not a time between 1970 and 9999"),
+    (["dlq", "show", "t.dlq", "2147483648", "0"], "less than or equal to 2147483647"),
+    (["dlq", "list", "-p", "-1"], "greater than or equal to 0"),
+    (["trace", "d-1", "--partitioner", "foo"], "the partitioner is one of"),
+])
+def test_what_an_operator_pastes_is_refused_in_a_sentence_before_anything_is_read(
+        monkeypatch: pytest.MonkeyPatch, args: list[str], refusal: str) -> None:
+    """Times past any date (400 nines were a float's infinity, and an OverflowError), partitions
+    past a 32-bit integer, an unknown partitioner: each was a traceback."""
+    from typer.testing import CliRunner
+
+    from choreo.ops import cli, dlq, status, trace
+
+    def unread(*_: object, **__: object) -> None:
+        raise AssertionError("read before the arguments were checked")
+
+    for module, name in [(status, "status"), (dlq, "dead_letters"), (dlq, "show"), (trace, "trace")]:
+        monkeypatch.setattr(module, name, unread)
+    monkeypatch.setattr(cli, "_workflow", lambda _: None)
+    result = CliRunner().invoke(cli.app, args, env={"COLUMNS": "250"})
+    assert result.exit_code == 2, result.output
+    assert refusal in " ".join(result.output.split()), result.output

@@ -185,8 +185,10 @@ def create_app(workflow: Workflow, *, loopback_only: bool, sampler: Sampler | No
             return page("redrive.html", request, status_code=422, problem="no such dead letters on the page")
         if not view.redriving.acquire(blocking=False):
             return page("redrive.html", request, status_code=409, problem="a redrive is running: try again")
-        selection = Selection(topics=[topic], reasons=[reason], since_ms=min(d.time_ms for d in shown) - 1000,
-                              limit=MAX_REDRIVE)
+        # from the records' own times: a letter's time header is anybody's who writes the topic
+        # (999 made it -1, Kafka's "the end")
+        since_ms = max(0, min(d.written_ms for d in shown) - 1000)
+        selection = Selection(topics=[topic], reasons=[reason], since_ms=since_ms, limit=MAX_REDRIVE)
         try:
             result: RedriveResult = await run_in_threadpool(redrive, selection)
         except Exception as exc:  # noqa: BLE001
