@@ -48,7 +48,7 @@ FORWARDED_HEADER = "x-registry-forwarded"
 POSITION_HEADER = "x-registry-log-position"
 DENIED = 40301  # Confluent's error code for a login without the role an operation needs
 MAX_SCHEMAS_PAGE = 1000  # schemas one GET /schemas answers with at most
-MAX_SCHEMAS_PAGE_CHARS = 8 * 1024 * 1024  # and the schema text past which its page ends
+MAX_SCHEMAS_PAGE_CHARS = 8 * 1024 * 1024  # and the schemas' text (with references) past which its page ends
 _COUNT = re.compile(r"-?[0-9]{1,9}")
 
 
@@ -119,15 +119,22 @@ def _all_schemas(call: Call) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     seen = chars = 0
     for subject in reg.subjects(call.flag("deleted"), False, call.query.get("subjectPrefix")):
-        versions = reg.versions(subject, call.flag("deleted"))
+        try:
+            versions = reg.versions(subject, call.flag("deleted"))
+        except errors.RegistryError:  # deleted since the subjects were listed
+            continue
         if call.flag("latestOnly"):
             versions = versions[-1:]
         for version in versions:
             seen += 1
             if seen <= offset:
                 continue
-            found.append(reg.version(subject, str(version), call.flag("deleted")))
-            chars += len(found[-1]["schema"])
+            try:
+                entry = reg.version(subject, str(version), call.flag("deleted"))
+            except errors.RegistryError:
+                continue
+            found.append(entry)
+            chars += len(entry["schema"]) + sum(len(r["name"]) + len(r["subject"]) for r in entry.get("references", []))
             if len(found) >= limit or chars >= MAX_SCHEMAS_PAGE_CHARS:
                 return found
     return found

@@ -37,6 +37,7 @@ NAMED = frozenset({"record", "error", "enum", "fixed"})
 
 
 LATEST = -1  # a reference's version as a request may give it: the subject's latest
+MAX_NAME_CHARS = 1024  # a subject's name, and a reference's
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ def references_of(raw: Any, allow_latest: bool = False) -> tuple[Reference, ...]
         name, subject, version = item.get("name"), item.get("subject"), item.get("version")
         if not isinstance(name, str) or not name or not isinstance(subject, str) or not subject:
             raise ValueError("a reference needs a non-empty name and subject")
+        if len(name) > MAX_NAME_CHARS or len(subject) > MAX_NAME_CHARS:
+            raise ValueError(f"a reference's name and subject are at most {MAX_NAME_CHARS} characters")
         if type(version) is not int or not (0 < version <= 2**31 - 1 or (allow_latest and version == LATEST)):
             raise ValueError(f"the version of reference {name[:80]!r} must be a positive 32-bit integer"
                              + (" or -1 (latest)" if allow_latest else ""))

@@ -43,7 +43,6 @@ from registry.store import KafkaStore
 log = get_logger(component="registry")
 
 T = TypeVar("T")
-MAX_SUBJECT_CHARS = 1024
 RESERVED_SUBJECTS = frozenset({"__GLOBAL", "__EMPTY"})
 MODES = ("READWRITE", "READONLY", "READONLY_OVERRIDE", "IMPORT")
 READ_ONLY_MODES = ("READONLY", "READONLY_OVERRIDE")
@@ -56,7 +55,7 @@ def check_subject(subject: str) -> str:
     and names of dots only, which no URL path can carry (a client's ``subjects/..`` is
     ``/``)."""
     shown = subject if len(subject) <= 80 else subject[:80] + "..."
-    if (not subject.strip() or not subject.strip(".") or len(subject) > MAX_SUBJECT_CHARS
+    if (not subject.strip() or not subject.strip(".") or len(subject) > avro_schema.MAX_NAME_CHARS
             or subject in RESERVED_SUBJECTS
             or any(unicodedata.category(ch) in ("Cc", "Cs") for ch in subject)):
         raise errors.invalid_subject(repr(shown))

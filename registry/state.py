@@ -138,6 +138,10 @@ class State:
         self.skipped = 0
         self.last_skipped = ""  # why the last skipped record was skipped
         self._parsed: dict[int, avro_schema.ParsedSchema] = {}
+        # indexes, kept by ``apply``: every lookup by id, and every delete, asked them of a
+        # walk over every version (of every referrer, for a referenced version)
+        self._uses: dict[int, dict[tuple[str, int], SubjectVersion]] = {}  # schema id -> versions of it
+        self._referrers: dict[tuple[str, int], set[int]] = {}  # (subject, version) -> schema ids naming it
 
     def apply(self, key: bytes | None, value: bytes | None) -> bool:
         """Apply one record; a record we cannot understand is counted and skipped, never fatal
@@ -187,19 +191,31 @@ class State:
     def _add_version(self, found: SubjectVersion, schema: _Parsed | None) -> None:
         if schema is not None and found.schema_id not in self.schemas:
             self._add_schema(schema)
+        self._drop_use(self.subjects.get(found.subject, {}).get(found.version))
         self.subjects.setdefault(found.subject, {})[found.version] = found
+        self._uses.setdefault(found.schema_id, {})[(found.subject, found.version)] = found
         self.max_id = max(self.max_id, found.schema_id)
 
     def _drop_version(self, subject: str, version: int) -> None:
         versions = self.subjects.get(subject, {})
-        versions.pop(version, None)
+        self._drop_use(versions.pop(version, None))
         if not versions:
             self.subjects.pop(subject, None)
+
+    def _drop_use(self, sv: SubjectVersion | None) -> None:
+        uses = {} if sv is None else self._uses.get(sv.schema_id, {})
+        if sv is not None and uses.pop((sv.subject, sv.version), None) is not None and not uses:
+            del self._uses[sv.schema_id]
 
     def _add_schema(self, schema: _Parsed) -> None:
         stored, parsed = schema
         if parsed is not None:
             self._parsed[stored.schema_id] = parsed
+        replaced = self.schemas.get(stored.schema_id)
+        for r in () if replaced is None else replaced.references:
+            self._referrers.get((r.subject, r.version), set()).discard(stored.schema_id)
+        for r in stored.references:
+            self._referrers.setdefault((r.subject, r.version), set()).add(stored.schema_id)
         self.schemas[stored.schema_id] = stored
         self.by_identity.setdefault(stored.identity, stored.schema_id)
         self.max_id = max(self.max_id, stored.schema_id)
@@ -240,18 +256,14 @@ class State:
     def referrers(self, subject: str, version: int, include_deleted: bool = False) -> list[int]:
         """The ids of the schemas that reference ``subject`` ``version`` and are in use (by a
         live version, or by any version with ``include_deleted``)."""
-        return sorted(
-            stored.schema_id for stored in self.schemas.values()
-            if any(r.subject == subject and r.version == version for r in stored.references)
-            and self.usages(stored.schema_id, include_deleted)
-        )
+        return sorted(schema_id for schema_id in self._referrers.get((subject, version), ())
+                      if self.usages(schema_id, include_deleted))
 
     def versions(self, subject: str, include_deleted: bool = False) -> list[SubjectVersion]:
         found = self.subjects.get(subject, {})
         return [found[v] for v in sorted(found) if include_deleted or not found[v].deleted]
 
     def usages(self, schema_id: int, include_deleted: bool = False) -> list[SubjectVersion]:
-        return [
-            sv for subject in sorted(self.subjects) for sv in self.versions(subject, include_deleted)
-            if sv.schema_id == schema_id
-        ]
+        """The versions of ``schema_id``, by subject and version."""
+        uses = self._uses.get(schema_id, {})
+        return [uses[k] for k in sorted(uses) if include_deleted or not uses[k].deleted]
