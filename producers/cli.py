@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from choreo.text import printable
 from producers.errors import AdmissionRefused, PublishError
 from producers.model import InvalidRequest, parse_request
 from producers.settings import IngestionSettings
@@ -72,9 +73,18 @@ def parse_location(flag: str, value: str) -> dict[str, Any]:
     return {"lat": lat, "lon": lon, "address": parts[2].strip()}
 
 
-def _lines(source: TextIO) -> Iterator[tuple[int, str]]:
-    for number, line in enumerate(source, start=1):
-        if line.strip():
+def _lines(source: TextIO, most: int) -> Iterator[tuple[int, str | None]]:
+    """Each line that is not blank, with its number; ``None`` for one longer than ``most``
+    characters (more than the HTTP endpoint takes), which is read past in pieces, never held
+    whole."""
+    number = 0
+    while line := source.readline(most + 1):
+        number += 1
+        if len(line) > most and not line.endswith("\n"):
+            while line and not line.endswith("\n"):
+                line = source.readline(most + 1)
+            yield number, None
+        elif line.strip():
             yield number, line
 
 
@@ -93,17 +103,23 @@ def emit_file(path: Path, strict: bool, max_wait_s: float, show_progress: bool) 
     from producers.client import DeliveryClient
 
     outcome = Outcome()
+    most = IngestionSettings().max_body_bytes
+    too_long = f"longer than the {most} characters a request may be"
     total: int | None = None
     if str(path) != "-":
         with _open(path) as source:
             total = 0
-            for number, line in _lines(source):
+            for number, line in _lines(source, most):
                 total += 1
-                if strict:
-                    try:
-                        parse_request(line)
-                    except InvalidRequest as exc:
-                        outcome.errors.append({"line": number, "error": _describe(exc)})
+                if not strict:
+                    continue
+                if line is None:
+                    outcome.errors.append({"line": number, "error": too_long})
+                    continue
+                try:
+                    parse_request(line)
+                except InvalidRequest as exc:
+                    outcome.errors.append({"line": number, "error": _describe(exc)})
         if strict and outcome.errors:
             outcome.stopped_at_line = outcome.errors[0]["line"]
             outcome.stop_reason = "invalid lines (--strict): nothing was published"
@@ -126,7 +142,11 @@ def emit_file(path: Path, strict: bool, max_wait_s: float, show_progress: bool) 
                 progress.advance(task)
             window.clear()
 
-        for number, line in _lines(source):
+        for number, line in _lines(source, most):
+            if line is None:
+                outcome.errors.append({"line": number, "error": too_long})
+                progress.advance(task)
+                continue
             while True:
                 try:
                     window.append((number, client.start(line)))
@@ -162,13 +182,13 @@ def _report(outcome: Outcome, as_json: bool) -> None:
             print(delivery_id)
         for item in outcome.errors:
             where = f"line {item['line']}" if item["line"] else "request"
-            err.print(f"[red]{where}:[/] {escape(str(item['error']))}", highlight=False)
+            err.print(f"[red]{where}:[/] {escape(printable(str(item['error'])))}", highlight=False)
         err.print(f"accepted {len(outcome.delivery_ids)}, rejected {len(outcome.errors)}")
     if outcome.stopped_at_line:
-        err.print(f"[bold red]stopped at line {outcome.stopped_at_line}:[/] {escape(outcome.stop_reason)}"
+        err.print(f"[bold red]stopped at line {outcome.stopped_at_line}:[/] {escape(printable(outcome.stop_reason))}"
                   f" (resume from line {outcome.stopped_at_line})", highlight=False)
     elif outcome.stopped_at_line == 0:
-        err.print(f"[bold red]not submitted:[/] {escape(outcome.stop_reason)}", highlight=False)
+        err.print(f"[bold red]not submitted:[/] {escape(printable(outcome.stop_reason))}", highlight=False)
 
 
 @app.command("emit")

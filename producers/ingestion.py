@@ -339,7 +339,8 @@ def create_app(settings: IngestionSettings | None = None,
                 return error(400, "malformed_json", "the body is not valid JSON: "
                              + "; ".join(e["message"] for e in exc.errors))
             metrics.REJECTED.labels("invalid").inc()
-            return error(422, "invalid_request", f"{len(exc.errors)} invalid field(s)",
+            return error(422, "invalid_request", f"{exc.total} invalid field(s)"
+                         + (f", the first {len(exc.errors)} told" if exc.total > len(exc.errors) else ""),
                          errors=exc.errors)
         except OwnerMismatch as exc:
             metrics.REJECTED.labels("forbidden").inc()

@@ -121,11 +121,16 @@ class DeliveryRequestIn(BaseModel):
         return int(self.deadline.timestamp() * 1000) if self.deadline else 0
 
 
+MAX_FIELD_ERRORS = 20  # of a refused request's errors, told
+MAX_FIELD_CHARS = 100  # of a field's path in one
+
+
 class InvalidRequest(ValueError):
     """The request cannot become a delivery; ``errors`` says which fields and why."""
 
-    def __init__(self, errors: list[dict[str, Any]], malformed: bool = False) -> None:
+    def __init__(self, errors: list[dict[str, Any]], malformed: bool = False, total: int | None = None) -> None:
         self.errors = errors
+        self.total = len(errors) if total is None else total  # ``errors`` may be the first of them
         self.malformed = malformed  # not JSON at all (or nested too deep), as opposed to invalid
         self.accepted: list[str] = []  # what a batch submit had confirmed before it
         summary = "; ".join(f"{e['field'] or '(body)'}: {e['message']}" for e in errors[:5])
@@ -133,10 +138,12 @@ class InvalidRequest(ValueError):
 
 
 def _field_errors(exc: ValidationError) -> list[dict[str, Any]]:
-    """pydantic's errors without the offending input (which may be customer data)."""
+    """pydantic's first ``MAX_FIELD_ERRORS`` errors without the offending input (which may be
+    customer data), each field's path cut: a 64 KiB body of unknown keys is thousands of
+    errors, an answer ten times its size, and a key is the client's own text."""
     return [
-        {"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"], "type": e["type"]}
-        for e in exc.errors(include_url=False, include_input=False, include_context=False)
+        {"field": ".".join(str(p) for p in e["loc"])[:MAX_FIELD_CHARS], "message": e["msg"], "type": e["type"]}
+        for e in exc.errors(include_url=False, include_input=False, include_context=False)[:MAX_FIELD_ERRORS]
     ]
 
 
@@ -151,4 +158,5 @@ def parse_request(data: DeliveryRequestIn | dict[str, Any] | bytes | str) -> Del
         return DeliveryRequestIn.model_validate(data)
     except ValidationError as exc:
         errors = _field_errors(exc)
-        raise InvalidRequest(errors, malformed=any(e["type"] == "json_invalid" for e in errors)) from None
+        raise InvalidRequest(errors, malformed=any(e["type"] == "json_invalid" for e in errors),
+                             total=exc.error_count()) from None

@@ -21,6 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from choreo.text import printable
 from choreo.workflow import Workflow, load_workflow
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -88,19 +89,13 @@ def _emit_json(value: Any) -> None:
     print(json.dumps(value, default=plain, indent=2))
 
 
-def _printable(text: str) -> str:
-    """Text that came from Redis, Kafka or a header, with each control character (a terminal's
-    escape sequence) shown escaped instead of sent to the terminal."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 def _safe(text: str) -> str:
     """Such text inside a message that has markup of its own."""
-    return escape(_printable(text))
+    return escape(printable(text))
 
 
 def _add_row(table: Table, *cells: str, style: str = "") -> None:
-    table.add_row(*(_printable(cell) for cell in cells), style=style)
+    table.add_row(*(printable(cell) for cell in cells), style=style)
 
 
 def _when(ms: int) -> str:
@@ -276,7 +271,7 @@ def _decide(workflow: str, delivery_id: str, step: str, action: str, note: str, 
     if as_json:
         _emit_json(result)
     elif result.acted_on:
-        out.print(_printable(f"{step} of {delivery_id} is {result.status}; undo order: "
+        out.print(printable(f"{step} of {delivery_id} is {result.status}; undo order: "
                              + ", ".join(f"{s} {status}" for s, status in result.undo_order.items())))
     else:
         err.print(f"[yellow]published to {_safe(result.topic)}; no supervisor acted on it within --wait[/] "

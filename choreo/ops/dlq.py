@@ -66,6 +66,7 @@ REDRIVE_TXN_ID = "choreo-ops-redrive"
 DLQ_SUFFIX = ".dlq"
 MAX_TOPIC_CHARS = 249  # Kafka's longest topic name
 REDRIVE_CHUNK_BYTES = 64 * 1024 * 1024  # the most of the records a redrive holds, and one transaction carries
+REDRIVE_CHUNK_LETTERS = 20_000  # and the most letters: two messages each, within the producer's queue
 
 
 @dataclass
@@ -259,7 +260,8 @@ def _forget_seen(pipe: Any, letter: DeadLetter) -> None:
 def redrive(selection: Selection, *, dry_run: bool = False, progress: Progress | None = None,
             on_each: Callable[[DeadLetter], None] | None = None) -> RedriveResult:
     """Send the selected dead letters back to their source topic, each at most once: in
-    transactions of up to ``REDRIVE_CHUNK_BYTES`` of records each, as they are read."""
+    transactions of up to ``REDRIVE_CHUNK_BYTES`` of records (``REDRIVE_CHUNK_LETTERS``
+    letters) each, as they are read."""
     cfg = settings()
     ensure_topics({REDRIVEN_TOPIC: 1}, config={"cleanup.policy": "compact"})
     result = RedriveResult([], [], dry_run)
@@ -285,7 +287,7 @@ def redrive(selection: Selection, *, dry_run: bool = False, progress: Progress |
             else:
                 chunk.append((letter, record))
                 held += _bytes_of(record)
-                if held >= REDRIVE_CHUNK_BYTES:
+                if held >= REDRIVE_CHUNK_BYTES or len(chunk) >= REDRIVE_CHUNK_LETTERS:
                     _redrive_chunk(producer, client, chunk, result, on_each)
                     chunk, held = [], 0
     if chunk and producer is not None:

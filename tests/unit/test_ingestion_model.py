@@ -97,6 +97,16 @@ def test_errors_never_echo_the_input() -> None:
     assert secret not in json.dumps(exc.errors) and secret not in str(exc)
 
 
+def test_a_body_of_thousands_of_unknown_keys_is_told_by_its_first_errors() -> None:
+    """Each unknown key is an error, and each error named its key whole: 64 KiB of them made
+    an answer ten times the body."""
+    body = {**request_body(), **{str(n) + "k" * 200: 0 for n in range(3_000)}}
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(json.dumps(body))
+    assert info.value.total == 3_000 and len(info.value.errors) == 20
+    assert max(len(e["field"]) for e in info.value.errors) == 100
+
+
 def test_a_valid_deadline_and_reply_topic_pass() -> None:
     deadline = datetime.now(UTC) + timedelta(hours=3)
     request = parse_request(request_body(deadline=deadline.isoformat(), reply_topic="replies.acme.outcomes"))
