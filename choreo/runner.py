@@ -54,6 +54,7 @@ from choreo.workflow import Workflow
 
 # in-process tries of a replayed completed step before its batch is read again
 REPLAY_TRIES = 5
+BATCH_MAX_BYTES = 8 * MAX_VALUE_BYTES  # of a batch's keys and values: seconds to decode at worst
 TRANSIENT_OR_REGISTRY: tuple[type[Exception], ...] = (*TRANSIENT, RegistryUnavailable)
 
 RECOVERY_TOPIC = "recovery"
@@ -403,7 +404,21 @@ class Runner:
                 good.append(m)
             elif err.code() != KafkaError._PARTITION_EOF:
                 self.log.warning("consume.error", error=str(err))
-        return good
+        return self._within_budget(good)
+
+    def _within_budget(self, messages: list[Message]) -> list[Message]:
+        """The batch's first records up to ``BATCH_MAX_BYTES`` of keys and values (the first
+        whatever its size); the rest is read again by the next batch. Decoding costs up to a
+        microsecond a byte (an array of empty strings), so a batch of records each just under
+        what a consumer takes would decode for minutes: past the poll interval, the member
+        would leave its group and the batch be read again, by each member in turn, for ever."""
+        size = 0
+        for i, m in enumerate(messages):
+            size += len(m.value() or b"") + len(m.key() or b"")
+            if i and size > BATCH_MAX_BYTES:
+                self._rewind(messages[i:])
+                return messages[:i]
+        return messages
 
     # -- one batch, one transaction -------------------------------------------------------
 

@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY
 
 from choreo import metrics
 from choreo.envelope import Envelope
-from choreo.runner import Runner
+from choreo.runner import BATCH_MAX_BYTES, Runner
 from choreo.service import Context
 
 
@@ -196,3 +196,41 @@ def test_only_a_periodic_task_may_wait_for_its_commit() -> None:
     ctx = Context("s", Envelope.first("e", "d", "T", "s"), "t", 0, 5, None, None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="periodic"):
         ctx.after_commit(lambda: None)
+
+
+class _Sized:
+    def __init__(self, partition: int, offset: int, size: int) -> None:
+        self._partition, self._offset, self._size = partition, offset, size
+
+    def topic(self) -> str:
+        return "t"
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def value(self) -> bytes:
+        return b"v" * self._size
+
+    def key(self) -> bytes:
+        return b"k"
+
+
+def test_a_batch_ends_at_its_bytes_and_the_rest_is_read_again() -> None:
+    """Records each just under what a consumer takes, up to a full batch, decode for minutes
+    (a microsecond a byte for an array of empty strings): past the poll interval the member
+    leaves its group and the batch is read again, by each member in turn."""
+    consumer = _Consumer()
+    consumer.assignment = lambda: [TopicPartition("t", 0), TopicPartition("t", 1)]  # type: ignore[method-assign]
+    runner = _runner(_Producer(False), consumer)
+    big = 500_000
+    messages = [_Sized(0, 10, big), _Sized(1, 3, 100), *[_Sized(0, 11 + i, big) for i in range(9)], _Sized(1, 4, 100)]
+    kept = runner._within_budget(messages)
+    assert [(m.partition(), m.offset()) for m in kept] == [(0, 10), (1, 3), *[(0, 11 + i) for i in range(7)]]
+    assert sum(len(m.value()) for m in kept) <= BATCH_MAX_BYTES
+    assert sorted(consumer.seeks) == [("t", 0, 18), ("t", 1, 4)]
+    huge = [_Sized(0, 1, 10 * BATCH_MAX_BYTES), _Sized(0, 2, 1)]  # the first goes whatever its size
+    assert [m.offset() for m in runner._within_budget(huge)] == [1]
+    assert runner._within_budget(messages[1:2]) == messages[1:2]
