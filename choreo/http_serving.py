@@ -16,7 +16,12 @@ too. ``GuardedHttpProtocol`` adds what is missing, for both HTTP servers of the 
 * one client address holds at most ``max_connections_per_ip`` connections (429 past it);
 * after a 408 or 431 the connection lingers (``linger_s``, ``linger_bytes``): the input the
   client still sends is read and dropped, so the close is not a reset that destroys the
-  answer before the client reads it.
+  answer before the client reads it;
+* a response must drain: once its bytes fill the connection's buffer (the client reads
+  slowly or not at all), the client has ``send_timeout_s`` to read them down, else the
+  connection is aborted; and an idle connection closed with bytes still unsent is aborted,
+  not left waiting for a client that never reads (uvicorn bounds neither, so a client that
+  stops reading held its connection, its slot and the buffered answer for ever).
 
 It lives in ``choreo`` because both servers import ``choreo`` already and neither may
 import the other: the schema registry is a product of its own, ingestion its client.
@@ -57,6 +62,7 @@ class HttpLimits:
     max_connections_per_ip: int = 256
     linger_s: float = 2.0  # after a refusal, input read and dropped before the close...
     linger_bytes: int = 256 * 1024  # ...for at most this long and this much
+    send_timeout_s: float = 30.0  # a full write buffer's wait for the client to read it down
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refusing = False  # a head was refused: 431 once the responses under way are out
         self._linger_left: int | None = None  # answered and closing: input still to drop
         self._linger_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
 
     # -- connections ---------------------------------------------------------------------
 
@@ -134,10 +141,34 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if not self.guard.per_ip[self._ip]:
                 del self.guard.per_ip[self._ip]
             self._ip = None
-        for timer in (self._timer, self._linger_timer):
+        for timer in (self._timer, self._linger_timer, self._send_timer):
             if timer is not None:
                 timer.cancel()
         super().connection_lost(exc)
+
+    # -- writing -------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_expired(self) -> None:
+        self._send_timer = None
+        log.info("http.send_timeout", client=self._ip)
+        self.transport.abort()
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.transport.is_closing() and self.transport.get_write_buffer_size():
+            self.transport.abort()  # a close would wait for the client to read what is left
+            return
+        super().timeout_keep_alive_handler()
 
     # -- reading -------------------------------------------------------------------------
 
@@ -196,8 +227,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_open, self._head_bytes = False, 0
         headers = dict(self.headers)
         self._chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
-        length = headers.get(b"content-length", b"").strip()
-        self._body_left = int(length) if length.isdigit() and int(length) and not self._chunked else None
+        length = headers.get(b"content-length", b"").strip().lstrip(b"0")  # 5,000 zeros are past int()'s digits
+        self._body_left = int(length) if length.isdigit() and not self._chunked else None
         super().on_headers_complete()
         if self._body_open and not self.pipeline:
             self._arm("body", self.limits.body_timeout_s)

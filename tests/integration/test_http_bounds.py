@@ -20,8 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
 from choreo.http_serving import HttpLimits
+from tests.helpers import free_port, wait_for
 from tests.ingestion import ingestion_settings, serving
 from tests.integration.test_registry_instances import Starter, instances  # noqa: F401 (fixture)
 
@@ -341,3 +343,55 @@ def exchange_on(sock: socket.socket, request: bytes) -> bytes:
     while len(body) < length:
         body += sock.recv(65536)
     return head.split(b" ")[1]
+
+
+def test_a_client_that_stops_reading_its_answer_is_cut_after_the_send_bound() -> None:
+    """uvicorn waits for ever for a client to read what it was sent: one that asks for a large
+    answer and reads none of it held its connection (a slot of the address's and the server's
+    caps) and the buffered answer. The guard gives a full buffer ``send_timeout_s``, then
+    aborts; a client that reads gets all of it."""
+    from choreo.http_serving import uvicorn_config
+
+    answer = b"x" * (16 * 1024 * 1024)
+
+    async def app(scope: dict[str, object], receive: Callable[..., object], send: Callable[..., object]) -> None:
+        assert scope["type"] == "http"
+        await send({"type": "http.response.start", "status": 200,  # type: ignore[misc]
+                    "headers": [(b"content-length", str(len(answer)).encode())]})
+        await send({"type": "http.response.body", "body": answer})  # type: ignore[misc]
+
+    limits = HttpLimits(send_timeout_s=2.0)
+    port = free_port()
+    config = uvicorn_config(app, "127.0.0.1", port, limits, lambda status, code, message: ("text/plain", b""),
+                            log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 30, 0.05, "uvicorn to start")
+        guard = config.http.guard  # type: ignore[union-attr]
+        site = Server("probe", f"http://127.0.0.1:{port}", "/", "/", None)
+        reader = connect(site, "127.0.0.1")
+        reader.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        stalled = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.bind(("127.0.0.3", 0))
+        stalled.connect(site.address)
+        stalled.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        wait_for(lambda: guard.per_ip.get("127.0.0.3") == 1, 10, 0.05, "the stalled client's connection")
+        started = time.monotonic()
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += reader.recv(65536)
+        body = head.split(b"\r\n\r\n", 1)[1]
+        while len(body) < len(answer):
+            body += reader.recv(1 << 20)
+        assert body == answer  # a client that reads gets its answer whole
+        wait_for(lambda: "127.0.0.3" not in guard.per_ip, limits.send_timeout_s + 15, 0.1,
+                 "the stalled connection to be cut")
+        assert time.monotonic() - started < limits.send_timeout_s + 15
+        left, _ = read_until_closed(stalled, 10)  # what the kernel held, then the end
+        assert len(left) < len(answer)  # the rest of the answer was dropped
+    finally:
+        server.should_exit = True
+        thread.join(30)
