@@ -229,11 +229,13 @@ if released and ARGV[12] == '1' then return 'released' end
 -- without its attempt, ARGV[10]: this input's position, ARGV[11]: the hash's TTL): the
 -- position that first carried the event at this attempt runs (again, when its transaction
 -- aborted); another position is a copy whose outputs were committed from the first
+local first = false  -- the service sees this input for the first time
 if KEYS[3] then
   local field = ARGV[9] .. ARGV[2]
   local previous = redis.call('HGET', KEYS[3], field)
   if previous and previous ~= ARGV[10] then return 'duplicate' end
   if not previous then
+    first = true
     redis.call('HSET', KEYS[3], field, ARGV[10])
     redis.call('EXPIRE', KEYS[3], ARGV[11])
   end
@@ -275,6 +277,14 @@ if attempt < token then
   step_set(K, step, {joined = ARGV[7]})
 end
 if status == 'completed' then
+  -- a replay re-reads an input that ran here, its transaction aborted; an event first seen
+  -- after its step completed (a fan-in's late half, or one written with a new event id,
+  -- whose effects no memo answers) never ran it, and is closed: not remembered, so a
+  -- re-reading of it is closed again
+  if first then
+    redis.call('HDEL', KEYS[3], ARGV[9] .. ARGV[2])
+    return 'closed'
+  end
   if joined then return 'replay:' .. attempt end
   return 'replay'
 end

@@ -313,6 +313,23 @@ def test_a_begin_that_deduplicates_needs_a_window(client: redis.Redis) -> None:
     assert _fields(client, d)["drone.status"] == "pending"  # nothing ran
 
 
+def test_an_event_first_seen_after_its_step_completed_is_closed_not_replayed(client: redis.Redis) -> None:
+    """A replay re-reads an input that ran (its transaction aborted) and reruns its handler,
+    whose effects answer from their memos. An event first seen after the step completed
+    never ran it: written with a new event id, a replay ran its effects afresh (a second
+    drone booked for a delivery whose drone was given back, for ever held). It is closed,
+    and stays closed when it is read again."""
+    d, table = _fan_in_after_both_upstreams(client)
+    decider = str(uuid.uuid4())
+    assert _read(table, d, decider, 1, 1_000_100, "drone.scheduled|0|5") == (Begin.GO, 1)
+    assert table.finish(d, "delivery", 1, 1_000_110, StepStatus.COMPLETED) == "ok"
+    assert _read(table, d, decider, 1, 1_000_120, "drone.scheduled|0|5") == (Begin.REPLAY, 1)  # its own
+    forged = str(uuid.uuid4())
+    assert _read(table, d, forged, 1, 1_000_130, "drone.scheduled|1|9") == (Begin.CLOSED, 1)
+    assert _read(table, d, forged, 1, 1_000_140, "drone.scheduled|1|9") == (Begin.CLOSED, 1)  # read again
+    assert _read(table, d, forged, 1, 1_000_150, "drone.scheduled|2|3") == (Begin.CLOSED, 1)  # a copy
+
+
 def test_a_half_that_joined_makes_its_requeued_copy_a_duplicate(client: redis.Redis, lease: Lease) -> None:
     """Found by a chaos run (146 terminal events published twice). The package half was read
     after the fan-in's deadline and its batch aborted, so it stayed unread. The supervisor
