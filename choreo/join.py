@@ -22,7 +22,7 @@ from types import GeneratorType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from choreo.effects import OnceEffect, Op
-from choreo.errors import Rejected
+from choreo.errors import DeadLetterReason, Rejected
 from choreo.events import Event
 from choreo.state import delivery_key
 
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 E = TypeVar("E", bound=Event)
 FAILED = "failed"  # a failed delivery's outcome; the join names the other one
 UNREAD_FAILURE_S = 24 * 3600
+# A part's result as the join keeps it (JSON: a control character is six), in the delivery's
+# hash for hours and copied into the decision; this workflow's are a few hundred characters
+MAX_PART_CHARS = 16 * 1024
 
 # KEYS: the delivery's hash. ARGV: part, 'ok' | 'fail', the result (JSON), retention seconds of
 # a shipped delivery, of a failed one until the supervisor reads its failure
@@ -190,6 +193,10 @@ class Join:
         once the join has decided."""
 
         def handle(event: Event, ctx: Context) -> Generator[Any, Any, HandlerResult]:
+            kept = len(result_text(event))
+            if kept > MAX_PART_CHARS:  # kept in the delivery's hash, and copied into the decision
+                raise Rejected(f"{part}'s {type(event).__name__} would be kept as {kept} characters of JSON, "
+                               f"over the {MAX_PART_CHARS} a join keeps", DeadLetterReason.OVERSIZED)
             decision: Decision = yield self.record(ctx.delivery_id, part, ok, event)
             if decision.kind == "complete" and self.complete_handler is not None:
                 return (yield from _call(self.complete_handler, decision.joined, ctx))

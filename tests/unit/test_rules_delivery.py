@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 import pytest
 
 from choreo.envelope import derived_id
-from choreo.errors import Rejected, Retryable
+from choreo.errors import DeadLetterReason, Rejected, Retryable
 from choreo.service import Service
 from choreo.state import delivery_key
 from choreo.join import result_text
@@ -49,6 +49,17 @@ def test_each_part_records_its_result_in_the_join() -> None:
     assert record.matches(delivery.delivery.record("d-1", "drone", True, scheduled("d-1")))
     assert record.keys == (delivery_key("d-1"),)  # the delivery's own hash
     assert record.args[:3] == ("drone", "ok", result_text(scheduled("d-1")))
+
+
+def test_a_part_too_large_to_keep_is_refused_before_it_is_recorded() -> None:
+    """A part is kept as JSON in the delivery's hash for hours and copied into the decision:
+    half a megabyte of control characters was three megabytes there (six characters each)."""
+    forged = PackageFailed(delivery_id="d-1", reason="X", detail="\x01" * 3_000, failed_at=NOW)
+    outcome = run(delivery.service, forged)
+    assert isinstance(outcome.error, Rejected) and outcome.error.reason is DeadLetterReason.OVERSIZED
+    assert "kept as 18" in str(outcome.error) and outcome.effects == [] and outcome.emitted == []
+    assert run(delivery.service, forged.model_copy(update={"detail": "x" * 3_000}),
+               answers={"join_record": WAIT}).error is None
 
 
 def test_a_complete_join_ships_with_the_package_and_the_drone() -> None:
