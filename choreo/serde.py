@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from functools import cache, partial
 from typing import Any, Generic, TypeVar
@@ -39,7 +40,7 @@ log = get_logger(component="serde")
 
 MAGIC_BYTE = 0
 MAX_VALUE_BYTES = 512 * 1024
-MAX_WRITER_SCHEMAS = 1000  # parsed writer schemas a decoder keeps (one per version it met)
+MAX_WRITER_SCHEMAS = 1000  # parsed writer schemas a decoder keeps (one per version it met, the least used out)
 MAX_REFUSED_SCHEMAS = 1000  # refused schema ids a decoder remembers (the oldest is forgotten first)
 REFUSAL_TTL_S = 5.0  # how long a refusal stands before the registry is asked again
 
@@ -214,13 +215,14 @@ class WriterSchemas:
     def __init__(self, admit: Callable[[int], Any], subject: str = "") -> None:
         self.admit = admit
         self.subject = subject  # for the log
-        self.parsed: dict[int, Any] = {}  # schema id → parsed writer schema
+        self.parsed: OrderedDict[int, Any] = OrderedDict()  # schema id → parsed writer schema, last used last
         self._refused: dict[int, tuple[float, DeadLetterReason, str]] = {}  # id → (until, reason, why)
 
     def get(self, schema_id: int) -> Any:
         """The writer schema of ``schema_id``, parsed, or ``DecodeFailure`` saying why not."""
         known = self.parsed.get(schema_id)
         if known is not None:
+            self.parsed.move_to_end(schema_id)
             return known
         refused = self._refused.get(schema_id)
         if refused is not None and refused[0] > time.monotonic():
@@ -231,8 +233,11 @@ class WriterSchemas:
             self._refuse(schema_id, exc)
             raise
         self._refused.pop(schema_id, None)
-        if len(self.parsed) < MAX_WRITER_SCHEMAS:
-            self.parsed[schema_id] = writer
+        # the least used goes: a thousand versions registered by another must not stop the
+        # caching of the ones in use
+        if len(self.parsed) >= MAX_WRITER_SCHEMAS:
+            self.parsed.popitem(last=False)
+        self.parsed[schema_id] = writer
         return writer
 
     def _refuse(self, schema_id: int, failure: DecodeFailure) -> None:

@@ -634,3 +634,24 @@ def test_a_writer_schema_it_cannot_read_is_incompatible_and_asked_for_once_when_
     registry.asked.clear()
     assert [decoder(framed(OURS, avro(GOOD))) for _ in range(3)] == [GOOD] * 3
     assert registry.asked == [OURS]
+
+
+def test_writer_schemas_keep_the_ones_in_use_past_a_thousand_others() -> None:
+    """The cache stopped taking schemas at a thousand: a thousand versions registered under a
+    subject, each met once, and every later schema (a new version of the pipeline's own) cost
+    a registry request and a parse at every record."""
+    admitted: list[int] = []
+
+    def admit(schema_id: int) -> str:
+        admitted.append(schema_id)
+        return f"parsed {schema_id}"
+
+    schemas = serde.WriterSchemas(admit)
+    assert schemas.get(1) == "parsed 1"
+    for schema_id in range(1_000, 1_000 + 3 * serde.MAX_WRITER_SCHEMAS):
+        schemas.get(schema_id)
+        schemas.get(1)  # in use all along
+    schemas.get(7)
+    assert [schemas.get(7), schemas.get(7)] == ["parsed 7"] * 2
+    assert admitted.count(1) == 1 and admitted.count(7) == 1
+    assert len(schemas.parsed) == serde.MAX_WRITER_SCHEMAS
