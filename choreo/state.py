@@ -253,6 +253,11 @@ if not status then
   status = 'pending'
 end
 local token = step_get(K, step, 'attempt') or 1
+-- an attempt past the step's token was given by no one: the supervisor raises the token
+-- before it requeues, and an output starts its steps at attempt 1. Taken, it would give the
+-- step away from its live attempt (a forged attempt header of 1000: a step the supervisor
+-- could requeue no more, past the attempts a consumer takes)
+if attempt > token then return 'stale' end
 local origin = string.match(ARGV[7], '^[^|]*')
 local joined = false
 if attempt < token then

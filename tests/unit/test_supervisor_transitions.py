@@ -330,6 +330,21 @@ def test_an_event_first_seen_after_its_step_completed_is_closed_not_replayed(cli
     assert _read(table, d, forged, 1, 1_000_150, "drone.scheduled|2|3") == (Begin.CLOSED, 1)  # a copy
 
 
+def test_an_attempt_past_the_steps_token_is_stale(client: redis.Redis, lease: Lease) -> None:
+    """The supervisor raises a step's token before it requeues: an input at a higher attempt
+    was given by no one. Taken, a forged attempt of 1000 gave the step away from its live
+    attempt, and the supervisor could requeue it no more (1001 is past what consumers take)."""
+    d = _new(client, "drone")
+    table = StateTable(client)
+    assert table.begin_many([(d, "drone", 1, 1_000_100, DEADLINE, "t|t|0|1")], BUDGET) == [(Begin.GO, 1)]
+    assert table.begin_many([(d, "drone", 1000, 1_000_110, DEADLINE, "t|t|1|2")], BUDGET) == [(Begin.STALE, 1000)]
+    assert _fields(client, d)["drone.attempt"] == "1"
+    assert table.finish(d, "drone", 1, 1_000_120, StepStatus.FAILED, "no drone") == "ok"
+    claim = _scan(client, lease, 1_000_130)[(d, "drone")]
+    assert claim.kind == "claim" and claim.data["attempt"] == 2
+    assert table.begin_many([(d, "drone", 2, 1_000_140, DEADLINE, "t|retry.t|0|1")], BUDGET) == [(Begin.GO, 2)]
+
+
 def test_a_half_that_joined_makes_its_requeued_copy_a_duplicate(client: redis.Redis, lease: Lease) -> None:
     """Found by a chaos run (146 terminal events published twice). The package half was read
     after the fan-in's deadline and its batch aborted, so it stayed unread. The supervisor
