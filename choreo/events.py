@@ -10,7 +10,8 @@ import json
 from collections.abc import Mapping
 from functools import cache, partial
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, ClassVar, TypeVar, Union, get_args, get_origin
 
 from annotated_types import MaxLen
 from pydantic import BaseModel, ConfigDict
@@ -26,17 +27,34 @@ MAX_ITEMS = 100
 _COLLECTIONS = (list, tuple, set, frozenset, dict)
 
 
-def _unbounded(model: type[BaseModel]) -> list[str]:
-    """The fields of ``model`` (and of the models nested in it) that are collections with no
-    declared most length."""
-    found = []
+def _unbounded(model: type[BaseModel], seen: frozenset[type[BaseModel]] = frozenset()) -> list[str]:
+    """The fields of ``model`` (and of the models in it) holding a collection, at any depth,
+    with no declared most length."""
+    found: list[str] = []
     for name, info in model.model_fields.items():
-        types = [info.annotation, *get_args(info.annotation)]
-        if any(get_origin(t) in _COLLECTIONS or t in _COLLECTIONS for t in types) \
-                and not any(isinstance(m, MaxLen) for m in info.metadata):
-            found.append(f"{model.__name__}.{name}")
-        found += [f for t in types if isinstance(t, type) and issubclass(t, BaseModel) for f in _unbounded(t)]
+        found += _open(f"{model.__name__}.{name}", info.annotation, _declares_most(info), seen | {model})
     return found
+
+
+def _open(where: str, tp: Any, bounded: bool, seen: frozenset[type[BaseModel]]) -> list[str]:
+    """Where in ``tp``, the type at ``where``, a collection has no declared most length
+    (``bounded``: ``tp``'s own is declared)."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        return _open(where, args[0], bounded or any(_declares_most(m) for m in args[1:]), seen)
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return [] if tp in seen else _unbounded(tp, seen)
+    if origin in (Union, UnionType):  # ``list[str] | None``: the field's bound is the list's
+        return [f for arg in args for f in _open(where, arg, bounded, seen)]
+    if origin in _COLLECTIONS or tp in _COLLECTIONS:
+        if not bounded:
+            return [where]
+        where += "[]"
+    return [f for arg in args for f in _open(where, arg, False, seen)]
+
+
+def _declares_most(meta: Any) -> bool:
+    return isinstance(meta, MaxLen) or any(isinstance(m, MaxLen) for m in getattr(meta, "metadata", ()))
 
 
 @cache
@@ -60,7 +78,7 @@ class Event(BaseModel):
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         """An event model whose lists are not bounded is refused where it is declared."""
         super().__pydantic_init_subclass__(**kwargs)
-        unbounded = _unbounded(cls)
+        unbounded = list(dict.fromkeys(_unbounded(cls)))
         if unbounded:
             raise TypeError(f"{', '.join(unbounded)}: every list an event carries declares its most "
                             f"length (Field(max_length=...))")

@@ -6,11 +6,11 @@ import json
 from datetime import UTC, datetime
 from io import BytesIO
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import fastavro
 import pytest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from choreo.events import MAX_ITEMS, Event
 from choreo.runtime_events import RUNTIME_CONTRACTS
@@ -100,10 +100,14 @@ def test_a_list_of_a_byte_an_item_is_refused_past_its_bound() -> None:
 
 
 def test_an_event_model_with_an_unbounded_list_is_refused_where_it_is_declared() -> None:
-    with pytest.raises(TypeError, match=r"Stops.names, Stop.tags: every list an event carries declares"):
+    with pytest.raises(TypeError, match=r"Stops.names, Stop.tags, Stops.legs\[\]: every list an event carries"):
         class Stop(BaseModel):
             tags: dict[str, str]
 
         class Stops(Event):
             names: list[str] | None = None
             where: Stop
+            legs: list[list[Stop]] = Field(default=[], max_length=3)
+
+    class Bounded(Event):  # each list at each depth declared
+        legs: list[Annotated[list[str], Field(max_length=4)]] | None = Field(default=None, max_length=3)
