@@ -7,13 +7,13 @@ compatibility); the model is what code touches. A test keeps the two in step.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from functools import cache, partial
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, ClassVar, TypeVar, Union, get_args, get_origin
 
-from annotated_types import MaxLen
+from annotated_types import Len, MaxLen
 from pydantic import BaseModel, ConfigDict
 
 from choreo.envelope import Envelope
@@ -24,7 +24,6 @@ E = TypeVar("E", bound="Event")
 # unbounded one would let a record a consumer takes (512 KiB) hold some ten megabytes for
 # its batch's life.
 MAX_ITEMS = 100
-_COLLECTIONS = (list, tuple, set, frozenset, dict)
 
 
 def _unbounded(model: type[BaseModel], seen: frozenset[type[BaseModel]] = frozenset()) -> list[str]:
@@ -46,15 +45,24 @@ def _open(where: str, tp: Any, bounded: bool, seen: frozenset[type[BaseModel]]) 
         return [] if tp in seen else _unbounded(tp, seen)
     if origin in (Union, UnionType):  # ``list[str] | None``: the field's bound is the list's
         return [f for arg in args for f in _open(where, arg, bounded, seen)]
-    if origin in _COLLECTIONS or tp in _COLLECTIONS:
-        if not bounded:
+    if _collection(origin or tp):
+        fixed = origin is tuple and bool(args) and Ellipsis not in args  # tuple[str, str]: two
+        if not (bounded or fixed):
             return [where]
         where += "[]"
     return [f for arg in args for f in _open(where, arg, False, seen)]
 
 
+def _collection(tp: Any) -> bool:
+    """Whether ``tp`` holds any number of items (a list, a mapping, a sequence...), text aside."""
+    return isinstance(tp, type) and issubclass(tp, Collection) and not issubclass(tp, (str, bytes, bytearray))
+
+
 def _declares_most(meta: Any) -> bool:
-    return isinstance(meta, MaxLen) or any(isinstance(m, MaxLen) for m in getattr(meta, "metadata", ()))
+    """Whether ``meta`` (a field's, or an ``Annotated`` argument) declares a most length:
+    ``max_length=`` gives ``MaxLen``, ``conlist`` and ``Len`` a ``Len``."""
+    found = [meta, *getattr(meta, "metadata", ())]
+    return any(isinstance(m, (MaxLen, Len)) and m.max_length is not None for m in found)
 
 
 @cache

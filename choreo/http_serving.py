@@ -17,11 +17,11 @@ too. ``GuardedHttpProtocol`` adds what is missing, for both HTTP servers of the 
 * after a 408 or 431 the connection lingers (``linger_s``, ``linger_bytes``): the input the
   client still sends is read and dropped, so the close is not a reset that destroys the
   answer before the client reads it;
-* a response must drain: once its bytes fill the connection's buffer (the client reads
-  slowly or not at all), the client has ``send_timeout_s`` to read them down, else the
-  connection is aborted; and an idle connection closed with bytes still unsent is aborted,
-  not left waiting for a client that never reads (uvicorn bounds neither, so a client that
-  stops reading held its connection, its slot and the buffered answer for ever).
+* a response must drain: once its bytes fill the connection's buffer, or the connection is
+  closed with bytes still unsent, the client must take some of them within each
+  ``send_timeout_s``, else the connection is aborted. uvicorn bounds neither, and a client
+  that stops reading would hold its connection, its slot and the buffered answer for ever;
+  one that reads slowly is never cut.
 
 It lives in ``choreo`` because both servers import ``choreo`` already and neither may
 import the other: the schema registry is a product of its own, ingestion its client.
@@ -113,7 +113,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refusing = False  # a head was refused: 431 once the responses under way are out
         self._linger_left: int | None = None  # answered and closing: input still to drop
         self._linger_timer: asyncio.TimerHandle | None = None
-        self._send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
+        self._send_timer: asyncio.TimerHandle | None = None  # armed while bytes wait for the client
+        self._unsent = 0  # what waited at the last look
 
     # -- connections ---------------------------------------------------------------------
 
@@ -150,25 +151,36 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self._send_timer is None:
-            self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_expired)
+        self._watch_send()
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        if self._send_timer is not None:
+        if self._send_timer is not None and not self.transport.is_closing():
             self._send_timer.cancel()
             self._send_timer = None
 
-    def _send_expired(self) -> None:
-        self._send_timer = None
-        log.info("http.send_timeout", client=self._ip)
-        self.transport.abort()
-
     def timeout_keep_alive_handler(self) -> None:
-        if not self.transport.is_closing() and self.transport.get_write_buffer_size():
-            self.transport.abort()  # a close would wait for the client to read what is left
-            return
+        unsent = self.transport.get_write_buffer_size()
         super().timeout_keep_alive_handler()
+        if unsent:  # a close waits for the client to take what is left: watched as a full buffer
+            self._watch_send()
+
+    def _watch_send(self) -> None:
+        """Abort unless the client takes some of the unsent bytes within each ``send_timeout_s``."""
+        if self._send_timer is None:
+            self._unsent = self.transport.get_write_buffer_size()
+            self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_check)
+
+    def _send_check(self) -> None:
+        self._send_timer = None
+        unsent = self.transport.get_write_buffer_size()
+        if not unsent:
+            return
+        if unsent < self._unsent:  # the client reads, however slowly
+            self._watch_send()
+            return
+        log.info("http.send_timeout", client=self._ip, unsent=unsent)
+        self.transport.abort()
 
     # -- reading -------------------------------------------------------------------------
 

@@ -41,8 +41,8 @@ from choreo.events import Event, disagrees_with
 from choreo.logs import get_logger
 from choreo.memory import collect_batch_cycles, settle_garbage_collector
 from choreo.redis_client import TRANSIENT, connect, is_cluster, refused_by_redis
-from choreo.serde import (MAX_VALUE_BYTES, DecodeFailure, Decoder, Encoder, RegistryUnavailable, Unwritable,
-                          registry_client)
+from choreo.serde import (FRAME_BYTES, MAX_VALUE_BYTES, DecodeFailure, Decoder, Encoder, RegistryUnavailable,
+                          Unwritable, avro_body, registry_client)
 from choreo.effects import EffectCall, Op, dropped_by, run_all
 from choreo import layout, tracing
 from choreo.outcomes import REPLIES, ReplyTopics, outcome_of, told
@@ -416,7 +416,11 @@ class Runner:
         for i, m in enumerate(messages):
             size += len(m.value() or b"") + len(m.key() or b"")
             if i and size > BATCH_MAX_BYTES:
-                self._rewind(messages[i:])
+                try:
+                    self._rewind(messages[i:])
+                except KafkaException as exc:  # not read again: the batch takes them all
+                    self.log.warning("batch.uncut", error=str(exc))
+                    return messages
                 return messages[:i]
         return messages
 
@@ -708,23 +712,31 @@ class Runner:
         failure, refused while the step can still fail: found only at publishing, the step
         would be completed already, and each reading of the batch would fail again, for ever.
         A registry that cannot be asked now leaves the encoding to the publishing, which holds
-        the batch until it answers."""
+        the batch until it answers; the checks are made on the Avro body all the same."""
         w, ctx = run.work, run.ctx
         for out in _as_events(run.result):
             ctx.emit(out)
         w.encoded = {}
         for emitted in ctx.emitted:
             try:
-                value = self.encoder(type(emitted.event), emitted.topic)(emitted.event)
-            except RegistryUnavailable:
-                return None
+                value, size = self._encoding(emitted)
             except Unwritable as exc:
                 return run.bug(exc, "emitted what Avro cannot write,")
-            refusal = oversized(emitted, len(value))
+            refusal = oversized(emitted, size)
             if refusal is not None:
                 return refusal
-            w.encoded[id(emitted)] = value
+            if value is not None:
+                w.encoded[id(emitted)] = value
         return None
+
+    def _encoding(self, emitted: Emitted) -> tuple[bytes | None, int]:
+        """An output's bytes and their size; no bytes when the registry cannot be asked now,
+        the size then the Avro body's with its framing (all the bytes but the schema id's)."""
+        try:
+            value = self.encoder(type(emitted.event), emitted.topic)(emitted.event)
+        except RegistryUnavailable:
+            return None, FRAME_BYTES + len(avro_body(type(emitted.event), emitted.event.to_avro()))
+        return value, len(value)
 
     def _context(self, w: Work, try_no: int = 1) -> Context:
         """A handler's context for one try of ``w``: its effects fenced by the step it runs

@@ -245,6 +245,15 @@ if step == '' then return 'go' end
 if released then return 'closed' end
 local attempt, now = tonumber(ARGV[2]), tonumber(ARGV[3])
 local status = step_get(K, step, 'status')
+-- an attempt past the one after the step's was given by no one: the supervisor raises the
+-- attempt by one before it requeues (one past it when Redis lost that claim), and an output
+-- starts its steps at attempt 1. Taken, a forged attempt header of 1000 would give the step
+-- away from its live attempt, to one the supervisor could requeue no more (1001 is past
+-- what consumers take). Not remembered: a requeue at that attempt is no copy of it
+if attempt > (step_get(K, step, 'attempt') or 1) + 1 then
+  if first then redis.call('HDEL', KEYS[3], ARGV[9] .. ARGV[2]) end
+  return 'stale'
+end
 if not status then
   local complete_by = now + tonumber(ARGV[4])
   step_set(K, step, {status = 'pending', complete_by = complete_by, attempt = attempt, tries = 0,
@@ -253,11 +262,6 @@ if not status then
   status = 'pending'
 end
 local token = step_get(K, step, 'attempt') or 1
--- an attempt past the step's token was given by no one: the supervisor raises the token
--- before it requeues, and an output starts its steps at attempt 1. Taken, it would give the
--- step away from its live attempt (a forged attempt header of 1000: a step the supervisor
--- could requeue no more, past the attempts a consumer takes)
-if attempt > token then return 'stale' end
 local origin = string.match(ARGV[7], '^[^|]*')
 local joined = false
 if attempt < token then
@@ -282,14 +286,6 @@ if attempt < token then
   step_set(K, step, {joined = ARGV[7]})
 end
 if status == 'completed' then
-  -- a replay re-reads an input that ran here, its transaction aborted; an event first seen
-  -- after its step completed (a fan-in's late half, or one written with a new event id,
-  -- whose effects no memo answers) never ran it, and is closed: not remembered, so a
-  -- re-reading of it is closed again
-  if first then
-    redis.call('HDEL', KEYS[3], ARGV[9] .. ARGV[2])
-    return 'closed'
-  end
   if joined then return 'replay:' .. attempt end
   return 'replay'
 end

@@ -54,9 +54,11 @@ class Reference:
         return {"name": self.name, "subject": self.subject, "version": self.version}
 
 
-def references_of(raw: Any, allow_latest: bool = False) -> tuple[Reference, ...]:
+def references_of(raw: Any, requested: bool = False) -> tuple[Reference, ...]:
     """The ``references`` of a request or record (absent or null: none); ``ValueError`` says
-    what is wrong. ``allow_latest``: a request may give version -1, resolved before storing."""
+    what is wrong. ``requested``: a request's, which may give version -1 (resolved before
+    storing) and names of at most ``MAX_NAME_CHARS``; a record of the log is read as it was
+    written, whatever an earlier version let in."""
     if raw is None:
         return ()
     if not isinstance(raw, list):
@@ -68,11 +70,11 @@ def references_of(raw: Any, allow_latest: bool = False) -> tuple[Reference, ...]
         name, subject, version = item.get("name"), item.get("subject"), item.get("version")
         if not isinstance(name, str) or not name or not isinstance(subject, str) or not subject:
             raise ValueError("a reference needs a non-empty name and subject")
-        if len(name) > MAX_NAME_CHARS or len(subject) > MAX_NAME_CHARS:
+        if requested and (len(name) > MAX_NAME_CHARS or len(subject) > MAX_NAME_CHARS):
             raise ValueError(f"a reference's name and subject are at most {MAX_NAME_CHARS} characters")
-        if type(version) is not int or not (0 < version <= 2**31 - 1 or (allow_latest and version == LATEST)):
+        if type(version) is not int or not (0 < version <= 2**31 - 1 or (requested and version == LATEST)):
             raise ValueError(f"the version of reference {name[:80]!r} must be a positive 32-bit integer"
-                             + (" or -1 (latest)" if allow_latest else ""))
+                             + (" or -1 (latest)" if requested else ""))
         found.append(Reference(name, subject, version))
     if len({r.name for r in found}) != len(found):
         raise ValueError("two references have the same name")

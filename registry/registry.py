@@ -192,7 +192,7 @@ class Registry:
                 f"schemaType {kind!r} is not supported by this registry; only AVRO schemas are accepted"
             )
         try:
-            requested = avro_schema.references_of(body.get("references"), allow_latest=True)
+            requested = avro_schema.references_of(body.get("references"), requested=True)
         except ValueError as exc:
             raise errors.invalid_schema(str(exc)) from None
         with self.state.lock:

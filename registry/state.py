@@ -138,8 +138,8 @@ class State:
         self.skipped = 0
         self.last_skipped = ""  # why the last skipped record was skipped
         self._parsed: dict[int, avro_schema.ParsedSchema] = {}
-        # indexes, kept by ``apply``: every lookup by id, and every delete, asked them of a
-        # walk over every version (of every referrer, for a referenced version)
+        # indexes, kept by ``apply``, so that a lookup by id and a delete cost what they find,
+        # not a walk over every version (for a referenced version, once per referrer)
         self._uses: dict[int, dict[tuple[str, int], SubjectVersion]] = {}  # schema id -> versions of it
         self._referrers: dict[tuple[str, int], set[int]] = {}  # (subject, version) -> schema ids naming it
 

@@ -36,12 +36,12 @@ WORKFLOW_OPT = typer.Option("consumers.workflow:WORKFLOW", "--workflow", help="m
 JSON_OPT = typer.Option(False, "--json", help="one JSON document on stdout, for scripts")
 
 
-def _time(text: str, now_ms: int | None = None) -> int:
-    """An operator's ``--since``/``--from``/``--window`` as epoch ms, or a clear refusal."""
+def _time(text: str) -> int:
+    """An operator's ``--since``/``--from`` as epoch ms, or a clear refusal."""
     from choreo.ops.records import parse_time
 
     try:
-        return parse_time(text, now_ms)
+        return parse_time(text)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)[:200]) from None
 
@@ -444,16 +444,23 @@ def dlq_redrive(topic: list[str] = TOPIC_OPT, reason: list[str] = REASON_OPT, de
                 dry_run: bool = typer.Option(False, "--dry-run", help="show what would be redriven"),
                 as_json: bool = JSON_OPT) -> None:
     """Send selected dead letters back to their source topic, each at most once (fix the cause first)."""
-    from choreo.ops.dlq import redrive
+    from choreo.ops.dlq import RedriveStopped, redrive
 
     selection = _selection(topic, reason, delivery, partition, offsets, since, limit)
     if not (topic or reason or delivery or offsets or since):
         _fail("select what to redrive: --topic, --reason, --delivery, --offsets or --since")
+    stopped: RedriveStopped | None = None
     with _progress("redriving", as_json) as (_, advance):
-        result = redrive(selection, dry_run=dry_run, progress=advance)
+        try:
+            result = redrive(selection, dry_run=dry_run, progress=advance)
+        except RedriveStopped as exc:  # what committed before is redriven: shown, then the error
+            result, stopped = exc.done, exc
     if as_json:
         _emit_json({"dry_run": result.dry_run, "redriven": result.redriven,
-                    "skipped": [{"dead_letter": s, "why": why} for s, why in result.skipped]})
+                    "skipped": [{"dead_letter": s, "why": why} for s, why in result.skipped],
+                    **({"stopped": str(stopped)} if stopped is not None else {})})
+        if stopped is not None:
+            raise typer.Exit(1)
         return
     verb = "would redrive" if dry_run else "redriven"
     table = Table("position", "→ topic", "reason", "delivery", title=f"{verb}: {len(result.redriven)}")
@@ -462,6 +469,8 @@ def dlq_redrive(topic: list[str] = TOPIC_OPT, reason: list[str] = REASON_OPT, de
     out.print(table)
     for letter, why in result.skipped:
         err.print(f"[yellow]skipped[/] {_safe(f'{letter.position}: {why}')}")
+    if stopped is not None:
+        _fail(str(stopped))
 
 
 # -- status -----------------------------------------------------------------------------------

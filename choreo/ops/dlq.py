@@ -46,6 +46,7 @@ from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import redis
 from confluent_kafka import Producer
 
 from choreo.config import settings
@@ -251,6 +252,16 @@ class RedriveResult:
     dry_run: bool
 
 
+class RedriveStopped(Exception):
+    """A redrive stopped by ``cause`` after ``done``'s transactions committed (what they
+    redrove is redriven, and the next redrive skips it)."""
+
+    def __init__(self, done: RedriveResult, cause: BaseException) -> None:
+        super().__init__(f"the redrive stopped after {len(done.redriven)} redriven: "
+                         f"{type(cause).__name__}: {str(cause)[:200]}")
+        self.done = done
+
+
 def _forget_seen(pipe: Any, letter: DeadLetter) -> None:
     """Make the dead-lettering service forget the DLQ'd position of this event, so the
     redriven copy is its first sighting."""
@@ -262,57 +273,72 @@ def redrive(selection: Selection, *, dry_run: bool = False, progress: Progress |
     """Send the selected dead letters back to their source topic, each at most once: in
     transactions of up to ``REDRIVE_CHUNK_BYTES`` of records (``REDRIVE_CHUNK_LETTERS``
     letters) each, as they are read."""
-    cfg = settings()
     ensure_topics({REDRIVEN_TOPIC: 1}, config={"cleanup.policy": "compact"})
     result = RedriveResult([], [], dry_run)
-    producer: Producer | None = None
-    if not dry_run:
-        producer = Producer({
-            **base_config(),
-            "transactional.id": REDRIVE_TXN_ID,
-            "transaction.timeout.ms": 60000,
-            "linger.ms": 5,
-        })
-        producer.init_transactions(30)  # fences a concurrent redrive before markers are read
-    client = None if producer is None else connect(cfg.redis_url, socket_timeout=5)
+    sender = None if dry_run else _sender()  # before the markers are read
     chunk: list[tuple[DeadLetter, Rec]] = []
     held = 0
-    with closing(_selected(selection, progress)) as selected:
-        for letter, record in selected:
-            why = _not_redriven(letter)
-            if why:
-                result.skipped.append((letter, why))
-            elif producer is None:
-                result.redriven.append(letter)
-            else:
-                chunk.append((letter, record))
-                held += _bytes_of(record)
-                if held >= REDRIVE_CHUNK_BYTES or len(chunk) >= REDRIVE_CHUNK_LETTERS:
-                    _redrive_chunk(producer, client, chunk, result, on_each)
-                    chunk, held = [], 0
-    if chunk and producer is not None:
-        _redrive_chunk(producer, client, chunk, result, on_each)
+    events: set[str] = set()  # one letter per event: a second one's forget would undo the first's copy
+    try:
+        with closing(_selected(selection, progress)) as selected:
+            for letter, record in selected:
+                why = _not_redriven(letter, events)
+                if why:
+                    result.skipped.append((letter, why))
+                elif sender is None:
+                    result.redriven.append(letter)
+                else:
+                    chunk.append((letter, record))
+                    held += _bytes_of(record)
+                    if held >= REDRIVE_CHUNK_BYTES or len(chunk) >= REDRIVE_CHUNK_LETTERS:
+                        _redrive_chunk(*sender, chunk, result, on_each)
+                        chunk, held = [], 0
+        if chunk and sender is not None:
+            _redrive_chunk(*sender, chunk, result, on_each)
+    except Exception as exc:
+        if result.redriven and not dry_run:
+            raise RedriveStopped(result, exc) from exc
+        raise
     return result
+
+
+def _sender() -> tuple[Producer, redis.Redis]:
+    """The redrive's transactional producer, its transactions initialised (which fences a
+    concurrent redrive, completing or aborting its transaction), and a Redis client."""
+    producer = Producer({
+        **base_config(),
+        "transactional.id": REDRIVE_TXN_ID,
+        "transaction.timeout.ms": 60000,
+        "linger.ms": 5,
+    })
+    producer.init_transactions(30)
+    return producer, connect(settings().redis_url, socket_timeout=5)
 
 
 def _bytes_of(record: Rec) -> int:
     return len(record.key or b"") + len(record.value or b"") + sum(len(k) + len(v) for k, v in record.headers)
 
 
-def _not_redriven(letter: DeadLetter) -> str:
-    """Why ``letter`` is not redriven, or ``""``."""
+def _not_redriven(letter: DeadLetter, events: set[str]) -> str:
+    """Why ``letter`` is not redriven, or ``""``; ``events``: the events (with their service
+    and attempt) this redrive sends, to which ``letter``'s is added when it goes."""
     if letter.redriven:
         return "already redriven"
     if letter.problem:
         return f"untrusted: {letter.problem}"
     if not letter.event_id:
         return "no envelope: it would only be dead-lettered again"
+    event = seen_field(letter.service, letter.event_id, letter.attempt)
+    if event in events:
+        return "another letter of the same event is redriven"
+    events.add(event)
     return ""
 
 
-def _redrive_chunk(producer: Producer, client: Any, chunk: list[tuple[DeadLetter, Rec]], result: RedriveResult,
-                   on_each: Callable[[DeadLetter], None] | None) -> None:
-    """One transaction: ``chunk``'s records back to their source topics, with their markers."""
+def _redrive_chunk(producer: Producer, client: redis.Redis, chunk: list[tuple[DeadLetter, Rec]],
+                   result: RedriveResult, on_each: Callable[[DeadLetter], None] | None) -> None:
+    """One transaction: ``chunk``'s records back to their source topics, with their markers;
+    counted in ``result`` once committed."""
     producer.begin_transaction()
     try:
         forget = client.pipeline(transaction=False)
@@ -326,11 +352,12 @@ def _redrive_chunk(producer: Producer, client: Any, chunk: list[tuple[DeadLetter
                       "event_id": letter.event_id, "delivery_id": letter.delivery_id}
             producer.produce(REDRIVEN_TOPIC, key=letter.position.encode(), value=json.dumps(marker).encode())
             producer.poll(0)
-            result.redriven.append(letter)
-            if on_each is not None:
-                on_each(letter)
         forget.execute()  # before the commit: the copy must never be seen by a service that remembers the DLQ'd position
         producer.commit_transaction(60)
     except BaseException:
         producer.abort_transaction(30)
         raise
+    for letter, _ in chunk:
+        result.redriven.append(letter)
+        if on_each is not None:
+            on_each(letter)

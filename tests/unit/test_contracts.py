@@ -6,11 +6,12 @@ import json
 from datetime import UTC, datetime
 from io import BytesIO
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import fastavro
 import pytest
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, conlist
 
 from choreo.events import MAX_ITEMS, Event
 from choreo.runtime_events import RUNTIME_CONTRACTS
@@ -109,5 +110,12 @@ def test_an_event_model_with_an_unbounded_list_is_refused_where_it_is_declared()
             where: Stop
             legs: list[list[Stop]] = Field(default=[], max_length=3)
 
-    class Bounded(Event):  # each list at each depth declared
+    with pytest.raises(TypeError, match=r"Loose.names, Loose.more: every list"):
+        class Loose(Event):
+            names: Sequence[str] = ()
+            more: tuple[str, ...] = ()
+
+    class Bounded(Event):  # each list at each depth declared, whichever way
         legs: list[Annotated[list[str], Field(max_length=4)]] | None = Field(default=None, max_length=3)
+        tags: conlist(str, max_length=5) = []  # type: ignore[valid-type]
+        pair: tuple[str, str] = ("a", "b")

@@ -25,8 +25,8 @@ def test_errors_and_stop_reasons_print_as_text(capsys: pytest.CaptureFixture[str
 
 def test_a_files_escape_sequences_are_shown_not_sent_and_a_line_past_the_limit_is_never_held(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A key that sets the terminal's title and clears its screen was printed raw; a line of a
-    gigabyte was read whole."""
+    """A key that sets the terminal's title and clears its screen is shown escaped, not sent
+    to the terminal; a line longer than a request may be is refused without being held."""
     hostile = json.dumps({**request_body(), "\u001b]0;owned\u001b\\\u001b[2J": 1})
     path = tmp_path / "requests.jsonl"
     path.write_text(hostile + "\n" + "x" * 200_000 + "\n\n" + json.dumps(request_body()) + "\n")

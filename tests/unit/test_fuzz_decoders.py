@@ -637,9 +637,9 @@ def test_a_writer_schema_it_cannot_read_is_incompatible_and_asked_for_once_when_
 
 
 def test_writer_schemas_keep_the_ones_in_use_past_a_thousand_others() -> None:
-    """The cache stopped taking schemas at a thousand: a thousand versions registered under a
-    subject, each met once, and every later schema (a new version of the pipeline's own) cost
-    a registry request and a parse at every record."""
+    """Past a thousand schemas the least used goes: a cache that stopped taking schemas would
+    let a thousand versions registered under a subject, each met once, make every later one
+    (a new version of the pipeline's own) cost a registry request and a parse per record."""
     admitted: list[int] = []
 
     def admit(schema_id: int) -> str:

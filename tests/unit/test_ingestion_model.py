@@ -98,8 +98,8 @@ def test_errors_never_echo_the_input() -> None:
 
 
 def test_a_body_of_thousands_of_unknown_keys_is_told_by_its_first_errors() -> None:
-    """Each unknown key is an error, and each error named its key whole: 64 KiB of them made
-    an answer ten times the body."""
+    """Each unknown key is an error naming its key: told whole, 64 KiB of them would make an
+    answer ten times the body."""
     body = {**request_body(), **{str(n) + "k" * 200: 0 for n in range(3_000)}}
     with pytest.raises(InvalidRequest) as info:
         parse_request(json.dumps(body))

@@ -271,10 +271,10 @@ def test_the_status_view_prints_hostile_text_from_redis_as_it_is(monkeypatch: py
 
 
 def test_a_letter_keeps_what_its_headers_say_cut() -> None:
-    """A letter's headers are anybody's who writes its topic: a megabyte reason, error or key
-    was held whole by every listing, a redrive's result and the live view's sampler (which
-    printed each reason four times a row on a page of hundreds of rows), and redriven from
-    its record's time, not the header's."""
+    """A letter's headers are anybody's who writes its topic: held whole, a megabyte reason,
+    error or key would weigh on every listing, a redrive's result and the live view's sampler
+    (whose page prints each reason four times a row); a redrive starts from the record's
+    time, not the header's."""
     from choreo.ops.dlq import MAX_TOPIC_CHARS, DeadLetter
     from choreo.runner import DLQ_HEADERS, H_DLQ_TIME_MS
 
@@ -315,8 +315,8 @@ def test_a_letter_with_numbers_past_any_offset_or_date_is_read_and_shown() -> No
 ])
 def test_what_an_operator_pastes_is_refused_in_a_sentence_before_anything_is_read(
         monkeypatch: pytest.MonkeyPatch, args: list[str], refusal: str) -> None:
-    """Times past any date (400 nines were a float's infinity, and an OverflowError), partitions
-    past a 32-bit integer, an unknown partitioner: each was a traceback."""
+    """Times past any date (400 nines are a float's infinity), partitions past a 32-bit
+    integer, an unknown partitioner: each is refused in a sentence, not a traceback."""
     from typer.testing import CliRunner
 
     from choreo.ops import cli, dlq, status, trace
@@ -330,3 +330,49 @@ def test_what_an_operator_pastes_is_refused_in_a_sentence_before_anything_is_rea
     result = CliRunner().invoke(cli.app, args, env={"COLUMNS": "250"})
     assert result.exit_code == 2, result.output
     assert refusal in " ".join(result.output.split()), result.output
+
+
+def test_a_redrive_counts_what_committed_and_sends_one_letter_per_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A redrive commits a transaction per chunk: one stopped by a later chunk's failure has
+    redriven the earlier ones, and says so. Two letters of one event are one redrive: the
+    second's forget would make the first's copy, handled meanwhile, a first sighting again."""
+    from choreo.ops import dlq
+    from choreo.runner import DLQ_HEADERS, H_DLQ_SERVICE, H_DLQ_SOURCE_TOPIC
+
+    def letter(offset: int, event_id: str) -> tuple[dlq.DeadLetter, Rec]:
+        envelope = Envelope.first(event_id, "d-1", "T", "test")
+        headers = [*envelope.to_headers(), *[(name, {H_DLQ_SOURCE_TOPIC: b"t", H_DLQ_SERVICE: b"svc"}.get(name, b"1"))
+                                             for name in DLQ_HEADERS]]
+        record = Rec("t.dlq", 0, offset, 1_800_000_000_000, b"d-1", b"v", [(k, v) for k, v in headers if v is not None])
+        return dlq.DeadLetter.of(record, set()), record
+
+    class Producer:
+        def __init__(self) -> None:
+            self.commits = 0
+
+        def begin_transaction(self) -> None: ...
+
+        def produce(self, *_: object, **__: object) -> None: ...
+
+        def poll(self, _: float) -> None: ...
+
+        def abort_transaction(self, _: float) -> None: ...
+
+        def commit_transaction(self, _: float) -> None:
+            self.commits += 1
+            if self.commits == 2:
+                raise RuntimeError("the broker went away")
+
+    pipe = type("Pipe", (), {"hdel": lambda self, *a: None, "execute": lambda self: None})()
+    client = type("Client", (), {"pipeline": lambda self, transaction: pipe})()
+    letters = [letter(1, "e-1"), letter(2, "e-1"), letter(3, "e-2"), letter(4, "e-3")]
+    assert not any(d.problem for d, _ in letters)
+    monkeypatch.setattr(dlq, "ensure_topics", lambda *a, **k: None)
+    monkeypatch.setattr(dlq, "_sender", lambda: (Producer(), client))
+    monkeypatch.setattr(dlq, "_selected", lambda *a: (each for each in letters))
+    monkeypatch.setattr(dlq, "REDRIVE_CHUNK_LETTERS", 1)
+    with pytest.raises(dlq.RedriveStopped, match="after 1 redriven: RuntimeError: the broker went away") as info:
+        dlq.redrive(dlq.Selection(topics=["t"]))
+    assert [d.offset for d in info.value.done.redriven] == [1]
+    assert [(d.offset, why) for d, why in info.value.done.skipped] == [
+        (2, "another letter of the same event is redriven")]

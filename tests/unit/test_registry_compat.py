@@ -247,8 +247,10 @@ def test_every_schema_is_listed_a_bounded_page_at_a_time() -> None:
     for n in range(1, 201):
         state.apply(*version_record(f"refs{n:03d}-value", 1, 3))
     assert len(_listing(state, subjectPrefix="refs")) == 131  # the references count: 8 MiB passed at the 131st
+    long_name = [{"name": "n" + "x" * 14_000, "subject": "base", "version": 1}]
     with pytest.raises(ValueError, match="at most 1024 characters"):
-        references_of([{"name": "n" + "x" * 14_000, "subject": "base", "version": 1}])
+        references_of(long_name, requested=True)
+    assert len(references_of(long_name)[0].name) == 14_001  # the log is read as it was written
     for bad in ("x", "1.5", "", "\u00b2", "--1", "9" * 12):
         with pytest.raises(errors.RegistryError) as info:
             _listing(state, offset=bad)
@@ -256,8 +258,9 @@ def test_every_schema_is_listed_a_bounded_page_at_a_time() -> None:
 
 
 def test_uses_and_referrers_are_indexed_and_follow_every_change() -> None:
-    """A lookup by id and a referenced version's referrers were walks over every version (of
-    every referrer: 5,000 subjects naming one base took seconds under the state's lock)."""
+    """A lookup by id and a referenced version's referrers cost what they find: as walks over
+    every version (once per referrer), 5,000 subjects naming one base take seconds under the
+    state's lock."""
     state = State()
     state.apply(*schema_id_record(1, record(ID).text))
     state.apply(*version_record("base", 1, 1))

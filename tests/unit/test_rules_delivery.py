@@ -53,7 +53,7 @@ def test_each_part_records_its_result_in_the_join() -> None:
 
 def test_a_part_too_large_to_keep_is_refused_before_it_is_recorded() -> None:
     """A part is kept as JSON in the delivery's hash for hours and copied into the decision:
-    half a megabyte of control characters was three megabytes there (six characters each)."""
+    half a megabyte of control characters would be three megabytes there (six characters each)."""
     forged = PackageFailed(delivery_id="d-1", reason="X", detail="\x01" * 3_000, failed_at=NOW)
     outcome = run(delivery.service, forged)
     assert isinstance(outcome.error, Rejected) and outcome.error.reason is DeadLetterReason.OVERSIZED

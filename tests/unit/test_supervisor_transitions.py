@@ -313,36 +313,33 @@ def test_a_begin_that_deduplicates_needs_a_window(client: redis.Redis) -> None:
     assert _fields(client, d)["drone.status"] == "pending"  # nothing ran
 
 
-def test_an_event_first_seen_after_its_step_completed_is_closed_not_replayed(client: redis.Redis) -> None:
-    """A replay re-reads an input that ran (its transaction aborted) and reruns its handler,
-    whose effects answer from their memos. An event first seen after the step completed
-    never ran it: written with a new event id, a replay ran its effects afresh (a second
-    drone booked for a delivery whose drone was given back, for ever held). It is closed,
-    and stays closed when it is read again."""
-    d, table = _fan_in_after_both_upstreams(client)
-    decider = str(uuid.uuid4())
-    assert _read(table, d, decider, 1, 1_000_100, "drone.scheduled|0|5") == (Begin.GO, 1)
-    assert table.finish(d, "delivery", 1, 1_000_110, StepStatus.COMPLETED) == "ok"
-    assert _read(table, d, decider, 1, 1_000_120, "drone.scheduled|0|5") == (Begin.REPLAY, 1)  # its own
-    forged = str(uuid.uuid4())
-    assert _read(table, d, forged, 1, 1_000_130, "drone.scheduled|1|9") == (Begin.CLOSED, 1)
-    assert _read(table, d, forged, 1, 1_000_140, "drone.scheduled|1|9") == (Begin.CLOSED, 1)  # read again
-    assert _read(table, d, forged, 1, 1_000_150, "drone.scheduled|2|3") == (Begin.CLOSED, 1)  # a copy
-
-
-def test_an_attempt_past_the_steps_token_is_stale(client: redis.Redis, lease: Lease) -> None:
-    """The supervisor raises a step's token before it requeues: an input at a higher attempt
-    was given by no one. Taken, a forged attempt of 1000 gave the step away from its live
-    attempt, and the supervisor could requeue it no more (1001 is past what consumers take)."""
+def test_an_attempt_past_the_one_after_the_steps_is_stale_and_not_remembered(client: redis.Redis,
+                                                                              lease: Lease) -> None:
+    """The supervisor raises a step's attempt by one before it requeues (one past it when
+    Redis lost that claim): an input beyond was given by no one. Taken, a forged attempt of
+    1000 would give the step away from its live attempt, to one the supervisor could requeue
+    no more (1001 is past what consumers take). Not remembered, it makes no requeue at its
+    attempt a copy; and it opens no step."""
     d = _new(client, "drone")
     table = StateTable(client)
-    assert table.begin_many([(d, "drone", 1, 1_000_100, DEADLINE, "t|t|0|1")], BUDGET) == [(Begin.GO, 1)]
-    assert table.begin_many([(d, "drone", 1000, 1_000_110, DEADLINE, "t|t|1|2")], BUDGET) == [(Begin.STALE, 1000)]
+
+    def read(attempt: int, now: int, position: str, step: str = "drone") -> tuple[Begin, int]:
+        [verdict] = table.begin_many([(d, step, attempt, now, DEADLINE, f"t|{position}")], BUDGET, set(),
+                                     [sighting("drone-scheduler", d, "e-1", position)], 3600)
+        return verdict
+
+    assert read(1, 1_000_100, "t|0|1") == (Begin.GO, 1)
+    assert read(1000, 1_000_110, "t|1|2") == (Begin.STALE, 1000)
+    assert read(3, 1_000_115, "t|1|3") == (Begin.STALE, 3)
+    assert read(1000, 1_000_116, "t|1|4", step="release_drone") == (Begin.STALE, 1000)
+    assert "release_drone.status" not in _fields(client, d)  # no step opened by it
     assert _fields(client, d)["drone.attempt"] == "1"
     assert table.finish(d, "drone", 1, 1_000_120, StepStatus.FAILED, "no drone") == "ok"
-    claim = _scan(client, lease, 1_000_130)[(d, "drone")]
-    assert claim.kind == "claim" and claim.data["attempt"] == 2
-    assert table.begin_many([(d, "drone", 2, 1_000_140, DEADLINE, "t|retry.t|0|1")], BUDGET) == [(Begin.GO, 2)]
+    for attempt, now in ((2, 1_000_130), (3, 1_000_150)):
+        claim = _scan(client, lease, now)[(d, "drone")]
+        assert claim.kind == "claim" and claim.data["attempt"] == attempt
+        assert read(attempt, now + 10, f"retry.t|0|{attempt}") == (Begin.GO, attempt)  # no copy of the stale one
+        assert table.finish(d, "drone", attempt, now + 15, StepStatus.FAILED, "no drone") == "ok"
 
 
 def test_a_half_that_joined_makes_its_requeued_copy_a_duplicate(client: redis.Redis, lease: Lease) -> None:

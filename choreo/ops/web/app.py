@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 from choreo.http_serving import HttpLimits, loopback, tls_options, uvicorn_config
 from choreo.logs import get_logger
-from choreo.ops.dlq import RedriveResult, Selection, redrive
+from choreo.ops.dlq import RedriveResult, RedriveStopped, Selection, redrive
 from choreo.ops.flowdoc import flow_edges
 from choreo.ops.records import shown_time
 from choreo.ops.trace import Trace, consumer_group, trace
@@ -185,15 +185,18 @@ def create_app(workflow: Workflow, *, loopback_only: bool, sampler: Sampler | No
             return page("redrive.html", request, status_code=422, problem="no such dead letters on the page")
         if not view.redriving.acquire(blocking=False):
             return page("redrive.html", request, status_code=409, problem="a redrive is running: try again")
-        # from the records' own times: a letter's time header is anybody's who writes the topic
-        # (999 made it -1, Kafka's "the end")
+        # from the records' own times, which the search goes by, and never below 0: a time
+        # header of 999 would make it -1, Kafka's "the end"
         since_ms = max(0, min(d.written_ms for d in shown) - 1000)
         selection = Selection(topics=[topic], reasons=[reason], since_ms=since_ms, limit=MAX_REDRIVE)
         try:
             result: RedriveResult = await run_in_threadpool(redrive, selection)
         except Exception as exc:  # noqa: BLE001
-            log.warning("ops_web.redrive_failed", topic=topic, reason=reason, error=type(exc).__name__)
-            return page("redrive.html", request, status_code=503, problem="the redrive failed: see the server's log")
+            done = len(exc.done.redriven) if isinstance(exc, RedriveStopped) else 0
+            log.warning("ops_web.redrive_failed", topic=topic, reason=reason, error=type(exc).__name__,
+                        redriven=done)
+            return page("redrive.html", request, status_code=503,
+                        problem=f"the redrive failed after {done} redriven: see the server's log")
         finally:
             view.redriving.release()
         log.info("ops_web.redriven", operator=visitor.operator, topic=topic, reason=reason,
