@@ -62,7 +62,7 @@ class HttpLimits:
     max_connections_per_ip: int = 256
     linger_s: float = 2.0  # after a refusal, input read and dropped before the close...
     linger_bytes: int = 256 * 1024  # ...for at most this long and this much
-    send_timeout_s: float = 30.0  # a full write buffer's wait for the client to read it down
+    send_timeout_s: float = 30.0  # the longest a client may take none of an answer's unsent bytes
 
 
 @dataclass(frozen=True)
