@@ -408,10 +408,13 @@ def _terminal(ids: set[str]) -> dict[str, _Timed]:
     return found
 
 
-def test_a_decision_too_large_to_publish_fails_its_step_and_holds_nothing(pipeline: Pipeline) -> None:
-    """Two halves of a fan-in, each under the size a consumer takes, whose decision carries
-    both: the join's output is over it. Found only when it was published, the step was
-    completed and every reading of the batch published it again: the partition stood still."""
+def test_a_part_too_large_to_keep_fails_its_step_and_holds_nothing(pipeline: Pipeline) -> None:
+    """Two halves of a fan-in, each under the size a consumer takes, whose decision would
+    carry both, over that size: found only when it was published, the step would be completed
+    and every reading of the batch would publish it again, the partition standing still. The
+    join refuses to keep such a part (``join.MAX_PART_CHARS``), before any decision; an
+    output too large is refused before its step completes
+    (``test_runtime.py::test_poison_messages_are_dead_lettered_while_good_ones_flow``)."""
     run = uuid.uuid4().hex[:8]
     poisoner = Poisoner(run)
     delivery_id = f"poison-{run}-join"
@@ -425,9 +428,9 @@ def test_a_decision_too_large_to_publish_fails_its_step_and_holds_nothing(pipeli
                     frozenset()) for h in halves])
     letters = wait_for(lambda: [r for (key, service), r in dead_letters(run).items()
                                 if key == delivery_id and service == "delivery"],
-                       timeout_s=90, interval_s=2, what="the deciding half dead-lettered")
+                       timeout_s=90, interval_s=2, what="a half dead-lettered")
     assert [r.header("dlq.reason") for r in letters] == ["OVERSIZED"]
-    assert "DeliveryShipped for delivery.shipped would be" in (letters[0].header("dlq.error") or "")
+    assert "characters of JSON, over the 16384 a join keeps" in (letters[0].header("dlq.error") or "")
     after = submit([delivery_request() for _ in range(5)])
     ended = wait_for(lambda: at_least(_terminal(set(after)), len(after)), timeout_s=90, interval_s=2,
                      what="deliveries after it to end")

@@ -157,21 +157,24 @@ def test_poison_messages_are_dead_lettered_while_good_ones_flow(
     _publish([delivery_request(weight_kg=11)], topic)  # yields its event: a bug, dead-lettered
     _publish([delivery_request(weight_kg=17)], topic)  # raises a ValueError: dead-lettered, the service goes on
     _publish([delivery_request(weight_kg=19)], topic)  # emits what Avro cannot write: dead-lettered, the same
+    _publish([delivery_request(weight_kg=23)], topic)  # emits more than a consumer takes: dead-lettered
     flaky = _publish([delivery_request(weight_kg=7)], topic)
     hopeless = _publish([delivery_request(weight_kg=9)], topic)
     good_ids += _publish(good[10:], topic)
 
     services.append(ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic}).start())
-    dlq = wait_for(lambda: len(r := read_topic(f"{topic}.dlq")) >= 14 and r, what="14 dead letters")
+    dlq = wait_for(lambda: len(r := read_topic(f"{topic}.dlq")) >= 15 and r, what="15 dead letters")
     reasons = {
         "UNDECODABLE": 3, "UNKNOWN_SCHEMA": 1, "INCOMPATIBLE_SCHEMA": 1, "INVALID_PAYLOAD": 3,
-        "MISSING_HEADERS": 1, "HOP_LIMIT": 1, "REJECTED": 2, "HANDLER_ERROR": 2,
+        "MISSING_HEADERS": 1, "HOP_LIMIT": 1, "REJECTED": 2, "HANDLER_ERROR": 2, "OVERSIZED": 1,
     }
     assert Counter(r.header("dlq.reason") for r in dlq) == reasons
     assert any("yields typed operations or ctx.effect(...) only" in (r.header("dlq.error") or "") for r in dlq)
     assert "handle raised ValueError: year 10000 is out of range" in {r.header("dlq.error") for r in dlq}
     assert any((r.header("dlq.error") or "").startswith("handle emitted what Avro cannot write, Unwritable: "
                                                          "PackageReady: UnicodeEncodeError") for r in dlq)
+    assert [r.header("dlq.error") for r in dlq if r.header("dlq.reason") == "OVERSIZED"] == [
+        f"its PackageReady for {topic}.out would be 600103 bytes, over the 524288 a consumer takes"]
     assert {"its body names another delivery than its envelope (36 characters)",
             "its body names another owner than its envelope"} <= {r.header("dlq.error") for r in dlq}
     for record in dlq:

@@ -6,6 +6,8 @@
   rule does not refuse) → dead letter;
 * 19 kg: its output names a package Avro cannot write (a string that is not Unicode) → dead
   letter;
+* 23 kg: its output names a package of 600,000 characters, more than a consumer takes →
+  dead letter;
 * 7 kg: a transient failure on the first try, then success (in-process retry);
 * 9 kg: always transient → retries exhausted → reported to the recovery topic;
 * 3 kg: transient on its first three tries, across batches (a flaky remote call);
@@ -54,7 +56,7 @@ def handle(request: DeliveryRequested, ctx: Context) -> Effects[None]:
     if request.weight_kg == 42 and ctx.redis.set(f"probe:{TOPIC}:hung", 1, nx=True):
         ctx.redis.set(f"probe:{TOPIC}:hanging", 1)
         time.sleep(120)
-    unwritable = "\ud800" if request.weight_kg == 19 else ""
-    ctx.emit(PackageReady(delivery_id=request.delivery_id, package_id=f"p-{request.delivery_id}{unwritable}",
+    tail = {19: "\ud800", 23: "p" * 600_000}.get(int(request.weight_kg), "")
+    ctx.emit(PackageReady(delivery_id=request.delivery_id, package_id=f"p-{request.delivery_id}{tail}",
                           package_size=request.package_size, weight_kg=request.weight_kg,
                           ready_at=datetime.now(UTC)), topic=f"{TOPIC}.out")
