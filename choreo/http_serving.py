@@ -16,12 +16,7 @@ too. ``GuardedHttpProtocol`` adds what is missing, for both HTTP servers of the 
 * one client address holds at most ``max_connections_per_ip`` connections (429 past it);
 * after a 408 or 431 the connection lingers (``linger_s``, ``linger_bytes``): the input the
   client still sends is read and dropped, so the close is not a reset that destroys the
-  answer before the client reads it;
-* a response must drain: once its bytes fill the connection's buffer, or the connection is
-  closed with bytes still unsent, the client must take some of them within each
-  ``send_timeout_s``, else the connection is aborted. uvicorn bounds neither, and a client
-  that stops reading would hold its connection, its slot and the buffered answer for ever;
-  one that reads slowly is never cut.
+  answer before the client reads it.
 
 It lives in ``choreo`` because both servers import ``choreo`` already and neither may
 import the other: the schema registry is a product of its own, ingestion its client.
@@ -62,7 +57,6 @@ class HttpLimits:
     max_connections_per_ip: int = 256
     linger_s: float = 2.0  # after a refusal, input read and dropped before the close...
     linger_bytes: int = 256 * 1024  # ...for at most this long and this much
-    send_timeout_s: float = 30.0  # the longest a client may take none of an answer's unsent bytes
 
 
 @dataclass(frozen=True)
@@ -113,8 +107,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refusing = False  # a head was refused: 431 once the responses under way are out
         self._linger_left: int | None = None  # answered and closing: input still to drop
         self._linger_timer: asyncio.TimerHandle | None = None
-        self._send_timer: asyncio.TimerHandle | None = None  # armed while bytes wait for the client
-        self._unsent = 0  # what waited at the last look
 
     # -- connections ---------------------------------------------------------------------
 
@@ -142,45 +134,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if not self.guard.per_ip[self._ip]:
                 del self.guard.per_ip[self._ip]
             self._ip = None
-        for timer in (self._timer, self._linger_timer, self._send_timer):
+        for timer in (self._timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
         super().connection_lost(exc)
-
-    # -- writing -------------------------------------------------------------------------
-
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        self._watch_send()
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self._send_timer is not None and not self.transport.is_closing():
-            self._send_timer.cancel()
-            self._send_timer = None
-
-    def timeout_keep_alive_handler(self) -> None:
-        unsent = self.transport.get_write_buffer_size()
-        super().timeout_keep_alive_handler()
-        if unsent:  # a close waits for the client to take what is left: watched as a full buffer
-            self._watch_send()
-
-    def _watch_send(self) -> None:
-        """Abort unless the client takes some of the unsent bytes within each ``send_timeout_s``."""
-        if self._send_timer is None:
-            self._unsent = self.transport.get_write_buffer_size()
-            self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_check)
-
-    def _send_check(self) -> None:
-        self._send_timer = None
-        unsent = self.transport.get_write_buffer_size()
-        if not unsent:
-            return
-        if unsent < self._unsent:  # the client reads, however slowly
-            self._watch_send()
-            return
-        log.info("http.send_timeout", client=self._ip, unsent=unsent)
-        self.transport.abort()
 
     # -- reading -------------------------------------------------------------------------
 
