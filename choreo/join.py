@@ -181,12 +181,17 @@ class Join:
         outcome becomes ``failed``, as a failed part would have made it."""
         return Op(_REFUSE, (delivery_key(delivery_id),), (self.unread_failure_s,), lambda _: None)
 
-    def record(self, delivery_id: str, part: str, ok: bool, event: Event, kept: str | None = None) -> Op[Decision]:
-        """Record ``event`` (``kept``: its ``result_text``, when known) as ``part``'s result and
-        decide, at most once per input event."""
+    def record(self, delivery_id: str, part: str, ok: bool, event: Event) -> Op[Decision]:
+        """Record ``event`` as ``part``'s result and decide, at most once per input event; a
+        result over ``MAX_PART_CHARS`` is refused (``OVERSIZED``): it is kept in the delivery's
+        hash and copied into the decision."""
+        kept = result_text(event)
+        if len(kept) > MAX_PART_CHARS:
+            raise Rejected(f"{part}'s {type(event).__name__} would be kept as {len(kept)} characters of JSON, "
+                           f"over the {MAX_PART_CHARS} a join keeps", DeadLetterReason.OVERSIZED)
         return Op(_RECORD, (delivery_key(delivery_id),),
-                  (part, "ok" if ok else "fail", result_text(event) if kept is None else kept, self.retention_s,
-                   self.unread_failure_s, self.outcome, *self.parts),
+                  (part, "ok" if ok else "fail", kept, self.retention_s, self.unread_failure_s,
+                   self.outcome, *self.parts),
                   lambda raw: self._decision(delivery_id, raw))
 
     def handler(self, part: str, ok: bool) -> Callable[[Any, Context], Generator[Any, Any, HandlerResult]]:
@@ -194,11 +199,7 @@ class Join:
         once the join has decided."""
 
         def handle(event: Event, ctx: Context) -> Generator[Any, Any, HandlerResult]:
-            kept = result_text(event)
-            if len(kept) > MAX_PART_CHARS:  # kept in the delivery's hash, and copied into the decision
-                raise Rejected(f"{part}'s {type(event).__name__} would be kept as {len(kept)} characters of JSON, "
-                               f"over the {MAX_PART_CHARS} a join keeps", DeadLetterReason.OVERSIZED)
-            decision: Decision = yield self.record(ctx.delivery_id, part, ok, event, kept)
+            decision: Decision = yield self.record(ctx.delivery_id, part, ok, event)
             if decision.kind == "complete" and self.complete_handler is not None:
                 return (yield from _call(self.complete_handler, decision.joined, ctx))
             if decision.kind == "fail" and self.failure_handler is not None:

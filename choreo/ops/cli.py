@@ -40,18 +40,19 @@ def _time(text: str) -> int:
     """An operator's ``--since``/``--from`` as epoch ms, or a clear refusal."""
     from choreo.ops.records import parse_time
 
-    try:
-        return parse_time(text)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)[:200]) from None
+    return _parsed(parse_time, text)
 
 
 def _duration(text: str) -> int:
     """An operator's ``--window`` in ms, or a clear refusal."""
     from choreo.ops.records import parse_duration
 
+    return _parsed(parse_duration, text)
+
+
+def _parsed(parse: Callable[[str], int], text: str) -> int:
     try:
-        return parse_duration(text)
+        return parse(text)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)[:200]) from None
 

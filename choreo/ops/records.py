@@ -54,7 +54,9 @@ def shown_time(ms: int, with_date: bool = True) -> str:
 
 EARLIEST_EPOCH_MS = 10**11  # 1973-03-03: a smaller number is a time in seconds
 LATEST_EPOCH_MS = 253_402_300_799_999  # 9999-12-31: past it no date holds the time
-PARTITIONERS = ("consistent", "consistent_random", "murmur2", "murmur2_random")
+CRC32_PARTITIONERS = ("consistent", "consistent_random")  # librdkafka's default
+MURMUR2_PARTITIONERS = ("murmur2", "murmur2_random")  # Java clients'
+PARTITIONERS = CRC32_PARTITIONERS + MURMUR2_PARTITIONERS
 
 
 def parse_time(text: str, now_ms: int | None = None) -> int:
@@ -105,9 +107,9 @@ def partition_for(key: bytes, partitions: int, partitioner: str = "consistent_ra
     CRC-32 of the key); Java clients and ``murmur2_random`` use murmur2. The trace must use
     the same function as the producers, so it is a parameter.
     """
-    if partitioner in PARTITIONERS[:2]:
+    if partitioner in CRC32_PARTITIONERS:
         return zlib.crc32(key) % partitions
-    if partitioner in PARTITIONERS[2:]:
+    if partitioner in MURMUR2_PARTITIONERS:
         return (murmur2(key) & 0x7FFFFFFF) % partitions
     raise ValueError(f"unknown partitioner {partitioner!r}")
 
