@@ -16,7 +16,14 @@ too. ``GuardedHttpProtocol`` adds what is missing, for both HTTP servers of the 
 * one client address holds at most ``max_connections_per_ip`` connections (429 past it);
 * after a 408 or 431 the connection lingers (``linger_s``, ``linger_bytes``): the input the
   client still sends is read and dropped, so the close is not a reset that destroys the
-  answer before the client reads it.
+  answer before the client reads it;
+* an answer must drain: while the response waits on the client (the write buffer is full,
+  or the connection is closing with bytes unsent), the client must acknowledge some of its
+  bytes within each ``send_timeout_s``, else the connection is aborted. uvicorn bounds
+  neither, and a client that stops reading would hold its connection, its slot and the
+  buffered answer for ever. Progress is read from the kernel's send queue as well as the
+  transport's buffer (``unacknowledged``): a client reading a few kilobytes a second frees
+  the kernel's queue of megabytes long before the transport's buffer moves, and is not cut.
 
 It lives in ``choreo`` because both servers import ``choreo`` already and neither may
 import the other: the schema registry is a product of its own, ingestion its client.
@@ -25,7 +32,10 @@ import the other: the schema registry is a product of its own, ingestion its cli
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import ipaddress
+import struct
+import termios
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +67,7 @@ class HttpLimits:
     max_connections_per_ip: int = 256
     linger_s: float = 2.0  # after a refusal, input read and dropped before the close...
     linger_bytes: int = 256 * 1024  # ...for at most this long and this much
+    send_timeout_s: float = 30.0  # the longest a waiting answer may go with none of it acknowledged
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refusing = False  # a head was refused: 431 once the responses under way are out
         self._linger_left: int | None = None  # answered and closing: input still to drop
         self._linger_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None  # armed while bytes wait for the client
+        self._unacknowledged = 0  # what the client had not acknowledged at the last look
 
     # -- connections ---------------------------------------------------------------------
 
@@ -134,10 +147,38 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if not self.guard.per_ip[self._ip]:
                 del self.guard.per_ip[self._ip]
             self._ip = None
-        for timer in (self._timer, self._linger_timer):
+        for timer in (self._timer, self._linger_timer, self._send_timer):
             if timer is not None:
                 timer.cancel()
         super().connection_lost(exc)
+
+    # -- writing -------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._watch_send()
+
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()
+        self._watch_send()
+
+    def _watch_send(self) -> None:
+        if self._send_timer is None and self.transport.get_write_buffer_size():
+            self._unacknowledged = unacknowledged(self.transport)
+            self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_check)
+
+    def _send_check(self) -> None:
+        """Abort when the response waits on a client that acknowledged none of it since the
+        last look; watch on while anything is buffered."""
+        self._send_timer = None
+        if not self.transport.get_write_buffer_size():
+            return  # what is left is the kernel's to deliver or drop; nothing here waits on it
+        waiting = self.flow.write_paused or self.transport.is_closing()
+        if waiting and unacknowledged(self.transport) >= self._unacknowledged:
+            log.info("http.send_timeout", client=self._ip, unsent=self.transport.get_write_buffer_size())
+            self.transport.abort()
+            return
+        self._watch_send()
 
     # -- reading -------------------------------------------------------------------------
 
@@ -216,6 +257,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._watch_send()  # an answer written whole may sit in the buffer past its close
         if self._closing:
             return
         if self._refusing and self._idle():
@@ -345,6 +387,21 @@ def uvicorn_config(app: Any, host: str, port: int, limits: HttpLimits, error_bod
                           loop="uvloop", ws="none", timeout_keep_alive=limits.keep_alive_s,
                           limit_concurrency=limits.max_connections, proxy_headers=False,
                           **{**tls_options(), **options})
+
+
+def unacknowledged(transport: asyncio.BaseTransport) -> int:
+    """The bytes written to ``transport`` that its peer has not acknowledged: the transport's
+    buffer and the kernel's send queue (``SIOCOUTQ``, which Linux answers for a TCP socket
+    under ``TIOCOUTQ``'s number). Where the kernel does not tell, the buffer alone."""
+    buffered: int = transport.get_write_buffer_size()  # type: ignore[attr-defined]
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return buffered
+    try:
+        queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return buffered
+    return buffered + queued
 
 
 def client_key(address: str) -> str:

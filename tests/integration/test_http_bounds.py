@@ -20,8 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
-from choreo.http_serving import HttpLimits
+from choreo.http_serving import HttpLimits, uvicorn_config
+from tests.helpers import free_port, wait_for
 from tests.ingestion import ingestion_settings, serving
 from tests.integration.test_registry_instances import Starter, instances  # noqa: F401 (fixture)
 
@@ -341,3 +343,67 @@ def exchange_on(sock: socket.socket, request: bytes) -> bytes:
     while len(body) < length:
         body += sock.recv(65536)
     return head.split(b" ")[1]
+
+
+def test_a_client_that_stops_reading_its_answer_is_cut_one_that_reads_slowly_is_not() -> None:
+    """uvicorn waits for ever for a client to read what it was sent: one that asks for a large
+    answer and reads none of it would hold its connection (a slot of the address's and the
+    server's caps) and the buffered answer. The guard aborts a connection whose client
+    acknowledges none of a waiting answer within ``send_timeout_s``: a streamed answer (its
+    buffer full) or one written whole (unsent when the connection closes). A client that
+    reads a few kilobytes a second is not cut, though the transport's buffer does not move
+    for seconds while the kernel's send queue of megabytes takes what it reads."""
+    chunk, chunks = b"x" * 65536, 128  # 8 MiB: more than the kernel's send queue takes
+
+    async def app(scope: dict[str, object], receive: Callable[..., object], send: Callable[..., object]) -> None:
+        assert scope["type"] == "http"
+        await send({"type": "http.response.start", "status": 200,  # type: ignore[misc]
+                    "headers": [(b"content-length", str(len(chunk) * chunks).encode())]})
+        if scope["path"] == "/whole":
+            await send({"type": "http.response.body", "body": chunk * chunks})  # type: ignore[misc]
+            return
+        for n in range(chunks):
+            await send({"type": "http.response.body", "body": chunk, "more_body": n < chunks - 1})  # type: ignore[misc]
+
+    limits = HttpLimits(send_timeout_s=1.0, keep_alive_s=1)
+    port = free_port()
+    config = uvicorn_config(app, "127.0.0.1", port, limits, lambda status, code, message: ("text/plain", b""),
+                            log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 30, 0.05, "uvicorn to start")
+        guard = config.http.guard  # type: ignore[union-attr]
+        clients = {}
+        for path, source in (("/streamed", "127.0.0.3"), ("/whole", "127.0.0.4"), ("/streamed", "127.0.0.5"),
+                             ("/whole", "127.0.0.6")):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.bind((source, 0))
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            clients[source] = sock
+        readers = [clients.pop("127.0.0.5"), clients.pop("127.0.0.6")]
+        received = [b"", b""]
+        started = time.monotonic()
+        while time.monotonic() - started < 5 * limits.send_timeout_s:  # 16 KiB a reader every 0.25 s
+            for n, sock in enumerate(readers):
+                sock.settimeout(5)
+                received[n] += sock.recv(16384)
+            time.sleep(0.25)
+        wait_for(lambda: not {"127.0.0.3", "127.0.0.4"} & set(guard.per_ip), 15, 0.1,
+                 "the stalled connections to be cut")
+        assert {"127.0.0.5", "127.0.0.6"} <= set(guard.per_ip)  # the slow readers still connected
+        whole = [data.index(b"\r\n\r\n") + 4 + len(chunk) * chunks for data in received]
+        while any(len(data) < size for data, size in zip(received, whole)):  # and they get all of it
+            for n, sock in enumerate(readers):
+                if len(received[n]) < whole[n]:
+                    received[n] += sock.recv(1 << 20)
+        assert all(data.split(b"\r\n\r\n", 1)[1] == chunk * chunks for data in received)
+        for sock in clients.values():
+            left, _ = read_until_closed(sock, 10)  # what the kernel held, then the end
+            assert len(left) < len(chunk) * chunks  # the rest of the answer was dropped
+    finally:
+        server.should_exit = True
+        thread.join(30)
