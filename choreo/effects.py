@@ -53,8 +53,9 @@ from choreo.dedupe import compact_id
 from choreo.redis_client import is_cluster
 from choreo.state import STEP_OWNED_LUA, HashWrite, Rider, delivery_key
 
-# answers no effect body gives (bodies return text they build, never a NUL byte): the effect was
-# not run, and the attempt that asked it is dropped (``DROPPED``: why, by answer)
+# answers no effect body gives (bodies return text they build, never a NUL byte; a record, whose
+# fields are answers, refuses one: ``choreo.record``): the effect was not run, and the attempt that
+# asked it is dropped (``DROPPED``: why, by answer)
 RELEASED = "\x00released"  # its delivery was released
 STALE = "\x00stale"  # its step went to a newer attempt or was closed
 DROPPED = {RELEASED: "released", STALE: "stale"}

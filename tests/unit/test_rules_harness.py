@@ -232,3 +232,16 @@ def test_first_op_in_begin_needs_a_handler_that_yields() -> None:
 
     with pytest.raises(ValueError, match="first_op_in_begin"):
         Service("plain").on("delivery.shipped", first_op_in_begin=True)(plain)
+
+
+@pytest.mark.parametrize("drone", [STALE, RELEASED, "drone\x007"])
+def test_a_record_refuses_a_nul_so_no_value_an_event_carried_reads_as_an_effect_not_run(drone: str) -> None:
+    """The runtime answers an effect it did not run with a NUL-led word (``DROPPED``), and a
+    record's field is the answer of ``set_once``: a shipment naming the drone ``"\\x00stale"``
+    would drop the notifier's attempt as stale, again at every requeue, instead of being
+    refused."""
+    from consumers.notifier import service as notifier
+
+    outcome = run(notifier, shipped().model_copy(update={"drone_id": drone}), answers=Records().answers)
+    assert isinstance(outcome.error, Rejected) and "NUL" in str(outcome.error)
+    assert outcome.dropped == ""
