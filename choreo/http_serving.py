@@ -17,13 +17,13 @@ too. ``GuardedHttpProtocol`` adds what is missing, for both HTTP servers of the 
 * after a 408 or 431 the connection lingers (``linger_s``, ``linger_bytes``): the input the
   client still sends is read and dropped, so the close is not a reset that destroys the
   answer before the client reads it;
-* an answer must drain: while the response waits on the client (the write buffer is full,
-  or the connection is closing with bytes unsent), the client must acknowledge some of its
-  bytes within each ``send_timeout_s``, else the connection is aborted. uvicorn bounds
-  neither, and a client that stops reading would hold its connection, its slot and the
-  buffered answer for ever. Progress is read from the kernel's send queue as well as the
-  transport's buffer (``unacknowledged``): a client reading a few kilobytes a second frees
-  the kernel's queue of megabytes long before the transport's buffer moves, and is not cut.
+* an answer must drain: a client that acknowledged none of the bytes waiting for it over a
+  whole ``send_timeout_s`` is aborted, and the kernel drops what it queued. uvicorn waits for
+  ever, and a client that stops reading would hold its connection, its slot and the
+  buffered answer. Both the bytes acknowledged and the bytes waiting are read from the
+  kernel (``delivery_of``): a client reading a few kilobytes a second frees the kernel's
+  queue of megabytes long before the transport's buffer moves, and over TLS the buffer
+  uvicorn sees is not the one that holds the answer.
 
 It lives in ``choreo`` because both servers import ``choreo`` already and neither may
 import the other: the schema registry is a product of its own, ingestion its client.
@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import ipaddress
+import socket
 import struct
 import termios
 from collections import Counter
@@ -118,13 +119,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refusing = False  # a head was refused: 431 once the responses under way are out
         self._linger_left: int | None = None  # answered and closing: input still to drop
         self._linger_timer: asyncio.TimerHandle | None = None
-        self._send_timer: asyncio.TimerHandle | None = None  # armed while bytes wait for the client
-        self._unacknowledged = 0  # what the client had not acknowledged at the last look
+        self._send_timer: asyncio.TimerHandle | None = None  # the next look at what the client takes
+        self._delivery = Delivery(0, 0)  # what the last look saw
 
     # -- connections ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_check)
         ip = client_key(self.client[0] if self.client else "")
         if self.guard.per_ip[ip] >= self.limits.max_connections_per_ip:
             log.warning("http.too_many_connections", client=ip, limit=self.limits.max_connections_per_ip)
@@ -154,31 +156,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     # -- writing -------------------------------------------------------------------------
 
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        self._watch_send()
-
-    def timeout_keep_alive_handler(self) -> None:
-        super().timeout_keep_alive_handler()
-        self._watch_send()
-
-    def _watch_send(self) -> None:
-        if self._send_timer is None and self.transport.get_write_buffer_size():
-            self._unacknowledged = unacknowledged(self.transport)
-            self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_check)
-
     def _send_check(self) -> None:
-        """Abort when the response waits on a client that acknowledged none of it since the
-        last look; watch on while anything is buffered."""
-        self._send_timer = None
-        if not self.transport.get_write_buffer_size():
-            return  # what is left is the kernel's to deliver or drop; nothing here waits on it
-        waiting = self.flow.write_paused or self.transport.is_closing()
-        if waiting and unacknowledged(self.transport) >= self._unacknowledged:
-            log.info("http.send_timeout", client=self._ip, unsent=self.transport.get_write_buffer_size())
-            self.transport.abort()
-            return
-        self._watch_send()
+        """Abort when bytes waited for the client since the last look and it acknowledged
+        none of them; look again in ``send_timeout_s``."""
+        now = delivery_of(self.transport)
+        if now is not None:
+            if now.waiting and self._delivery.waiting and now.acknowledged == self._delivery.acknowledged:
+                log.info("http.send_timeout", client=self._ip, waiting=now.waiting)
+                _reset(self.transport)
+                return
+            self._delivery = now
+        self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_check)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -257,7 +245,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._watch_send()  # an answer written whole may sit in the buffer past its close
         if self._closing:
             return
         if self._refusing and self._idle():
@@ -389,19 +376,46 @@ def uvicorn_config(app: Any, host: str, port: int, limits: HttpLimits, error_bod
                           **{**tls_options(), **options})
 
 
-def unacknowledged(transport: asyncio.BaseTransport) -> int:
-    """The bytes written to ``transport`` that its peer has not acknowledged: the transport's
-    buffer and the kernel's send queue (``SIOCOUTQ``, which Linux answers for a TCP socket
-    under ``TIOCOUTQ``'s number). Where the kernel does not tell, the buffer alone."""
-    buffered: int = transport.get_write_buffer_size()  # type: ignore[attr-defined]
+@dataclass(frozen=True)
+class Delivery:
+    """How far a connection's client has taken what it was sent."""
+
+    acknowledged: int  # bytes the client acknowledged since the connection began
+    waiting: int  # bytes sent or buffered that it has not
+
+
+_BYTES_ACKED_AT = 120  # of tcpi_bytes_acked (a u64) in Linux's struct tcp_info (since 4.1)
+
+
+def delivery_of(transport: asyncio.BaseTransport) -> Delivery | None:
+    """The kernel's count of the bytes the client acknowledged (``TCP_INFO``) and of those
+    waiting for it (``SIOCOUTQ``, which Linux answers for a TCP socket under ``TIOCOUTQ``'s
+    number), plus the transport's buffer; None where the kernel does not tell (not Linux,
+    not TCP, the socket gone)."""
     sock = transport.get_extra_info("socket")
     if sock is None:
-        return buffered
+        return None
     try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
         queued: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-    except (OSError, ValueError):
-        return buffered
-    return buffered + queued
+    except (OSError, ValueError, AttributeError):
+        return None
+    if len(info) < _BYTES_ACKED_AT + 8:
+        return None
+    buffered: int = transport.get_write_buffer_size()  # type: ignore[attr-defined]
+    return Delivery(struct.unpack_from("Q", info, _BYTES_ACKED_AT)[0], queued + buffered)
+
+
+def _reset(transport: asyncio.BaseTransport) -> None:
+    """Abort with a reset (``SO_LINGER`` 0): the kernel drops what it queued for the client
+    at once, where a plain close keeps it, megabytes a connection, until its retries end."""
+    sock = transport.get_extra_info("socket")
+    try:
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass  # gone already: the abort below is all there is to do
+    transport.abort()  # type: ignore[attr-defined]
 
 
 def client_key(address: str) -> str:

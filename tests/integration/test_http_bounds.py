@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import selectors
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -86,7 +87,7 @@ def read_until_closed(sock: socket.socket, timeout_s: float) -> tuple[bytes, flo
             chunk = sock.recv(65536)
         except TimeoutError:
             continue
-        except ConnectionResetError:
+        except (ConnectionResetError, ssl.SSLError):  # a reset, or one under TLS
             return data, time.monotonic() - started
         if not chunk:
             return data, time.monotonic() - started
@@ -345,65 +346,90 @@ def exchange_on(sock: socket.socket, request: bytes) -> bytes:
     return head.split(b" ")[1]
 
 
-def test_a_client_that_stops_reading_its_answer_is_cut_one_that_reads_slowly_is_not() -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+def test_a_client_that_stops_reading_its_answer_is_cut_one_that_reads_slowly_is_not(tls: bool, tmp_path: Path) -> None:
     """uvicorn waits for ever for a client to read what it was sent: one that asks for a large
     answer and reads none of it would hold its connection (a slot of the address's and the
-    server's caps) and the buffered answer. The guard aborts a connection whose client
-    acknowledges none of a waiting answer within ``send_timeout_s``: a streamed answer (its
-    buffer full) or one written whole (unsent when the connection closes). A client that
-    reads a few kilobytes a second is not cut, though the transport's buffer does not move
-    for seconds while the kernel's send queue of megabytes takes what it reads."""
+    server's caps) and the buffered answer. The guard resets a connection whose client
+    acknowledged none of what waited for it over ``send_timeout_s``: a streamed answer or one
+    written whole, over TLS too. A client reading 160 KiB a second gets all of it, past the
+    seconds in which its reads free only the kernel's send queue and the moments the
+    stream's writes refill it."""
     chunk, chunks = b"x" * 65536, 128  # 8 MiB: more than the kernel's send queue takes
+    size = len(chunk) * chunks
 
     async def app(scope: dict[str, object], receive: Callable[..., object], send: Callable[..., object]) -> None:
         assert scope["type"] == "http"
         await send({"type": "http.response.start", "status": 200,  # type: ignore[misc]
-                    "headers": [(b"content-length", str(len(chunk) * chunks).encode())]})
+                    "headers": [(b"content-length", str(size).encode())]})
         if scope["path"] == "/whole":
             await send({"type": "http.response.body", "body": chunk * chunks})  # type: ignore[misc]
             return
         for n in range(chunks):
             await send({"type": "http.response.body", "body": chunk, "more_body": n < chunks - 1})  # type: ignore[misc]
 
-    limits = HttpLimits(send_timeout_s=1.0, keep_alive_s=1)
+    options: dict[str, str] = {}
+    context = None
+    if tls:
+        from infra.tls import ensure_certificates
+
+        certificates = ensure_certificates(tmp_path / "tls")
+        options = {"ssl_certfile": str(certificates.server_cert), "ssl_keyfile": str(certificates.server_key)}
+        context = ssl.create_default_context(cafile=str(certificates.ca_cert))
+        context.check_hostname = False
+    # a window of 2 s: loopback's segments are 64 KiB, so a reader's window reopens a segment
+    # at a time, once a second at 64 KiB/s
+    limits = HttpLimits(send_timeout_s=2.0, keep_alive_s=1)
     port = free_port()
     config = uvicorn_config(app, "127.0.0.1", port, limits, lambda status, code, message: ("text/plain", b""),
-                            log_level="warning", lifespan="off")
+                            log_level="warning", lifespan="off", **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
         wait_for(lambda: server.started, 30, 0.05, "uvicorn to start")
         guard = config.http.guard  # type: ignore[union-attr]
-        clients = {}
-        for path, source in (("/streamed", "127.0.0.3"), ("/whole", "127.0.0.4"), ("/streamed", "127.0.0.5"),
-                             ("/whole", "127.0.0.6")):
+        clients: dict[str, socket.socket] = {}
+        asked = (("/streamed", "127.0.0.3", 4096), ("/whole", "127.0.0.4", 4096),
+                 ("/streamed", "127.0.0.5", 65536), ("/whole", "127.0.0.6", 65536))
+        for path, source, window in asked:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, window)
             sock.bind((source, 0))
             sock.connect(("127.0.0.1", port))
-            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            if context is not None:
+                sock = context.wrap_socket(sock)
+            sock.settimeout(5)
             clients[source] = sock
-        readers = [clients.pop("127.0.0.5"), clients.pop("127.0.0.6")]
-        received = [b"", b""]
+        for (path, source, _), sock in zip(asked, clients.values()):  # asked once all are connected
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        readers = {source: clients.pop(source) for source in ("127.0.0.5", "127.0.0.6")}
+        received = dict.fromkeys(readers, b"")
+
+        def read(source: str, most: int) -> None:
+            data = readers[source].recv(most)
+            assert data, f"the reader on {source} was cut after {len(received[source])} bytes"
+            received[source] += data
+
         started = time.monotonic()
-        while time.monotonic() - started < 5 * limits.send_timeout_s:  # 16 KiB a reader every 0.25 s
-            for n, sock in enumerate(readers):
-                sock.settimeout(5)
-                received[n] += sock.recv(16384)
-            time.sleep(0.25)
+        while time.monotonic() - started < 5 * limits.send_timeout_s:  # 16 KiB a reader every 0.1 s
+            for source in readers:
+                read(source, 16384)
+            time.sleep(0.1)
         wait_for(lambda: not {"127.0.0.3", "127.0.0.4"} & set(guard.per_ip), 15, 0.1,
                  "the stalled connections to be cut")
-        assert {"127.0.0.5", "127.0.0.6"} <= set(guard.per_ip)  # the slow readers still connected
-        whole = [data.index(b"\r\n\r\n") + 4 + len(chunk) * chunks for data in received]
-        while any(len(data) < size for data, size in zip(received, whole)):  # and they get all of it
-            for n, sock in enumerate(readers):
-                if len(received[n]) < whole[n]:
-                    received[n] += sock.recv(1 << 20)
-        assert all(data.split(b"\r\n\r\n", 1)[1] == chunk * chunks for data in received)
+        assert set(readers) <= set(guard.per_ip)  # the slow readers still connected
+        whole = {source: data.index(b"\r\n\r\n") + 4 + size for source, data in received.items()}
+        deadline = time.monotonic() + 60
+        while any(len(received[source]) < whole[source] for source in readers):  # and they get all of it
+            assert time.monotonic() < deadline, {source: len(data) for source, data in received.items()}
+            for source in readers:
+                if len(received[source]) < whole[source]:
+                    read(source, 1 << 20)
+        assert all(data.split(b"\r\n\r\n", 1)[1] == chunk * chunks for data in received.values())
         for sock in clients.values():
-            left, _ = read_until_closed(sock, 10)  # what the kernel held, then the end
-            assert len(left) < len(chunk) * chunks  # the rest of the answer was dropped
+            left, _ = read_until_closed(sock, 10)  # what the kernel held, or a reset
+            assert len(left) < size  # the rest of the answer was dropped
     finally:
         server.should_exit = True
         thread.join(30)
