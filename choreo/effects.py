@@ -48,32 +48,20 @@ from typing import Any, Generic, TypeVar
 import redis
 
 from choreo import keys as layout
+from choreo.answers import answer_of
 from choreo.batch import BatchScript, Item, run_in_order, run_together
 from choreo.dedupe import compact_id
 from choreo.redis_client import is_cluster
 from choreo.state import STEP_OWNED_LUA, HashWrite, Rider, delivery_key
 
-# answers no effect body gives (bodies return text they build, never a NUL byte; a record, whose
-# fields are answers, refuses one: ``choreo.record``): the effect was not run, and the attempt that
-# asked it is dropped (``DROPPED``: why, by answer)
-RELEASED = "\x00released"  # its delivery was released
-STALE = "\x00stale"  # its step went to a newer attempt or was closed
-DROPPED = {RELEASED: "released", STALE: "stale"}
-
-
-def dropped_by(answer: object) -> str:
-    """Why an effect's answer drops the attempt that asked it (``DROPPED``), or ''."""
-    return DROPPED.get(answer, "") if isinstance(answer, str) else ""
-
-
 # Before every effect body: ``refusal(table, refuse, step, attempt)``, the answer that keeps
-# it from running (``RELEASED``, ``STALE``) or nil. ``table``: the delivery's step table;
-# ``refuse``: '1' to refuse a released delivery; ``step``, ``attempt``: the asking attempt's
+# it from running (``RELEASED``, ``STALE``: an array, ``choreo.answers``) or nil. ``table``:
+# the delivery's step table; ``refuse``: '1' to refuse a released delivery; ``step``, ``attempt``: the asking attempt's
 # forward step ('' for none) and attempt, which must still own it.
 _REFUSAL = STEP_OWNED_LUA + """
 local function refusal(table_key, refuse, step, attempt)
-  if refuse == '1' and redis.call('HEXISTS', table_key, 'done') == 1 then return '\\0released' end
-  if step ~= '' and not step_owned(table_key, step, tonumber(attempt)) then return '\\0stale' end
+  if refuse == '1' and redis.call('HEXISTS', table_key, 'done') == 1 then return {'released'} end
+  if step ~= '' and not step_owned(table_key, step, tonumber(attempt)) then return {'stale'} end
   return nil
 end
 """
@@ -261,7 +249,7 @@ def _in_order(client: redis.Redis, calls: Sequence[EffectCall],
     """Consecutive calls of one effect go in one script call (``choreo.batch``). Order
     matters between deliveries: a release followed by a reserve of the same fleet must not
     be turned around."""
-    return [_answer(reply) for reply in run_in_order(client, [how(client, call) for call in calls])]
+    return [answer_of(reply) for reply in run_in_order(client, [how(client, call) for call in calls])]
 
 
 def _elsewhere(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | None]:
@@ -270,7 +258,7 @@ def _elsewhere(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | N
     recall = BatchScript.of(client, "effect_recall", _RECALL)
     memo_items: list[Item] = [([memo_key(c.delivery_id), delivery_key(c.delivery_id)],
                                [c.memo_field, c.refuse, c.step, c.attempt]) for c in calls]
-    answers = [_answer(reply) for reply in run_together(client, [(recall, memo_items)])[0]]
+    answers = [answer_of(reply) for reply in run_together(client, [(recall, memo_items)])[0]]
     todo = [i for i, answer in enumerate(answers) if answer is None]
     ran = _in_order(client, [calls[i] for i in todo], _bare)
     for i, answer in zip(todo, ran):
@@ -283,14 +271,8 @@ def _elsewhere(client: redis.Redis, calls: Sequence[EffectCall]) -> list[str | N
     kept = run_together(client, [(remember, [
         (memo_items[i][0], [*memo_items[i][1], answer, calls[i].ttl_s]) for i, answer in given])])[0]
     for (i, _), answer in zip(given, kept):
-        answers[i] = _answer(answer)
+        answers[i] = answer_of(answer)
     return answers
-
-
-def _answer(result: Any) -> str | None:
-    if result is None:
-        return None
-    return result.decode() if isinstance(result, bytes) else str(result)
 
 
 def memo_key(delivery_id: str) -> str:

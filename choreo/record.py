@@ -14,7 +14,6 @@ from typing import Any
 
 from choreo import keys
 from choreo.effects import OnceEffect, Op
-from choreo.errors import Rejected
 from choreo.events import Event
 from choreo.state import HashWrite
 
@@ -78,12 +77,12 @@ class Record:
     def update(self, delivery_id: str, answer: str, **fields: str | int | float) -> Op[str | None]:
         """Set these fields if the record exists; the answer is its ``answer`` field, or
         ``None`` when there is no record (nothing to update)."""
-        return Op(_UPDATE, (self.key(delivery_id),), (_kept(answer), *_pairs(fields)), lambda raw: raw or None)
+        return Op(_UPDATE, (self.key(delivery_id),), (answer, *_pairs(fields)), lambda raw: raw or None)
 
     def set_once(self, delivery_id: str, name: str, value: str) -> Op[str]:
         """Set field ``name`` unless it is set; the answer is the value it holds (the first
         writer's)."""
-        return Op(_SET_ONCE, (self.key(delivery_id),), (self.ttl_s, _kept(name), _kept(value)), lambda raw: raw or "")
+        return Op(_SET_ONCE, (self.key(delivery_id),), (self.ttl_s, name, value), lambda raw: raw or "")
 
     def rebuilt_from(self, model: type[Event], fields: Callable[[Any], Fields], *,
                      when_consumed: bool = False) -> None:
@@ -92,14 +91,4 @@ class Record:
 
 
 def _pairs(fields: Fields) -> list[str | int | float]:
-    return [part for name, value in fields.items()
-            for part in (_kept(name), _kept(value) if isinstance(value, str) else value)]
-
-
-def _kept(text: str) -> str:
-    """``text``, refused when it holds a NUL: the runtime's answers for an effect not run
-    start with one (``choreo.effects.DROPPED``), and a record's field is an effect's answer,
-    so a value an event carried could otherwise read as "released" or "stale"."""
-    if "\x00" in text:
-        raise Rejected("a record cannot keep a NUL character in a field or a value")
-    return text
+    return [part for name, value in fields.items() for part in (name, value)]

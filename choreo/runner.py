@@ -43,7 +43,8 @@ from choreo.memory import collect_batch_cycles, settle_garbage_collector
 from choreo.redis_client import TRANSIENT, connect, is_cluster, refused_by_redis
 from choreo.serde import (FRAME_BYTES, MAX_VALUE_BYTES, DecodeFailure, Decoder, Encoder, RegistryUnavailable,
                           Unwritable, avro_body, registry_client)
-from choreo.effects import EffectCall, Op, dropped_by, run_all
+from choreo.answers import dropped_by
+from choreo.effects import EffectCall, Op, run_all
 from choreo import layout, tracing
 from choreo.outcomes import REPLIES, ReplyTopics, outcome_of, told
 from choreo.runtime_events import DeliveryOutcome

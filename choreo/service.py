@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 
 import redis
 
-from choreo.effects import EffectCall, OnceEffect, Op, dropped_by, memo_field
+from choreo.answers import dropped_by
+from choreo.effects import EffectCall, OnceEffect, Op, memo_field
 from choreo.envelope import Envelope, derived_id
 from choreo.errors import AttemptDropped
 from choreo.events import Event

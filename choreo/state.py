@@ -27,6 +27,7 @@ from typing import Any
 import redis
 
 from choreo import keys
+from choreo.answers import answer_of
 from choreo.batch import BatchScript, Item, run_in_order, run_together
 from choreo.redis_client import NodePipelines, raise_first, write_waited
 
@@ -661,7 +662,7 @@ class StateTable:
             verdict, answer = (reply[0], reply[1] if len(reply) > 1 else None) if isinstance(reply, list) \
                 else (reply, None)
             started.append(_started(text(verdict), item[2]))
-            answers.append(None if answer is None else text(answer))
+            answers.append(answer_of(answer))
         return started, answers
 
     def _riding_script(self, rider: Rider) -> StepScript:

@@ -21,7 +21,8 @@ from typing import Any, TypeVar, cast
 import redis
 from confluent_kafka import Message
 
-from choreo.effects import EffectCall, OnceEffect, Op, dropped_by
+from choreo.answers import dropped_by
+from choreo.effects import EffectCall, OnceEffect, Op
 from choreo.envelope import Envelope, derived_id
 from choreo.errors import AttemptDropped, DeadLetterReason, Rejected, Retryable
 from choreo.events import Event, disagrees_with

@@ -13,6 +13,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from choreo import batch, effects, keys
+from choreo.answers import dropped_by
 from choreo.batch import BatchScript, run_together
 from choreo.config import settings
 from choreo.effects import EffectCall, OnceEffect, run_all
@@ -201,14 +202,14 @@ def test_an_effect_of_an_attempt_that_lost_its_step_is_not_run(
                           True, step, attempt).run(redis_client)
 
     table.put(d, {"drone.status": "processing", "drone.attempt": 2})  # the supervisor requeued it
-    assert reserve("e1", 1) == effects.STALE
+    assert dropped_by(reserve("e1", 1)) == "stale"
     assert redis_client.zcard(fleet.free_key) == 2 and not redis_client.hlen(fleet.booking_key)
     assert reserve("e2", 2) == "drone-a"  # the step's own attempt
-    assert reserve("e1", 1) == effects.STALE  # still nothing remembered for the stale one
+    assert dropped_by(reserve("e1", 1)) == "stale"  # still nothing remembered for the stale one
     table.put(d, {"drone.status": "compensated"})  # the delivery failed, the drone given back
     redis_client.eval("return redis.call('ZADD', KEYS[1], 5, 'drone-a') + redis.call('DEL', KEYS[2], KEYS[3])",
                       3, fleet.free_key, fleet.booking_key, fleet.held_key)
-    assert reserve("e3", 2) == effects.STALE  # the step is closed: not even its own attempt
+    assert dropped_by(reserve("e3", 2)) == "stale"  # the step is closed: not even its own attempt
     assert reserve("e2", 2) == "drone-a"  # the answer it was given is replayed, nothing booked
     assert not redis_client.hlen(fleet.booking_key)
     assert reserve("e4", 1, step="") == "drone-a"  # outside a step: not fenced
@@ -252,6 +253,28 @@ def test_an_effect_that_remembers_itself_answers_a_replay_the_same_with_no_memo(
     on_another_slot = three_calls or is_cluster(redis_client)  # the reservation remembered in its own call
     assert remembered() - before == (1 if on_another_slot else 0)
     redis_client.delete(*fleet.keys, notes.key(d), awaiting, effects.memo_key(d))
+
+
+@pytest.mark.parametrize("three_calls", [False, True], ids=["as-the-store-allows", "in-three-calls"])
+def test_no_text_an_event_carries_reads_as_an_effect_not_run(
+        redis_client: redis.Redis, unique: str, three_calls: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record's field is ``set_once``'s answer, and its value may come from an event: a
+    shipment naming its drone ``"stale"`` (or the words with a NUL before them) is answered
+    that drone, not taken for the runtime's refusal, which would drop the notifier's attempt
+    at every requeue. The refusal itself still reads as one, on a cluster's path too."""
+    if three_calls:
+        monkeypatch.setattr(effects, "is_cluster", lambda client: True)
+    notes = Record(f"words-{unique}", ttl_s=60)
+    d = f"{unique}-d"
+    for n, word in enumerate(("stale", "released", "\x00stale", "\x00released")):
+        op = notes.set_once(d, f"drone{n}", word)
+        answer = EffectCall(op.effect, d, f"svc:once:e{n}", op.keys, op.args, 60, True, "notify", 1).run(redis_client)
+        assert answer == word and dropped_by(answer) == ""
+    StateTable(redis_client).put(d, {"notify.status": "processing", "notify.attempt": 2})
+    op = notes.set_once(d, "drone9", "drone-a")
+    answer = EffectCall(op.effect, d, "svc:once:e9", op.keys, op.args, 60, True, "notify", 1).run(redis_client)
+    assert dropped_by(answer) == "stale" and redis_client.hget(notes.key(d), "drone9") is None
+    redis_client.delete(notes.key(d), delivery_key(d), effects.memo_key(d))
 
 
 def test_each_effect_of_a_kind_for_one_event_gets_its_own_answer(redis_client: redis.Redis, unique: str) -> None:

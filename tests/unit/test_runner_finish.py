@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from choreo import runner as runner_module
-from choreo.effects import STALE
+from choreo.answers import STALE
 from choreo.record import Record
 from choreo.runner import Runner
 from consumers.drone_scheduler import service
