@@ -377,9 +377,9 @@ def test_a_client_that_stops_reading_its_answer_is_cut_one_that_reads_slowly_is_
         options = {"ssl_certfile": str(certificates.server_cert), "ssl_keyfile": str(certificates.server_key)}
         context = ssl.create_default_context(cafile=str(certificates.ca_cert))
         context.check_hostname = False
-    # a window of 2 s: loopback's segments are 64 KiB, so a reader's window reopens a segment
-    # at a time, once a second at 64 KiB/s
-    limits = HttpLimits(send_timeout_s=2.0, keep_alive_s=1)
+    # a window of 3 s: loopback's segments are 64 KiB, so a reader's window reopens a segment
+    # at a time, every 0.4 s at 160 KiB/s
+    limits = HttpLimits(send_timeout_s=3.0, keep_alive_s=1)
     port = free_port()
     config = uvicorn_config(app, "127.0.0.1", port, limits, lambda status, code, message: ("text/plain", b""),
                             log_level="warning", lifespan="off", **options)
@@ -412,7 +412,7 @@ def test_a_client_that_stops_reading_its_answer_is_cut_one_that_reads_slowly_is_
             received[source] += data
 
         started = time.monotonic()
-        while time.monotonic() - started < 5 * limits.send_timeout_s:  # 16 KiB a reader every 0.1 s
+        while time.monotonic() - started < 4 * limits.send_timeout_s:  # 16 KiB a reader every 0.1 s
             for source in readers:
                 read(source, 16384)
             time.sleep(0.1)
