@@ -56,8 +56,9 @@ from choreo.state import STEP_OWNED_LUA, HashWrite, Rider, delivery_key
 
 # Before every effect body: ``refusal(table, refuse, step, attempt)``, the answer that keeps
 # it from running (``RELEASED``, ``STALE``: an array, ``choreo.answers``) or nil. ``table``:
-# the delivery's step table; ``refuse``: '1' to refuse a released delivery; ``step``, ``attempt``: the asking attempt's
-# forward step ('' for none) and attempt, which must still own it.
+# the delivery's step table; ``refuse``: '1' to refuse a released delivery; ``step``,
+# ``attempt``: the asking attempt's forward step ('' for none) and attempt, which must still
+# own it.
 _REFUSAL = STEP_OWNED_LUA + """
 local function refusal(table_key, refuse, step, attempt)
   if refuse == '1' and redis.call('HEXISTS', table_key, 'done') == 1 then return {'released'} end

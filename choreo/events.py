@@ -26,29 +26,37 @@ E = TypeVar("E", bound="Event")
 MAX_ITEMS = 100
 
 
-def _unbounded(model: type[BaseModel], seen: frozenset[type[BaseModel]] = frozenset()) -> list[str]:
-    """The fields of ``model`` (and of the models in it) holding a collection, at any depth,
-    with no declared most length."""
-    found: list[str] = []
+UNBOUNDED = "every list an event carries declares its most length (Field(max_length=...))"
+# pydantic's models do not pass their config to the models in them
+TAKES_NAN = "every model an event carries refuses NaN and infinity as Event does (allow_inf_nan=False)"
+
+
+def _undeclared(model: type[BaseModel], seen: frozenset[type[BaseModel]] = frozenset()) -> list[tuple[str, str]]:
+    """Where in ``model`` (and in the models in it), at any depth, a collection declares no
+    most length (``UNBOUNDED``) or a model takes NaN (``TAKES_NAN``): (where, which)."""
+    found: list[tuple[str, str]] = []
     for name, info in model.model_fields.items():
         found += _open(f"{model.__name__}.{name}", info.annotation, _declares_most(info), seen | {model})
     return found
 
 
-def _open(where: str, tp: Any, bounded: bool, seen: frozenset[type[BaseModel]]) -> list[str]:
-    """Where in ``tp``, the type at ``where``, a collection has no declared most length
-    (``bounded``: ``tp``'s own is declared)."""
+def _open(where: str, tp: Any, bounded: bool, seen: frozenset[type[BaseModel]]) -> list[tuple[str, str]]:
+    """``_undeclared`` of ``tp``, the type at ``where`` (``bounded``: ``tp``'s own most length
+    is declared)."""
     origin, args = get_origin(tp), get_args(tp)
     if origin is Annotated:
         return _open(where, args[0], bounded or any(_declares_most(m) for m in args[1:]), seen)
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return [] if tp in seen else _unbounded(tp, seen)
+        if tp in seen:
+            return []
+        lenient = [] if tp.model_config.get("allow_inf_nan") is False else [(where, TAKES_NAN)]
+        return lenient + _undeclared(tp, seen)
     if origin in (Union, UnionType):  # ``list[str] | None``: the field's bound is the list's
         return [f for arg in args for f in _open(where, arg, bounded, seen)]
     if _collection(origin or tp):
         fixed = origin is tuple and bool(args) and Ellipsis not in args  # tuple[str, str]: two
         if not (bounded or fixed):
-            return [where]
+            return [(where, UNBOUNDED)]
         where += "[]"
     return [f for arg in args for f in _open(where, arg, False, seen)]
 
@@ -84,12 +92,14 @@ class Event(BaseModel):
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
-        """An event model whose lists are not bounded is refused where it is declared."""
+        """An event model with a list not bounded, or a model in it that takes NaN, is refused
+        where it is declared."""
         super().__pydantic_init_subclass__(**kwargs)
-        unbounded = list(dict.fromkeys(_unbounded(cls)))
-        if unbounded:
-            raise TypeError(f"{', '.join(unbounded)}: every list an event carries declares its most "
-                            f"length (Field(max_length=...))")
+        by_rule: dict[str, list[str]] = {}
+        for where, rule in dict.fromkeys(_undeclared(cls)):
+            by_rule.setdefault(rule, []).append(where)
+        if by_rule:
+            raise TypeError("; ".join(f"{', '.join(wheres)}: {rule}" for rule, wheres in by_rule.items()))
 
     @classmethod
     def avro_schema(cls) -> str:

@@ -18,10 +18,10 @@ too. ``GuardedHttpProtocol`` adds what is missing, for both HTTP servers of the 
   client still sends is read and dropped, so the close is not a reset that destroys the
   answer before the client reads it;
 * an answer must drain: a client that acknowledged none of the bytes waiting for it over a
-  whole ``send_timeout_s`` is aborted, and the kernel drops what it queued. uvicorn waits for
+  whole ``send_timeout_s`` is reset, and the kernel drops what it queued. uvicorn waits for
   ever, and a client that stops reading would hold its connection, its slot and the
   buffered answer. Both the bytes acknowledged and the bytes waiting are read from the
-  kernel (``delivery_of``): a client reading a few kilobytes a second frees the kernel's
+  kernel (``send_progress_of``): a client reading a few kilobytes a second frees the kernel's
   queue of megabytes long before the transport's buffer moves, and over TLS the buffer
   uvicorn sees is not the one that holds the answer.
 
@@ -120,7 +120,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._linger_left: int | None = None  # answered and closing: input still to drop
         self._linger_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None  # the next look at what the client takes
-        self._delivery = Delivery(0, 0)  # what the last look saw
+        self._progress = SendProgress(0, 0)  # what the last look saw
 
     # -- connections ---------------------------------------------------------------------
 
@@ -159,13 +159,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _send_check(self) -> None:
         """Abort when bytes waited for the client since the last look and it acknowledged
         none of them; look again in ``send_timeout_s``."""
-        now = delivery_of(self.transport)
+        now = send_progress_of(self.transport)
         if now is not None:
-            if now.waiting and self._delivery.waiting and now.acknowledged == self._delivery.acknowledged:
+            if now.waiting and self._progress.waiting and now.acknowledged == self._progress.acknowledged:
                 log.info("http.send_timeout", client=self._ip, waiting=now.waiting)
                 _reset(self.transport)
                 return
-            self._delivery = now
+            self._progress = now
         self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_check)
 
     # -- reading -------------------------------------------------------------------------
@@ -377,7 +377,7 @@ def uvicorn_config(app: Any, host: str, port: int, limits: HttpLimits, error_bod
 
 
 @dataclass(frozen=True)
-class Delivery:
+class SendProgress:
     """How far a connection's client has taken what it was sent."""
 
     acknowledged: int  # bytes the client acknowledged since the connection began
@@ -387,7 +387,7 @@ class Delivery:
 _BYTES_ACKED_AT = 120  # of tcpi_bytes_acked (a u64) in Linux's struct tcp_info (since 4.1)
 
 
-def delivery_of(transport: asyncio.BaseTransport) -> Delivery | None:
+def send_progress_of(transport: asyncio.BaseTransport) -> SendProgress | None:
     """The kernel's count of the bytes the client acknowledged (``TCP_INFO``) and of those
     waiting for it (``SIOCOUTQ``, which Linux answers for a TCP socket under ``TIOCOUTQ``'s
     number), plus the transport's buffer; None where the kernel does not tell (not Linux,
@@ -403,7 +403,7 @@ def delivery_of(transport: asyncio.BaseTransport) -> Delivery | None:
     if len(info) < _BYTES_ACKED_AT + 8:
         return None
     buffered: int = transport.get_write_buffer_size()  # type: ignore[attr-defined]
-    return Delivery(struct.unpack_from("Q", info, _BYTES_ACKED_AT)[0], queued + buffered)
+    return SendProgress(struct.unpack_from("Q", info, _BYTES_ACKED_AT)[0], queued + buffered)
 
 
 def _reset(transport: asyncio.BaseTransport) -> None:

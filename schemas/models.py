@@ -16,7 +16,7 @@ PackageSize = Literal["SMALL", "MEDIUM", "LARGE"]
 
 
 class Location(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     lat: float = Field(ge=-90, le=90)
     lon: float = Field(ge=-180, le=180)

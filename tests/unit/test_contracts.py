@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import fastavro
 import pytest
-from pydantic import BaseModel, Field, ValidationError, conlist
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, conlist
 
 from choreo.events import MAX_ITEMS, Event
 from choreo.runtime_events import RUNTIME_CONTRACTS
@@ -114,6 +114,24 @@ def test_an_event_model_with_an_unbounded_list_is_refused_where_it_is_declared()
         class Loose(Event):
             names: Sequence[str] = ()
             more: tuple[str, ...] = ()
+
+    with pytest.raises(TypeError, match=r"Hops.where, Hops.legs\[\]: every model an event carries refuses NaN"):
+        class Loc(BaseModel):
+            lat: float
+
+        class Hops(Event):  # a nested model does not take Event's config: a NaN passed it
+            where: Loc
+            legs: list[Loc] = Field(default=[], max_length=3)
+
+    class FiniteLoc(BaseModel):
+        model_config = ConfigDict(allow_inf_nan=False)
+        lat: float
+
+    class FiniteHops(Event):
+        where: FiniteLoc
+
+    with pytest.raises(ValidationError, match="finite number"):
+        FiniteHops.model_validate({"where": {"lat": float("nan")}})
 
     class Bounded(Event):  # each list at each depth declared, whichever way
         legs: list[Annotated[list[str], Field(max_length=4)]] | None = Field(default=None, max_length=3)
