@@ -93,8 +93,12 @@ class Event(BaseModel):
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         """An event model with a list not bounded, or a model in it that takes NaN, is refused
-        where it is declared."""
+        where it is declared; so is one whose types are not all known there, since pydantic
+        would complete it later, past this check."""
         super().__pydantic_init_subclass__(**kwargs)
+        if not cls.__pydantic_complete__:
+            raise TypeError(f"{cls.__name__} names a type not yet defined: declare the models an event "
+                            f"carries before it")
         by_rule: dict[str, list[str]] = {}
         for where, rule in dict.fromkeys(_undeclared(cls)):
             by_rule.setdefault(rule, []).append(where)

@@ -123,6 +123,14 @@ def test_an_event_model_with_an_unbounded_list_is_refused_where_it_is_declared()
             where: Loc
             legs: list[Loc] = Field(default=[], max_length=3)
 
+    with pytest.raises(TypeError, match="Early names a type not yet defined"):
+        class Early(Event):
+            legs: list[Later]  # noqa: F821 - defined below: its lists could not be checked here
+
+    class Later(BaseModel):
+        model_config = ConfigDict(allow_inf_nan=False)
+        names: list[str]
+
     class FiniteLoc(BaseModel):
         model_config = ConfigDict(allow_inf_nan=False)
         lat: float
