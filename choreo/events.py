@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping
+from dataclasses import is_dataclass
 from functools import cache, partial
 from pathlib import Path
 from types import UnionType
@@ -29,14 +30,20 @@ MAX_ITEMS = 100
 UNBOUNDED = "every list an event carries declares its most length (Field(max_length=...))"
 # pydantic's models do not pass their config to the models in them
 TAKES_NAN = "every model an event carries refuses NaN and infinity as Event does (allow_inf_nan=False)"
+# a dataclass takes a config of its own and its fields are not walked; Any is not checked at all
+NOT_A_RECORD = "every record an event carries is a pydantic model, as an Avro record is (no dataclass, no Any)"
 
 
 def _undeclared(model: type[BaseModel], seen: frozenset[type[BaseModel]] = frozenset()) -> list[tuple[str, str]]:
     """Where in ``model`` (and in the models in it), at any depth, a collection declares no
-    most length (``UNBOUNDED``) or a model takes NaN (``TAKES_NAN``): (where, which)."""
+    most length (``UNBOUNDED``), a model or a field takes NaN (``TAKES_NAN``) or a record is
+    no model (``NOT_A_RECORD``): (where, which)."""
     found: list[tuple[str, str]] = []
     for name, info in model.model_fields.items():
-        found += _open(f"{model.__name__}.{name}", info.annotation, _declares_most(info), seen | {model})
+        where = f"{model.__name__}.{name}"
+        if any(getattr(meta, "allow_inf_nan", None) for meta in info.metadata):
+            found.append((where, TAKES_NAN))
+        found += _open(where, info.annotation, _declares_most(info), seen | {model})
     return found
 
 
@@ -44,6 +51,8 @@ def _open(where: str, tp: Any, bounded: bool, seen: frozenset[type[BaseModel]]) 
     """``_undeclared`` of ``tp``, the type at ``where`` (``bounded``: ``tp``'s own most length
     is declared)."""
     origin, args = get_origin(tp), get_args(tp)
+    if tp is Any or is_dataclass(tp):
+        return [(where, NOT_A_RECORD)]
     if origin is Annotated:
         return _open(where, args[0], bounded or any(_declares_most(m) for m in args[1:]), seen)
     if isinstance(tp, type) and issubclass(tp, BaseModel):
@@ -97,8 +106,8 @@ class Event(BaseModel):
         would complete it later, past this check."""
         super().__pydantic_init_subclass__(**kwargs)
         if not cls.__pydantic_complete__:
-            raise TypeError(f"{cls.__name__} names a type not yet defined: declare the models an event "
-                            f"carries before it")
+            raise TypeError(f"{cls.__name__} names a type not yet defined (or defers its build): declare "
+                            f"the models an event carries before it")
         by_rule: dict[str, list[str]] = {}
         for where, rule in dict.fromkeys(_undeclared(cls)):
             by_rule.setdefault(rule, []).append(where)

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from io import BytesIO
 from pathlib import Path
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import fastavro
@@ -125,11 +126,23 @@ def test_an_event_model_with_an_unbounded_list_is_refused_where_it_is_declared()
 
     with pytest.raises(TypeError, match="Early names a type not yet defined"):
         class Early(Event):
-            legs: list[Later]  # noqa: F821 - defined below: its lists could not be checked here
+            legs: list[Later] = Field(max_length=3)  # noqa: F821 - defined below: it could not be checked here
 
     class Later(BaseModel):
         model_config = ConfigDict(allow_inf_nan=False)
         names: list[str]
+
+    @dataclass
+    class Point:
+        x: float
+        xs: list[float]
+
+    with pytest.raises(TypeError, match=r"Shapes.point, Shapes.anything: every record an event carries is a "
+                                        r"pydantic model.*; Shapes.ratio: every model an event carries refuses NaN"):
+        class Shapes(Event):  # a dataclass takes NaN and any number of items; Any is not walked
+            point: Point
+            anything: Any
+            ratio: float = Field(allow_inf_nan=True)
 
     class FiniteLoc(BaseModel):
         model_config = ConfigDict(allow_inf_nan=False)
