@@ -101,9 +101,9 @@ class Event(BaseModel):
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
-        """An event model with a list not bounded, or a model in it that takes NaN, is refused
-        where it is declared; so is one whose types are not all known there, since pydantic
-        would complete it later, past this check."""
+        """An event model with a list not bounded, a model or field that takes NaN, or a record
+        that is no model (``_undeclared``) is refused where it is declared; so is one whose
+        types are not all known there, since pydantic would complete it later, past this check."""
         super().__pydantic_init_subclass__(**kwargs)
         if not cls.__pydantic_complete__:
             raise TypeError(f"{cls.__name__} names a type not yet defined (or defers its build): declare "

@@ -157,7 +157,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # -- writing -------------------------------------------------------------------------
 
     def _send_check(self) -> None:
-        """Abort when bytes waited for the client since the last look and it acknowledged
+        """Reset when bytes waited for the client since the last look and it acknowledged
         none of them; look again in ``send_timeout_s``."""
         now = send_progress_of(self.transport)
         if now is not None:
