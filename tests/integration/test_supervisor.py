@@ -564,7 +564,9 @@ def test_an_undo_asked_again_once_fixed_runs_again_and_gives_the_drone_back(worl
         assert result["acted_on"] and result["status"] == "compensated"
         state = world.state(d)
         assert state["release_drone.status"] == "completed"
-        assert int(state["release_drone.attempt"]) == failed_attempt[d] + 1
+        # a new attempt; a later one still if its 2 s deadline passed on a busy machine and the
+        # supervisor requeued it (the compensation log below tells whether anything else ran)
+        assert int(state["release_drone.attempt"]) > failed_attempt[d]
         assert 0 < world.redis.ttl(delivery_key(d)) <= 3600  # the retention again, not the day's wait
     _drones_back(world, ids, "release")
     assert _awaiting_operator(world) == set()
