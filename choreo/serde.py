@@ -62,9 +62,15 @@ class RegistryUnavailable(Exception):
     """The registry could not be asked right now: a transient failure, retry later."""
 
 
+class RegistryDenied(RegistryUnavailable):
+    """The registry refused this login a lookup (403). Retried like an outage unless the
+    consumer can tell, by its own subject, that only this lookup is refused (``Decoder``)."""
+
+
 SCHEMA_NOT_FOUND = 40403  # the registry API's error code for an unknown schema id
+SUBJECT_NOT_FOUND = 40401
 # and for a subject or a version it does not have (a reference hard-deleted since)
-REFERENCE_NOT_FOUND = {40401: "subject", 40402: "version"}
+REFERENCE_NOT_FOUND = {SUBJECT_NOT_FOUND: "subject", 40402: "version"}
 MAX_SCHEMA_ID = 2**31 - 1  # a registry's ids are positive 32-bit integers (Java's int)
 RETRIABLE_STATUS = (408, 429, 500, 502, 503, 504)  # answers of a registry that may answer later
 REGISTRY_RETRIES = 2  # after the first try of a request
@@ -198,12 +204,37 @@ class Decoder(Generic[E]):
             ) from exc
 
     def _admit(self, schema_id: int) -> Any:
-        """Ask the registry about ``schema_id`` and parse its schema, or say why not."""
-        subjects = _ask(schema_id, lambda: self._client.get_subjects_by_schema_id(schema_id, deleted=True))
-        if self.subject not in subjects:
+        """Ask the registry about ``schema_id`` and parse its schema, or say why not.
+
+        A registry with per-subject read permissions (Confluent's RBAC) denies a schema id
+        registered only under subjects this login may not read. Whoever may register under
+        such a subject and write to the topic could otherwise stop the partition: a denial
+        reads as an outage, retried for ever. So a denial is checked against the topic's own
+        subject: readable, the id is refused as not ours; denied too, this login is what is
+        wrong, and the record waits like any record in an outage."""
+        try:
+            subjects = _ask(schema_id, lambda: self._client.get_subjects_by_schema_id(schema_id, deleted=True))
+            if self.subject not in subjects:
+                raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                                    f"schema id {schema_id} is not registered under {self.subject}")
+            return bounded_writer(self._client, schema_id)
+        except RegistryDenied:
+            if not self._own_subject_readable():
+                raise
             raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
-                                f"schema id {schema_id} is not registered under {self.subject}")
-        return bounded_writer(self._client, schema_id)
+                                f"the registry denies this consumer schema id {schema_id} while it may "
+                                f"read {self.subject}: the id is registered under no subject it may read") from None
+
+    def _own_subject_readable(self) -> bool:
+        """Whether the registry answers this login about the topic's own subject (an absent
+        subject is an answer too). Asked afresh each time: no client cache answers it."""
+        try:
+            self._client.get_versions(self.subject)
+        except SchemaRegistryError as exc:
+            return exc.http_status_code == 404 and exc.error_code == SUBJECT_NOT_FOUND
+        except Exception:  # the registry cannot be reached: nothing to tell
+            return False
+        return True
 
 
 class WriterSchemas:
@@ -332,6 +363,8 @@ def _ask(schema_id: int, call: Callable[[], T]) -> T:
                 DeadLetterReason.UNKNOWN_SCHEMA,
                 f"schema id {schema_id} references a {REFERENCE_NOT_FOUND[exc.error_code]} the registry does not have",
             ) from exc
+        if exc.http_status_code == 403:
+            raise RegistryDenied(str(exc)) from exc
         raise RegistryUnavailable(str(exc)) from exc
     except Exception as exc:
         if _is_transport_error(exc):

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import fastavro
@@ -26,7 +30,7 @@ from choreo.envelope import Envelope
 from choreo.serde import Encoder, registry_client
 from schemas.models import DeliveryRequested
 from tests.factories import delivery_request
-from tests.helpers import Record, ServiceProcess, read_topic, wait_for
+from tests.helpers import Record, ServiceProcess, free_port, read_topic, wait_for
 from tests.integration.test_registry_instances import Starter, instances  # noqa: F401 (fixture)
 from tests.integration.test_runtime import probe_topic, services  # noqa: F401 (fixtures)
 
@@ -170,3 +174,71 @@ def test_a_schema_id_past_a_32_bit_integer_is_dead_lettered_and_the_next_event_f
     letter = probe.dead_letter_then_output(poison, good, probe.start())
     assert letter.header("dlq.reason") == "UNKNOWN_SCHEMA"
     assert letter.header("dlq.error") == f"schema id {schema_id} is no registry's"
+
+
+@contextmanager
+def denying(upstream: str, schema_id: int) -> Iterator[str]:
+    """The registry at ``upstream`` seen through per-subject read permissions, as Confluent's
+    RBAC gives them: ``schema_id`` is registered only under subjects this login may not
+    read, so every lookup of it is a 403; all else is the registry's own answer."""
+    denied = f"/schemas/ids/{schema_id}"
+
+    class Front(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == denied or self.path.startswith((denied + "/", denied + "?")):
+                self._answer(403, json.dumps({"error_code": 40301,
+                                              "message": "User is denied operation Read on this schema"}).encode())
+                return
+            length = int(self.headers.get("Content-Length") or 0)
+            with httpx.Client(base_url=upstream, timeout=30) as http:
+                answer = http.request(self.command, self.path, content=self.rfile.read(length),
+                                      headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
+            self._answer(answer.status_code, answer.content)
+
+        do_POST = do_GET
+
+        def _answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/vnd.schemaregistry.v1+json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Front)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_schema_id_the_registry_denies_this_consumer_is_dead_lettered_and_the_next_event_flows(
+        instances: Starter, probe_topic: str, services: list[ServiceProcess]) -> None:  # noqa: F811
+    """A registry with per-subject read permissions answers 403 for an id registered only
+    under a subject the consumer may not read. Taken for an unavailable registry, the record
+    was read again for ever and its partition stood still; the consumer now asks about its
+    own subject, which it may read, and dead-letters the record."""
+    _, url = instances()
+    probe = Probe(probe_topic, url, services)
+    v1_bytes = probe.encoder(delivery_request(weight_kg=1.0))
+    elsewhere = json.loads(V1)
+    elsewhere["doc"] = "registered under a subject the consumers may not read"
+    with httpx.Client(base_url=url, timeout=30) as http:
+        secret_id = http.post(f"/subjects/{probe_topic}.secret-value/versions",
+                              json={"schema": json.dumps(elsewhere)}, headers=CT).json()["id"]
+    with denying(url, secret_id) as front:
+        with httpx.Client(base_url=front, timeout=30) as http:  # what the consumer's login is told
+            assert http.get(f"/schemas/ids/{secret_id}/subjects").status_code == 403
+            assert http.get(f"/subjects/{probe_topic}-value/versions").json() == [1]
+        probe.url = front
+        poison = probe.produce(b"\x00" + secret_id.to_bytes(4, "big") + v1_bytes[5:])
+        good = probe.produce_good()
+        letter = probe.dead_letter_then_output(poison, good, probe.start())
+    assert letter.header("dlq.reason") == "INCOMPATIBLE_SCHEMA"
+    assert letter.header("dlq.error") == (
+        f"the registry denies this consumer schema id {secret_id} while it may read {probe_topic}-value: "
+        "the id is registered under no subject it may read")

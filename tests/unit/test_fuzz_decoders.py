@@ -462,6 +462,56 @@ def test_a_schema_id_no_registry_holds_is_refused_without_asking(monkeypatch: py
     assert registry.asked == [] and registry.asked_subjects == []
 
 
+class DenyingRegistry(StandInRegistry):
+    """A registry with per-subject read permissions (Confluent's RBAC): ``FOREIGN`` is under
+    a subject this login may not read; ``own`` is what it answers about the topic's subject."""
+
+    def __init__(self, own: SchemaRegistryError | OSError | None) -> None:
+        super().__init__()
+        self.own = own
+        self.asked_own = 0
+
+    def get_subjects_by_schema_id(self, schema_id: int, subject_name: str | None = None,
+                                  deleted: bool = False, offset: int = 0, limit: int = -1) -> list[str]:
+        if schema_id == FOREIGN:
+            raise SchemaRegistryError(403, 40301, "User is denied operation Read on Subject: other-value")
+        return super().get_subjects_by_schema_id(schema_id, subject_name, deleted, offset, limit)
+
+    def get_versions(self, subject_name: str, deleted: bool = False, deleted_only: bool = False,
+                     offset: int = 0, limit: int = -1) -> list[int]:
+        assert subject_name == SUBJECT
+        self.asked_own += 1
+        if self.own is not None:
+            raise self.own
+        return [1]
+
+
+@pytest.mark.parametrize("own", [None, SchemaRegistryError(404, 40401, "Subject not found")])
+def test_an_id_the_registry_denies_while_the_topics_subject_reads_is_dead_lettered(
+        own: SchemaRegistryError | None) -> None:
+    """Read as an outage, a denied id held its partition for ever: whoever may register under
+    a subject the consumers may not read, and write to their topic, stopped it."""
+    registry = DenyingRegistry(own)
+    decoder = Decoder(PackageReady, "package.ready", registry)
+    outcome = decode_or_classify(decoder, framed(FOREIGN, avro(GOOD)))
+    assert isinstance(outcome, DecodeFailure) and outcome.reason is DeadLetterReason.INCOMPATIBLE_SCHEMA
+    assert str(outcome).startswith(f"the registry denies this consumer schema id {FOREIGN} while it may read")
+    assert registry.asked_own == 1 and registry.asked == []
+    assert decoder(framed(OURS, avro(GOOD))) == GOOD
+
+
+@pytest.mark.parametrize("own", [SchemaRegistryError(403, 40301, "User is denied operation Read"),
+                                 SchemaRegistryError(401, 401, "Unauthorized"), ConnectionRefusedError()])
+def test_a_denial_when_the_topics_subject_is_denied_or_unreachable_is_an_outage(
+        own: SchemaRegistryError | OSError) -> None:
+    """This login's permissions are what is wrong, or nothing can be told: the record waits
+    and is read again, as in an outage, never dead-lettered with every other."""
+    registry = DenyingRegistry(own)
+    outcome = decode_or_classify(Decoder(PackageReady, "package.ready", registry), framed(FOREIGN, avro(GOOD)))
+    assert isinstance(outcome, RegistryUnavailable) and not isinstance(outcome, DecodeFailure)
+    assert registry.asked_own == 1
+
+
 @pytest.mark.parametrize(("code", "what"), [(40401, "subject"), (40402, "version")])
 def test_a_reference_the_registry_no_longer_has_is_a_dead_letter_not_an_outage(code: int, what: str) -> None:
     """A writer schema whose reference was deleted for good can never be read: retried as an
