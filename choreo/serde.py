@@ -43,6 +43,7 @@ MAX_VALUE_BYTES = 512 * 1024
 MAX_WRITER_SCHEMAS = 1000  # parsed writer schemas a decoder keeps (one per version it met, the least used out)
 MAX_REFUSED_SCHEMAS = 1000  # refused schema ids a decoder remembers (the oldest is forgotten first)
 REFUSAL_TTL_S = 5.0  # how long a refusal stands before the registry is asked again
+MAX_OWN_VERSIONS = 100  # versions of the topic's subject read to tell a denied schema id is not ours
 
 
 class DecodeFailure(Exception):
@@ -64,7 +65,7 @@ class RegistryUnavailable(Exception):
 
 class RegistryDenied(RegistryUnavailable):
     """The registry refused this login a lookup (403). Retried like an outage unless the
-    consumer can tell, by its own subject, that only this lookup is refused (``Decoder``)."""
+    consumer can tell, from its own subject, that the schema id is not its (``Decoder``)."""
 
 
 SCHEMA_NOT_FOUND = 40403  # the registry API's error code for an unknown schema id
@@ -204,37 +205,42 @@ class Decoder(Generic[E]):
             ) from exc
 
     def _admit(self, schema_id: int) -> Any:
-        """Ask the registry about ``schema_id`` and parse its schema, or say why not.
+        """Ask the registry about ``schema_id`` and parse its schema, or say why not."""
+        try:
+            subjects = _ask(schema_id, lambda: self._client.get_subjects_by_schema_id(schema_id, deleted=True))
+        except RegistryDenied:
+            if not self._not_ours(schema_id):
+                raise
+            subjects = []
+        if self.subject not in subjects:
+            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
+                                f"schema id {schema_id} is not registered under {self.subject}")
+        return bounded_writer(self._client, schema_id)
+
+    def _not_ours(self, schema_id: int) -> bool:
+        """Whether the topic's own subject, read version by version, shows that ``schema_id``
+        is none of its versions (soft-deleted ones included).
 
         A registry with per-subject read permissions (Confluent's RBAC) denies a schema id
         registered only under subjects this login may not read. Whoever may register under
         such a subject and write to the topic could otherwise stop the partition: a denial
-        reads as an outage, retried for ever. So a denial is checked against the topic's own
-        subject: readable, the id is refused as not ours; denied too, this login is what is
-        wrong, and the record waits like any record in an outage."""
+        reads as an outage, retried for ever. An id found among the subject's versions, a
+        subject with more versions than are read here, or a subject this login may not read
+        either, tells nothing: the record waits as in an outage. The client caches each
+        version it has read, so an id is looked for at the price of the versions not yet met."""
         try:
-            subjects = _ask(schema_id, lambda: self._client.get_subjects_by_schema_id(schema_id, deleted=True))
-            if self.subject not in subjects:
-                raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
-                                    f"schema id {schema_id} is not registered under {self.subject}")
-            return bounded_writer(self._client, schema_id)
-        except RegistryDenied:
-            if not self._own_subject_readable():
-                raise
-            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
-                                f"the registry denies this consumer schema id {schema_id} while it may "
-                                f"read {self.subject}: the id is registered under no subject it may read") from None
-
-    def _own_subject_readable(self) -> bool:
-        """Whether the registry answers this login about the topic's own subject (an absent
-        subject is an answer too). Asked afresh each time: no client cache answers it."""
-        try:
-            self._client.get_versions(self.subject)
-        except SchemaRegistryError as exc:
+            versions = self._client.get_versions(self.subject, deleted=True)
+        except SchemaRegistryError as exc:  # no such subject: nothing registered under it
             return exc.http_status_code == 404 and exc.error_code == SUBJECT_NOT_FOUND
         except Exception:  # the registry cannot be reached: nothing to tell
             return False
-        return True
+        if len(versions) > MAX_OWN_VERSIONS:
+            return False
+        try:
+            return all(self._client.get_version(self.subject, version, deleted=True).schema_id != schema_id
+                       for version in versions)
+        except Exception:  # a version denied or gone meanwhile, or the registry unreachable
+            return False
 
 
 class WriterSchemas:

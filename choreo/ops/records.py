@@ -34,6 +34,11 @@ Progress = Callable[[int], None]
 # how long a consume waits to fill its batch: a read's last batch always waits it out (its
 # span ends where nothing more comes), once per read, and the rebuild reads once per partition
 BATCH_WAIT_S = 0.02
+# what one consume hands over at most, by the largest record of the batch before: each
+# message's key and value are Python bytes from the moment it is consumed, and within one
+# wait the broker refills the prefetch queue as fast as the batch drains it
+READ_BATCH_BYTES = 16 * 1024 * 1024
+FIRST_BATCH = 16  # records of a read's first consume, before any size is known
 
 _RELATIVE = re.compile(r"^-?(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)(?:\s+ago)?$")
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -194,8 +199,18 @@ class Rec:
         return self.key.decode(errors="replace") if self.key is not None else ""
 
 
+READER_PREFETCH_BYTES = 16 * 1024 * 1024  # what a reader fetches ahead of its caller, at most
+
+
 def reader(bootstrap: str | None = None, **overrides: Any) -> Consumer:
-    """A read_committed consumer that never commits; its group id is unique and unused."""
+    """A read_committed consumer that never commits; its group id is unique and unused.
+
+    What it fetches ahead is bounded (``READER_PREFETCH_BYTES`` queued, and as much again in
+    the fetch under way): the live view holds one for its sampler, one per trace and one for
+    a redrive, and on librdkafka's defaults each runs ahead of a slow caller by over a hundred
+    megabytes (64 MiB queued, 50 MiB a fetch) where a dead letter can be half a megabyte. A
+    full queue is looked at again after 20 ms, not librdkafka's second, so a fast caller is
+    not held to one queue a second."""
     config: dict[str, Any] = {
         **base_config(bootstrap),
         "group.id": f"choreo-ops-reader-{uuid.uuid4().hex[:8]}",
@@ -204,9 +219,10 @@ def reader(bootstrap: str | None = None, **overrides: Any) -> Consumer:
         "isolation.level": "read_committed",
         "auto.offset.reset": "earliest",
         "fetch.wait.max.ms": 50,
-        "max.partition.fetch.bytes": 8 * 1024 * 1024,
-        "fetch.max.bytes": 64 * 1024 * 1024,
-        "queued.max.messages.kbytes": 256 * 1024,
+        "max.partition.fetch.bytes": READER_PREFETCH_BYTES // 2,
+        "fetch.max.bytes": READER_PREFETCH_BYTES,
+        "queued.max.messages.kbytes": READER_PREFETCH_BYTES // 1024,
+        "fetch.queue.backoff.ms": 20,
     }
     config.update(overrides)
     return Consumer(config)
@@ -292,9 +308,10 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
     consumer.resume(assigned)  # pauses from an earlier read survive unassign/assign
     last_progress = time.monotonic()
     delivered: set[tuple[str, int]] = set()
+    count = min(batch, FIRST_BATCH)
     try:
         while todo:
-            messages = consumer.consume(batch, BATCH_WAIT_S)
+            messages = consumer.consume(count, BATCH_WAIT_S)
             if not messages:
                 _finish_ended(consumer, todo)
                 if time.monotonic() - last_progress > idle_timeout_s:
@@ -315,6 +332,9 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
                     yield Rec.of(message)
                 if offset + 1 >= span.end:
                     _finish(consumer, todo, span)
+            largest = max(len(m.value() or b"") + len(m.key() or b"") for m in messages)
+            count = max(1, min(batch, READ_BATCH_BYTES // max(largest, 1)))
+            del messages  # not held through the next consume
             if progress is not None and counted:
                 progress(counted)
             # a span ending in a transaction marker (never delivered) ends with the batch that

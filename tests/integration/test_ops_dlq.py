@@ -4,6 +4,12 @@ redrive of the same records does nothing."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -124,3 +130,54 @@ def test_forged_dlq_headers_never_choose_where_a_redrive_goes(services: list[Ser
     assert len(copies) == 1 and copies[0].header("redrive.from") == f"{topic}.dlq|0|0"
     assert not any(name.startswith("dlq.") for name, _ in copies[0].headers)
     assert read_topic(victim) == []
+
+
+def _peak_rss_mib(*args: str) -> tuple[float, bytes]:
+    """``choreo ops <args>``'s peak resident memory, as the kernel counted it (``wait4``),
+    and what it printed."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "ops", *args], stdout=out, stderr=err)
+        stop = threading.Timer(120, proc.kill)
+        stop.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            stop.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        printed, complaint = out.read(), err.read()
+    assert proc.returncode == 0, complaint[-2000:]
+    return usage.ru_maxrss / 1024, printed
+
+
+def test_a_reader_of_large_dead_letters_holds_what_it_prefetches_not_the_topic(stack: None, unique: str) -> None:
+    """An operator's reader took from the broker as much as one wait brought, and fetched
+    ahead of its caller as much as librdkafka let it: listing a dead-letter topic of
+    half-megabyte letters held two hundred megabytes and more, and the live view holds a
+    reader per trace and redrive. Listing 480 of them (240 MB) now takes at most 64 MiB more
+    than listing one."""
+    topic = f"t.ops.large.{unique}"
+    ensure_topics([topic, f"{topic}.dlq"], partitions=1)
+    producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers, "linger.ms": 5})
+    headers = [("dlq.reason", b"REJECTED"), ("dlq.error", b"e"), ("dlq.source.topic", topic.encode()),
+               ("dlq.source.partition", b"0"), ("dlq.source.offset", b"0"), ("dlq.service", b"s")]
+
+    def letters(n: int) -> None:
+        for _ in range(n):
+            producer.produce(f"{topic}.dlq", key=b"k", value=os.urandom(500_000), headers=headers)
+            producer.poll(0)
+        assert producer.flush(30) == 0
+
+    def listed() -> tuple[float, int]:
+        peak, printed = _peak_rss_mib("dlq", "list", "--topic", topic, "--json")
+        return peak, sum(row["count"] for row in json.loads(printed)["summary"])
+
+    letters(1)
+    one, counted = listed()
+    assert counted == 1
+    letters(479)
+    many, counted = listed()
+    assert counted == 480
+    print({"peak_rss_mib_one_letter": round(one), "peak_rss_mib_480_letters": round(many)})
+    assert many - one < 64

@@ -462,54 +462,88 @@ def test_a_schema_id_no_registry_holds_is_refused_without_asking(monkeypatch: py
     assert registry.asked == [] and registry.asked_subjects == []
 
 
-class DenyingRegistry(StandInRegistry):
-    """A registry with per-subject read permissions (Confluent's RBAC): ``FOREIGN`` is under
-    a subject this login may not read; ``own`` is what it answers about the topic's subject."""
+DENIED = SchemaRegistryError(403, 40301, "User is denied operation Read")
 
-    def __init__(self, own: SchemaRegistryError | OSError | None) -> None:
+
+class DenyingRegistry(StandInRegistry):
+    """A registry with per-subject read permissions (Confluent's RBAC): every id in ``denied``
+    is refused this login; the topic's subject holds the ids ``own`` (version n the n-th),
+    or answers ``own`` when it is an error."""
+
+    def __init__(self, own: list[int] | Exception, denied: tuple[int, ...] = (FOREIGN,)) -> None:
         super().__init__()
-        self.own = own
-        self.asked_own = 0
+        self.own, self.denied = own, denied
+        self.asked_own: list[int | None] = []
 
     def get_subjects_by_schema_id(self, schema_id: int, subject_name: str | None = None,
                                   deleted: bool = False, offset: int = 0, limit: int = -1) -> list[str]:
-        if schema_id == FOREIGN:
-            raise SchemaRegistryError(403, 40301, "User is denied operation Read on Subject: other-value")
+        if schema_id in self.denied:
+            raise DENIED
         return super().get_subjects_by_schema_id(schema_id, subject_name, deleted, offset, limit)
+
+    def get_schema(self, schema_id: int, subject_name: str | None = None,  # type: ignore[override]
+                   fmt: str | None = None) -> Schema:
+        if schema_id in self.denied:
+            raise DENIED
+        return super().get_schema(schema_id, subject_name, fmt)
 
     def get_versions(self, subject_name: str, deleted: bool = False, deleted_only: bool = False,
                      offset: int = 0, limit: int = -1) -> list[int]:
-        assert subject_name == SUBJECT
-        self.asked_own += 1
-        if self.own is not None:
+        assert subject_name == SUBJECT and deleted
+        self.asked_own.append(None)
+        if isinstance(self.own, Exception):
             raise self.own
-        return [1]
+        return list(range(1, len(self.own) + 1))
+
+    def get_version(self, subject_name: str, version: int | str = "latest",  # type: ignore[override]
+                    deleted: bool = False, fmt: str | None = None) -> RegisteredSchema:
+        if subject_name != SUBJECT:
+            return super().get_version(subject_name, version, deleted, fmt)
+        assert isinstance(version, int) and isinstance(self.own, list) and deleted
+        self.asked_own.append(version)
+        return RegisteredSchema(SUBJECT, version, self.own[version - 1], None,
+                                Schema(PackageReady.avro_schema(), "AVRO", []))
 
 
-@pytest.mark.parametrize("own", [None, SchemaRegistryError(404, 40401, "Subject not found")])
-def test_an_id_the_registry_denies_while_the_topics_subject_reads_is_dead_lettered(
-        own: SchemaRegistryError | None) -> None:
+@pytest.mark.parametrize("own", [[OURS, OTHER], SchemaRegistryError(404, 40401, "Subject not found")])
+def test_an_id_the_registry_denies_and_the_topics_subject_does_not_hold_is_dead_lettered(
+        own: list[int] | SchemaRegistryError) -> None:
     """Read as an outage, a denied id held its partition for ever: whoever may register under
-    a subject the consumers may not read, and write to their topic, stopped it."""
+    a subject the consumers may not read, and write to their topic, stopped it. The topic's
+    subject, read version by version, shows the id is not its."""
     registry = DenyingRegistry(own)
     decoder = Decoder(PackageReady, "package.ready", registry)
     outcome = decode_or_classify(decoder, framed(FOREIGN, avro(GOOD)))
     assert isinstance(outcome, DecodeFailure) and outcome.reason is DeadLetterReason.INCOMPATIBLE_SCHEMA
-    assert str(outcome).startswith(f"the registry denies this consumer schema id {FOREIGN} while it may read")
-    assert registry.asked_own == 1 and registry.asked == []
+    assert str(outcome) == f"schema id {FOREIGN} is not registered under {SUBJECT}"
+    assert registry.asked_own == ([None, 1, 2] if isinstance(own, list) else [None]) and registry.asked == []
     assert decoder(framed(OURS, avro(GOOD))) == GOOD
 
 
-@pytest.mark.parametrize("own", [SchemaRegistryError(403, 40301, "User is denied operation Read"),
-                                 SchemaRegistryError(401, 401, "Unauthorized"), ConnectionRefusedError()])
-def test_a_denial_when_the_topics_subject_is_denied_or_unreachable_is_an_outage(
-        own: SchemaRegistryError | OSError) -> None:
-    """This login's permissions are what is wrong, or nothing can be told: the record waits
-    and is read again, as in an outage, never dead-lettered with every other."""
-    registry = DenyingRegistry(own)
-    outcome = decode_or_classify(Decoder(PackageReady, "package.ready", registry), framed(FOREIGN, avro(GOOD)))
-    assert isinstance(outcome, RegistryUnavailable) and not isinstance(outcome, DecodeFailure)
-    assert registry.asked_own == 1
+@pytest.mark.parametrize(("own", "denied"), [
+    ([OTHER, OURS], (OURS,)),  # a denial of an id the subject holds: a proxy's, a binding not yet there
+    ([OTHER] * (serde.MAX_OWN_VERSIONS + 1), (FOREIGN,)),  # more versions than are read
+    (DENIED, (FOREIGN,)),  # this login may not read its own subject
+    (SchemaRegistryError(401, 401, "Unauthorized"), (FOREIGN,)),
+    (ConnectionRefusedError(), (FOREIGN,)),
+])
+def test_a_denial_the_topics_subject_does_not_explain_is_an_outage(
+        own: list[int] | Exception, denied: tuple[int, ...]) -> None:
+    """Nothing tells the id is not the topic's: the record waits and is read again, as in an
+    outage, never dead-lettered."""
+    registry = DenyingRegistry(own, denied)
+    outcome = decode_or_classify(Decoder(PackageReady, "package.ready", registry), framed(denied[0], avro(GOOD)))
+    assert isinstance(outcome, RegistryUnavailable), outcome
+    assert registry.asked_own[0] is None
+
+
+def test_a_denial_past_the_subject_check_is_an_outage() -> None:
+    """The id is the topic's (its subjects say so) and its schema is denied: a login's or a
+    proxy's fault, which no dead letter mends; the subject's versions are not asked."""
+    registry = DenyingRegistry([OURS], denied=())
+    registry.get_schema = lambda *_, **__: (_ for _ in ()).throw(DENIED)  # type: ignore[method-assign]
+    outcome = decode_or_classify(Decoder(PackageReady, "package.ready", registry), framed(OURS, avro(GOOD)))
+    assert isinstance(outcome, RegistryUnavailable) and registry.asked_own == []
 
 
 @pytest.mark.parametrize(("code", "what"), [(40401, "subject"), (40402, "version")])
