@@ -156,9 +156,9 @@ def make_plan(deliveries: int, seed: int, short: bool, *, services: int,
               rate_per_s: float | None = None, redis_loss: bool = True, redis_cluster: bool = False,
               settle_timeout_s: float | None = None) -> Plan:
     rng = random.Random(f"faults-{seed}")
-    rate = rate_per_s or (25.0 if short else 60.0)
+    rate = rate_per_s or (40.0 if short else 60.0)
     traffic_s = deliveries / rate
-    kill_every = 4.0 if short else 5.0
+    kill_every = 2.5 if short else 5.0
     broker_kills = 1 if short else 3
     faults: list[Fault] = []
     t = 3.0
@@ -1217,7 +1217,7 @@ def chaos_command(
     short: bool = typer.Option(False, "--short", help="the CI form (2,000 deliveries, one broker kill)"),
     deliveries: int = typer.Option(0, "--deliveries", "-n", help="deliveries (default 100,000; short 2,000)"),
     seed: int = typer.Option(0, help="seed of every random choice (0: pick one and print it)"),
-    rate: float = typer.Option(0.0, help="deliveries per second (default: 25 short, 60 full)"),
+    rate: float = typer.Option(0.0, help="deliveries per second (default: 40 short, 60 full)"),
     no_redis_loss: bool = typer.Option(False, "--no-redis-loss", help="skip the Redis loss and rebuild"),
     redis_cluster: bool = typer.Option(False, "--redis-cluster",
                                        help="a six-node Redis Cluster from the Redis port on; one master "
