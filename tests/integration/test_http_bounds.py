@@ -386,6 +386,7 @@ def test_a_client_that_stops_reading_its_answer_is_cut_one_that_reads_slowly_is_
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    opened: list[socket.socket] = []
     try:
         wait_for(lambda: server.started, 30, 0.05, "uvicorn to start")
         guard = config.http.guard  # type: ignore[union-attr]
@@ -401,6 +402,7 @@ def test_a_client_that_stops_reading_its_answer_is_cut_one_that_reads_slowly_is_
                 sock = context.wrap_socket(sock)
             sock.settimeout(5)
             clients[source] = sock
+            opened.append(sock)
         for (path, source, _), sock in zip(asked, clients.values()):  # asked once all are connected
             sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
         readers = {source: clients.pop(source) for source in ("127.0.0.5", "127.0.0.6")}
@@ -431,5 +433,7 @@ def test_a_client_that_stops_reading_its_answer_is_cut_one_that_reads_slowly_is_
             left, _ = read_until_closed(sock, 10)  # what the kernel held, or a reset
             assert len(left) < size  # the rest of the answer was dropped
     finally:
+        for sock in opened:  # an open one holds uvicorn's shutdown for its graceful wait
+            sock.close()
         server.should_exit = True
         thread.join(30)
