@@ -80,6 +80,18 @@ class Probe:
         request = delivery_request(weight_kg=1.0)
         return self.produce(self.encoder(request), delivery_id=request.delivery_id)
 
+    def foreign(self, subject: str, doc: str) -> tuple[int, bytes]:
+        """The contract registered under ``subject`` only (a doc apart, so a schema id of its
+        own), and a record of the topic's own schema: its bytes under the foreign id would
+        decode as a perfectly good event."""
+        own = self.encoder(delivery_request(weight_kg=1.0))
+        elsewhere = json.loads(V1)
+        elsewhere["doc"] = doc
+        with httpx.Client(base_url=self.url, timeout=30) as http:
+            foreign_id: int = http.post(f"/subjects/{subject}/versions", json={"schema": json.dumps(elsewhere)},
+                                        headers=CT).json()["id"]
+        return foreign_id, own
+
     def start(self) -> float:
         self.running.append(ServiceProcess("tests.services.probe:service",
                                            env={"PROBE_TOPIC": self.topic, "SCHEMA_REGISTRY_URL": self.url}).start())
@@ -143,14 +155,7 @@ def test_a_schema_id_of_another_subject_is_dead_lettered(
         instances: Starter, probe_topic: str, services: list[ServiceProcess]) -> None:  # noqa: F811
     _, url = instances()
     probe = Probe(probe_topic, url, services)
-    v1_bytes = probe.encoder(delivery_request(weight_kg=1.0))
-    # the same contract (a doc apart, so a schema id of its own), registered elsewhere only:
-    # its bytes would decode as a perfectly good event
-    elsewhere = json.loads(V1)
-    elsewhere["doc"] = "registered under another subject"
-    with httpx.Client(base_url=url, timeout=30) as http:
-        foreign_id = http.post(f"/subjects/{probe_topic}.elsewhere-value/versions",
-                               json={"schema": json.dumps(elsewhere)}, headers=CT).json()["id"]
+    foreign_id, v1_bytes = probe.foreign(f"{probe_topic}.elsewhere-value", "registered under another subject")
     poison = probe.produce(b"\x00" + foreign_id.to_bytes(4, "big") + v1_bytes[5:])
     good = probe.produce_good()
     letter = probe.dead_letter_then_output(poison, good, probe.start())
@@ -224,12 +229,8 @@ def test_a_schema_id_the_registry_denies_this_consumer_is_dead_lettered_and_the_
     subject's versions, finds the id is none of them, and dead-letters the record."""
     _, url = instances()
     probe = Probe(probe_topic, url, services)
-    v1_bytes = probe.encoder(delivery_request(weight_kg=1.0))
-    elsewhere = json.loads(V1)
-    elsewhere["doc"] = "registered under a subject the consumers may not read"
-    with httpx.Client(base_url=url, timeout=30) as http:
-        secret_id = http.post(f"/subjects/{probe_topic}.secret-value/versions",
-                              json={"schema": json.dumps(elsewhere)}, headers=CT).json()["id"]
+    secret_id, v1_bytes = probe.foreign(f"{probe_topic}.secret-value",
+                                        "registered under a subject the consumers may not read")
     with denying(url, secret_id) as front:
         with httpx.Client(base_url=front, timeout=30) as http:  # what the consumer's login is told
             assert http.get(f"/schemas/ids/{secret_id}/subjects").status_code == 403
