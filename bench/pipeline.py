@@ -676,7 +676,8 @@ class Bench:
                     if high > low:
                         consumer.assign([TopicPartition(topic, partition, max(low, high - 200))])
                         # one record, as soon as it comes: some of the last offsets are
-                        # transaction markers, never delivered, so a wait for 20 waited out its time
+                        # transaction markers, never delivered, so a wait for a count of them
+                        # would wait out its whole timeout
                         msgs = [m for m in consumer.consume(1, 5) if m.error() is None]
                         if msgs:
                             headers: list[tuple[str, str | bytes | None]] = list(pairs(headers_of(msgs[0])))

@@ -34,9 +34,11 @@ Progress = Callable[[int], None]
 # how long a consume waits to fill its batch: a read's last batch always waits it out (its
 # span ends where nothing more comes), once per read, and the rebuild reads once per partition
 BATCH_WAIT_S = 0.02
-# what one consume hands over at most, by the largest record of the batch before: each
+# what one consume hands over at most, by the largest record the read has met: each
 # message's key and value are Python bytes from the moment it is consumed, and within one
-# wait the broker refills the prefetch queue as fast as the batch drains it
+# wait the broker refills the prefetch queue as fast as the batch drains it (the largest so
+# far, not the last batch's: small records between large ones would lift the bound again).
+# Headers are not counted: reading them would build every record's header list
 READ_BATCH_BYTES = 16 * 1024 * 1024
 FIRST_BATCH = 16  # records of a read's first consume, before any size is known
 
@@ -308,7 +310,7 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
     consumer.resume(assigned)  # pauses from an earlier read survive unassign/assign
     last_progress = time.monotonic()
     delivered: set[tuple[str, int]] = set()
-    count = min(batch, FIRST_BATCH)
+    count, largest = min(batch, FIRST_BATCH), 1
     try:
         while todo:
             messages = consumer.consume(count, BATCH_WAIT_S)
@@ -332,8 +334,8 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
                     yield Rec.of(message)
                 if offset + 1 >= span.end:
                     _finish(consumer, todo, span)
-            largest = max(len(m.value() or b"") + len(m.key() or b"") for m in messages)
-            count = max(1, min(batch, READ_BATCH_BYTES // max(largest, 1)))
+            largest = max(largest, *(len(m.value() or b"") + len(m.key() or b"") for m in messages))
+            count = max(1, min(batch, READ_BATCH_BYTES // largest))
             del messages  # not held through the next consume
             if progress is not None and counted:
                 progress(counted)

@@ -489,8 +489,7 @@ class DenyingRegistry(StandInRegistry):
 
     def get_versions(self, subject_name: str, deleted: bool = False, deleted_only: bool = False,
                      offset: int = 0, limit: int = -1) -> list[int]:
-        assert subject_name == SUBJECT and deleted
-        self.asked_own.append(None)
+        self.asked_own.append(None if (subject_name, deleted) == (SUBJECT, True) else -1)  # -1: a wrong question
         if isinstance(self.own, Exception):
             raise self.own
         return list(range(1, len(self.own) + 1))
@@ -499,8 +498,8 @@ class DenyingRegistry(StandInRegistry):
                     deleted: bool = False, fmt: str | None = None) -> RegisteredSchema:
         if subject_name != SUBJECT:
             return super().get_version(subject_name, version, deleted, fmt)
-        assert isinstance(version, int) and isinstance(self.own, list) and deleted
-        self.asked_own.append(version)
+        assert isinstance(version, int) and isinstance(self.own, list)
+        self.asked_own.append(version if deleted else -1)
         return RegisteredSchema(SUBJECT, version, self.own[version - 1], None,
                                 Schema(PackageReady.avro_schema(), "AVRO", []))
 
@@ -534,7 +533,7 @@ def test_a_denial_the_topics_subject_does_not_explain_is_an_outage(
     registry = DenyingRegistry(own, denied)
     outcome = decode_or_classify(Decoder(PackageReady, "package.ready", registry), framed(denied[0], avro(GOOD)))
     assert isinstance(outcome, RegistryUnavailable), outcome
-    assert registry.asked_own[0] is None
+    assert registry.asked_own[0] is None and -1 not in registry.asked_own
 
 
 def test_a_denial_past_the_subject_check_is_an_outage() -> None:
