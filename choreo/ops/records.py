@@ -208,7 +208,7 @@ def reader(bootstrap: str | None = None, **overrides: Any) -> Consumer:
     """A read_committed consumer that never commits; its group id is unique and unused.
 
     What it fetches ahead is bounded (``READER_PREFETCH_BYTES`` queued, and as much again in
-    the fetch under way): the live view holds one for its sampler, one per trace and one for
+    the fetch under way from each broker): the live view holds one for its sampler, one per trace and one for
     a redrive, and on librdkafka's defaults each runs ahead of a slow caller by over a hundred
     megabytes (64 MiB queued, 50 MiB a fetch) where a dead letter can be half a megabyte. A
     full queue is looked at again after 20 ms, not librdkafka's second, so a fast caller is

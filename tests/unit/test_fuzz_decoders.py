@@ -498,8 +498,10 @@ class DenyingRegistry(StandInRegistry):
                     deleted: bool = False, fmt: str | None = None) -> RegisteredSchema:
         if subject_name != SUBJECT:
             return super().get_version(subject_name, version, deleted, fmt)
-        assert isinstance(version, int) and isinstance(self.own, list)
-        self.asked_own.append(version if deleted else -1)
+        if not (isinstance(version, int) and isinstance(self.own, list) and deleted):
+            self.asked_own.append(-1)  # a wrong question, told apart from what the code swallows
+            raise SchemaRegistryError(400, 400, "wrong question")
+        self.asked_own.append(version)
         return RegisteredSchema(SUBJECT, version, self.own[version - 1], None,
                                 Schema(PackageReady.avro_schema(), "AVRO", []))
 

@@ -80,12 +80,13 @@ def _read(arrivals: list[list[int]]) -> tuple[Consumer, list[int]]:
 def test_small_records_between_large_ones_do_not_lift_the_bound_again() -> None:
     """A batch of small records after a large one let the next consume take 5,000 records:
     whatever arrived within its wait, eight large ones here."""
-    large = READ_BATCH_BYTES // 4
+    large = READ_BATCH_BYTES // 4 + 1  # four make a byte more than a consume may take
     arrivals = [[100] * 16, [large], [100] * 50, [100] * 50, [large] * 8]
     consumer, sizes = _read(arrivals)
     assert sizes == [size for sizes in arrivals for size in sizes]
     assert consumer.asked[0] == records.FIRST_BATCH
     assert max(consumer.handed) <= READ_BATCH_BYTES, (consumer.asked, consumer.handed)
+    assert consumer.asked[2:] == [3] * 37, consumer.asked  # three a consume once the large one is met
 
 
 def test_small_records_are_read_in_large_consumes() -> None:
