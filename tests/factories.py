@@ -30,3 +30,35 @@ def request_body(**overrides: Any) -> dict[str, Any]:
     }
     body.update(overrides)
     return body
+
+
+class KafkaMessage:
+    """What the runtime asks of a consumed Kafka message, for fake consumers: one record of
+    partition 0 of topic ``t``, its value ``size`` bytes."""
+
+    def __init__(self, offset: int, size: int = 0) -> None:
+        self._offset, self._value = offset, b"v" * size
+
+    def error(self) -> None:
+        return None
+
+    def topic(self) -> str:
+        return "t"
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes:
+        return b"k"
+
+    def value(self) -> bytes:
+        return self._value
+
+    def timestamp(self) -> tuple[int, int]:
+        return 0, 0
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return []

@@ -8,37 +8,7 @@ from typing import Any
 
 from choreo.ops import records
 from choreo.ops.records import READ_BATCH_BYTES, Span, read
-
-
-class Message:
-    """What ``read`` asks of a consumed message."""
-
-    def __init__(self, offset: int, size: int) -> None:
-        self._offset, self._value = offset, b"v" * size
-
-    def error(self) -> None:
-        return None
-
-    def topic(self) -> str:
-        return "t"
-
-    def partition(self) -> int:
-        return 0
-
-    def offset(self) -> int:
-        return self._offset
-
-    def key(self) -> bytes:
-        return b"k"
-
-    def value(self) -> bytes:
-        return self._value
-
-    def timestamp(self) -> tuple[int, int]:
-        return 0, 0
-
-    def headers(self) -> None:
-        return None
+from tests.factories import KafkaMessage
 
 
 class Consumer:
@@ -47,11 +17,11 @@ class Consumer:
 
     def __init__(self, arrivals: list[list[int]]) -> None:
         offsets = iter(range(sum(map(len, arrivals))))
-        self.arrivals = deque(deque(Message(next(offsets), size) for size in sizes) for sizes in arrivals)
+        self.arrivals = deque(deque(KafkaMessage(next(offsets), size) for size in sizes) for sizes in arrivals)
         self.asked: list[int] = []
         self.handed: list[int] = []
 
-    def consume(self, count: int, timeout: float) -> list[Message]:
+    def consume(self, count: int, timeout: float) -> list[KafkaMessage]:
         self.asked.append(count)
         if not self.arrivals:
             return []

@@ -17,6 +17,7 @@ from choreo import metrics
 from choreo.envelope import Envelope
 from choreo.runner import BATCH_MAX_BYTES, Runner
 from choreo.service import Context
+from tests.factories import KafkaMessage
 
 
 class _Producer:
@@ -74,23 +75,6 @@ class _Consumer:
         self.seeks.append((tp.topic, tp.partition, tp.offset))
 
 
-class _Message:
-    def __init__(self, offset: int) -> None:
-        self._offset = offset
-
-    def topic(self) -> str:
-        return "t"
-
-    def partition(self) -> int:
-        return 0
-
-    def offset(self) -> int:
-        return self._offset
-
-    def headers(self) -> list[tuple[str, bytes]]:
-        return []
-
-
 SERVICE = "commit-test"
 
 
@@ -127,7 +111,7 @@ def _runner(producer: _Producer, consumer: _Consumer) -> Any:
 @pytest.mark.parametrize("writes", [True, False])
 def test_the_offsets_go_in_the_transaction_only_when_the_batch_wrote_a_record(writes: bool) -> None:
     producer, consumer = _Producer(writes), _Consumer()
-    _runner(producer, consumer)._process([_Message(5), _Message(6)])
+    _runner(producer, consumer)._process([KafkaMessage(5), KafkaMessage(6)])
     if writes:
         assert producer.calls == ["begin", "send_offsets [('t', 0, 7)]", "commit"]
         assert consumer.commits == []
@@ -147,7 +131,7 @@ def test_a_refused_plain_commit_rewinds_the_batch_and_leaves_the_producer_ready(
     refusals = _sample("choreo_offset_commit_refusals_total", service=SERVICE)
     plain = _sample("choreo_offset_commits_total", service=SERVICE, how="plain")
     batches = _sample("choreo_batch_size_count", service=SERVICE)
-    runner._process([_Message(5), _Message(6)])
+    runner._process([KafkaMessage(5), KafkaMessage(6)])
     assert consumer.tries == 1  # librdkafka retried what it could: no second try here
     assert consumer.seeks == [("t", 0, 5)]  # read again, here or by the partition's new owner
     assert consumer.commits == [] and not producer.open
@@ -156,7 +140,7 @@ def test_a_refused_plain_commit_rewinds_the_batch_and_leaves_the_producer_ready(
     assert _sample("choreo_offset_commit_refusals_total", service=SERVICE) == refusals + 1
     assert _sample("choreo_offset_commits_total", service=SERVICE, how="plain") == plain
     assert _sample("choreo_batch_size_count", service=SERVICE) == batches
-    runner._process([_Message(5), _Message(6)])  # the next batch begins a transaction as usual
+    runner._process([KafkaMessage(5), KafkaMessage(6)])  # the next batch begins a transaction as usual
     assert producer.calls == ["begin", "commit", "begin", "commit"]
     assert consumer.commits == [[("t", 0, 7)]]
     assert _sample("choreo_offset_commits_total", service=SERVICE, how="plain") == plain + 1
@@ -166,7 +150,7 @@ def test_a_refused_plain_commit_rewinds_the_batch_and_leaves_the_producer_ready(
 def test_a_fatal_consumer_error_on_a_plain_commit_stops_the_service() -> None:
     producer, consumer = _Producer(False), _Consumer(KafkaError(KafkaError._FATAL))
     with pytest.raises(SystemExit, match="fatal Kafka error"):
-        _runner(producer, consumer)._process([_Message(5), _Message(6)])
+        _runner(producer, consumer)._process([KafkaMessage(5), KafkaMessage(6)])
     assert consumer.seeks == []
 
 
