@@ -69,8 +69,8 @@ class RegistryDenied(RegistryUnavailable):
 
 
 SCHEMA_NOT_FOUND = 40403  # the registry API's error code for an unknown schema id
-SUBJECT_NOT_FOUND = 40401
-# and for a subject or a version it does not have (a reference hard-deleted since)
+SUBJECT_NOT_FOUND = 40401  # and for a subject it does not have
+# the codes of what a reference may name that the registry no longer has (hard-deleted since)
 REFERENCE_NOT_FOUND = {SUBJECT_NOT_FOUND: "subject", 40402: "version"}
 MAX_SCHEMA_ID = 2**31 - 1  # a registry's ids are positive 32-bit integers (Java's int)
 RETRIABLE_STATUS = (408, 429, 500, 502, 503, 504)  # answers of a registry that may answer later

@@ -208,11 +208,11 @@ def reader(bootstrap: str | None = None, **overrides: Any) -> Consumer:
     """A read_committed consumer that never commits; its group id is unique and unused.
 
     What it fetches ahead is bounded (``READER_PREFETCH_BYTES`` queued, and as much again in
-    the fetch under way from each broker): the live view holds one for its sampler, one per trace and one for
-    a redrive, and on librdkafka's defaults each runs ahead of a slow caller by over a hundred
-    megabytes (64 MiB queued, 50 MiB a fetch) where a dead letter can be half a megabyte. A
-    full queue is looked at again after 20 ms, not librdkafka's second, so a fast caller is
-    not held to one queue a second."""
+    the fetch under way from each broker): the live view holds one for its sampler, one per
+    trace and one for a redrive, and on librdkafka's defaults each runs ahead of a slow
+    caller by over a hundred megabytes (64 MiB queued, 50 MiB a fetch) where a dead letter
+    can be half a megabyte. A full queue is looked at again after 20 ms, not librdkafka's
+    second, so a fast caller is not held to one queue a second."""
     config: dict[str, Any] = {
         **base_config(bootstrap),
         "group.id": f"choreo-ops-reader-{uuid.uuid4().hex[:8]}",
@@ -322,6 +322,7 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
             last_progress = time.monotonic()
             counted = 0
             for message in messages:
+                largest = max(largest, len(message.value() or b"") + len(message.key() or b""))
                 if message.error() is not None:
                     continue
                 span = todo.get((message.topic() or "", message.partition() or 0))
@@ -334,7 +335,6 @@ def read(consumer: Consumer, spans: list[Span], progress: Progress | None = None
                     yield Rec.of(message)
                 if offset + 1 >= span.end:
                     _finish(consumer, todo, span)
-            largest = max(largest, *(len(m.value() or b"") + len(m.key() or b"") for m in messages))
             count = max(1, min(batch, READ_BATCH_BYTES // largest))
             del messages  # not held through the next consume
             if progress is not None and counted:
