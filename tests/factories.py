@@ -33,32 +33,36 @@ def request_body(**overrides: Any) -> dict[str, Any]:
 
 
 class KafkaMessage:
-    """What the runtime asks of a consumed Kafka message, for fake consumers: one record of
-    partition 0 of topic ``t``, its value ``size`` bytes."""
+    """What the runtime asks of a consumed Kafka message, for fake consumers and producers:
+    one record, its value ``size`` bytes unless given."""
 
-    def __init__(self, offset: int, size: int = 0) -> None:
-        self._offset, self._value = offset, b"v" * size
+    def __init__(self, offset: int, size: int = 0, *, topic: str = "t", partition: int = 0, key: bytes = b"k",
+                 value: bytes | None = None, headers: list[tuple[str, bytes | None]] | None = None,
+                 timestamp_ms: int = 0) -> None:
+        self._offset, self._topic, self._partition, self._key = offset, topic, partition, key
+        self._value = b"v" * size if value is None else value
+        self._headers, self._timestamp_ms = headers or [], timestamp_ms
 
     def error(self) -> None:
         return None
 
     def topic(self) -> str:
-        return "t"
+        return self._topic
 
     def partition(self) -> int:
-        return 0
+        return self._partition
 
     def offset(self) -> int:
         return self._offset
 
     def key(self) -> bytes:
-        return b"k"
+        return self._key
 
     def value(self) -> bytes:
         return self._value
 
     def timestamp(self) -> tuple[int, int]:
-        return 0, 0
+        return 0, self._timestamp_ms
 
-    def headers(self) -> list[tuple[str, bytes]]:
-        return []
+    def headers(self) -> list[tuple[str, bytes | None]]:
+        return self._headers

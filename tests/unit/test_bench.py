@@ -17,6 +17,7 @@ from bench.jfr import collapse
 from bench.pipeline import evaluate, most_held_per_delivery, retained_per_completed, script_items
 from bench.profile import frame_name, summarise
 from bench.transactions import parse_args as parse_transaction_args, phase_figures
+from tests.factories import KafkaMessage
 
 
 def test_percentile_interpolates_between_closest_ranks() -> None:
@@ -177,20 +178,8 @@ def test_script_items_per_delivery_by_script() -> None:
 
 
 def test_next_offsets_commit_after_the_last_of_each_partition() -> None:
-    class Msg:
-        def __init__(self, topic: str, partition: int, offset: int) -> None:
-            self._t, self._p, self._o = topic, partition, offset
-
-        def topic(self) -> str:
-            return self._t
-
-        def partition(self) -> int:
-            return self._p
-
-        def offset(self) -> int:
-            return self._o
-
-    found = next_offsets([Msg("a", 0, 5), Msg("a", 0, 7), Msg("a", 1, 2)])  # type: ignore[list-item]
+    found = next_offsets([KafkaMessage(5, topic="a"), KafkaMessage(7, topic="a"),  # type: ignore[list-item]
+                          KafkaMessage(2, topic="a", partition=1)])
     assert sorted((tp.topic, tp.partition, tp.offset) for tp in found) == [("a", 0, 8), ("a", 1, 3)]
 
 

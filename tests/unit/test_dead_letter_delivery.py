@@ -18,42 +18,21 @@ from choreo.ops.rebuild import Rebuilder
 from choreo.ops.records import Rec
 from choreo.runner import RECOVERY_TOPIC, Runner, dlq_topic
 from consumers.workflow import WORKFLOW
+from tests.factories import KafkaMessage
 
 Headers = list[tuple[str, bytes | None]]
 
 
-class _Message:
-    def __init__(self, topic: str, headers: Headers, key: bytes = b"d-key") -> None:
-        self._topic, self._headers, self._key = topic, headers, key
-
-    def topic(self) -> str:
-        return self._topic
-
-    def partition(self) -> int:
-        return 0
-
-    def offset(self) -> int:
-        return 5
-
-    def key(self) -> bytes:
-        return self._key
-
-    def value(self) -> bytes:
-        return b"\x00body"
-
-    def headers(self) -> Headers:
-        return self._headers
-
-    def timestamp(self) -> tuple[int, int]:
-        return 0, 1_800_000_000_000
+def _message(topic: str, headers: Headers, key: bytes = b"d-key") -> KafkaMessage:
+    return KafkaMessage(5, topic=topic, key=key, value=b"\x00body", headers=headers, timestamp_ms=1_800_000_000_000)
 
 
 class _Producer:
     def __init__(self) -> None:
-        self.letters: list[_Message] = []
+        self.letters: list[KafkaMessage] = []
 
     def produce(self, topic: str, key: bytes, value: bytes, headers: Headers) -> None:
-        self.letters.append(_Message(topic, headers, key))
+        self.letters.append(_message(topic, headers, key))
 
 
 def _runner(producer: _Producer) -> Any:
@@ -88,7 +67,7 @@ def test_the_runtime_and_the_rebuild_keep_the_same_delivery_for_a_dead_letter(ca
     headers, kept = CASES[case]
     producer = _Producer()
     runner = _runner(producer)
-    runner._dead_letter(_Message(topic, headers), DeadLetterReason.MISSING_HEADERS, "unusable")
+    runner._dead_letter(_message(topic, headers), DeadLetterReason.MISSING_HEADERS, "unusable")
     assert runner._dead_lettered == kept
 
     rebuilder = Rebuilder(WORKFLOW, redis.Redis())  # no call reaches Redis in _fact
@@ -104,5 +83,5 @@ def test_a_letter_the_runtime_did_not_write_keeps_no_delivery_s_state() -> None:
     # a usable envelope written straight to a dead-letter topic, without the runtime's dlq.*
     # headers: the redrive refuses it as untrusted, so nothing waits for it
     rebuilder = Rebuilder(WORKFLOW, redis.Redis())
-    rebuilder._fact(Rec.of(_Message(dlq_topic("delivery.shipped"), _usable())), {})  # type: ignore[arg-type]
+    rebuilder._fact(Rec.of(_message(dlq_topic("delivery.shipped"), _usable())), {})  # type: ignore[arg-type]
     assert not rebuilder.facts and not rebuilder.side_dead_letters and not rebuilder.dead_lettered
