@@ -89,6 +89,7 @@ class BatchTransient(Exception):
 
 BATCH_ABORTS: tuple[type[Exception], ...] = (*TRANSIENT_OR_REGISTRY, BatchTransient, KafkaException)
 REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, *TRANSIENT)  # a cluster's errors are not all RedisErrors
+STARTUP_REDIS_WAIT_S = 60.0  # how long a starting instance waits for Redis before it gives up
 
 
 @dataclass
@@ -315,14 +316,30 @@ class Runner:
     def stop(self, *_: Any) -> None:
         self.running = False
 
+    def _prepare_state(self) -> None:
+        """Claim the state's layout and run the startup hooks (each idempotent). Redis briefly
+        unreachable (a cluster's failover, a restart) is waited out for up to
+        ``STARTUP_REDIS_WAIT_S``, as a batch waits it out: an instance restarted while a
+        master fails over would otherwise die at its start."""
+        deadline = time.monotonic() + STARTUP_REDIS_WAIT_S
+        while True:
+            try:
+                layout.claim(self.redis)
+                for hook in self.service.startup:
+                    hook(self.redis)
+                return
+            except REDIS_ERRORS as exc:
+                if not refused_by_redis(exc) or time.monotonic() >= deadline:
+                    raise
+                self.log.warning("startup.transient", error=f"redis: {exc}")
+                time.sleep(0.5 + random.random())
+
     def run(self) -> None:
         metrics.serve(self.options.metrics_port)
         tracing.configure(self.service.name)
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        layout.claim(self.redis)
-        for hook in self.service.startup:
-            hook(self.redis)
+        self._prepare_state()
         settle_garbage_collector()
         self.consumer.subscribe(self.service.topics, on_revoke=self._count_revocation,
                                 on_lost=self._count_revocation)
