@@ -65,7 +65,8 @@ class RegistryUnavailable(Exception):
 
 class RegistryDenied(RegistryUnavailable):
     """The registry refused this login a lookup (403). Retried like an outage unless the
-    consumer can tell, from its own subject, that the schema id is not its (``Decoder``)."""
+    reader can tell, from the topic's subject, that the schema id is not its
+    (``not_registered_under``)."""
 
 
 SCHEMA_NOT_FOUND = 40403  # the registry API's error code for an unknown schema id
@@ -209,38 +210,13 @@ class Decoder(Generic[E]):
         try:
             subjects = _ask(schema_id, lambda: self._client.get_subjects_by_schema_id(schema_id, deleted=True))
         except RegistryDenied:
-            if not self._not_ours(schema_id):
+            if not not_registered_under(self._client, self.subject, schema_id):
                 raise
             subjects = []
         if self.subject not in subjects:
             raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA,
                                 f"schema id {schema_id} is not registered under {self.subject}")
         return bounded_writer(self._client, schema_id)
-
-    def _not_ours(self, schema_id: int) -> bool:
-        """Whether the topic's own subject, read version by version, shows that ``schema_id``
-        is none of its versions (soft-deleted ones included).
-
-        A registry with per-subject read permissions (Confluent's RBAC) denies a schema id
-        registered only under subjects this login may not read. Whoever may register under
-        such a subject and write to the topic could otherwise stop the partition: a denial
-        reads as an outage, retried for ever. An id found among the subject's versions, a
-        subject with more versions than are read here, or a subject this login may not read
-        either, tells nothing: the record waits as in an outage. The client caches each
-        version it has read, so an id is looked for at the price of the versions not yet met."""
-        try:
-            versions = self._client.get_versions(self.subject, deleted=True)
-        except SchemaRegistryError as exc:  # no such subject: nothing registered under it
-            return exc.http_status_code == 404 and exc.error_code == SUBJECT_NOT_FOUND
-        except Exception:  # the registry cannot be reached: nothing to tell
-            return False
-        if len(versions) > MAX_OWN_VERSIONS:
-            return False
-        try:
-            return all(self._client.get_version(self.subject, version, deleted=True).schema_id != schema_id
-                       for version in versions)
-        except Exception:  # a version denied or gone meanwhile, or the registry unreachable
-            return False
 
 
 class WriterSchemas:
@@ -261,9 +237,7 @@ class WriterSchemas:
         if known is not None:
             self.parsed.move_to_end(schema_id)
             return known
-        refused = self._refused.get(schema_id)
-        if refused is not None and refused[0] > time.monotonic():
-            raise DecodeFailure(refused[1], refused[2])
+        self.raise_refusal(schema_id)
         try:
             writer = self.admit(schema_id)
         except DecodeFailure as exc:
@@ -276,6 +250,12 @@ class WriterSchemas:
             self.parsed.popitem(last=False)
         self.parsed[schema_id] = writer
         return writer
+
+    def raise_refusal(self, schema_id: int) -> None:
+        """Raise the refusal of ``schema_id`` that still stands, if there is one, asking nothing."""
+        refused = self._refused.get(schema_id)
+        if refused is not None and refused[0] > time.monotonic():
+            raise DecodeFailure(refused[1], refused[2])
 
     def _refuse(self, schema_id: int, failure: DecodeFailure) -> None:
         """Remember a refusal (the oldest goes first when full); the failure itself is not
@@ -297,6 +277,32 @@ def schema_id_of(value: bytes) -> int:
     if schema_id > MAX_SCHEMA_ID:
         raise DecodeFailure(DeadLetterReason.UNKNOWN_SCHEMA, f"schema id {schema_id} is no registry's")
     return schema_id
+
+
+def not_registered_under(client: SchemaRegistryClient, subject: str, schema_id: int) -> bool:
+    """Whether ``subject``, read version by version, shows that ``schema_id`` is none of its
+    versions (soft-deleted ones included): asked when the registry denies this login the id.
+
+    A registry with per-subject read permissions (Confluent's RBAC) denies a schema id
+    registered only under subjects this login may not read. Whoever may register under
+    such a subject and write to the topic could otherwise stop the partition: a denial
+    reads as an outage, retried for ever. An id found among the subject's versions, a
+    subject with more versions than are read here, or a subject this login may not read
+    either, tells nothing: the record waits as in an outage. The client caches each
+    version it has read, so an id is looked for at the price of the versions not yet met."""
+    try:
+        versions = client.get_versions(subject, deleted=True)
+    except SchemaRegistryError as exc:  # no such subject: nothing registered under it
+        return exc.http_status_code == 404 and exc.error_code == SUBJECT_NOT_FOUND
+    except Exception:  # the registry cannot be reached: nothing to tell
+        return False
+    if len(versions) > MAX_OWN_VERSIONS:
+        return False
+    try:
+        return all(client.get_version(subject, version, deleted=True).schema_id != schema_id
+                   for version in versions)
+    except Exception:  # a version denied or gone meanwhile, or the registry unreachable
+        return False
 
 
 def bounded_writer(client: SchemaRegistryClient, schema_id: int) -> Any:

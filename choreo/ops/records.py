@@ -15,6 +15,7 @@ import re
 import time
 import uuid
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
@@ -27,10 +28,12 @@ from fastavro import schemaless_reader
 
 from choreo.kafka import base_config, headers_if_readable
 from choreo.envelope import Envelope, header_value, pairs
-from choreo.serde import (MAGIC_BYTE, DecodeFailure, RegistryUnavailable, WriterSchemas, bounded_writer,
-                          registry_client, schema_id_of)
+from choreo.errors import DeadLetterReason
+from choreo.serde import (MAGIC_BYTE, DecodeFailure, RegistryDenied, RegistryUnavailable, WriterSchemas,
+                          bounded_writer, not_registered_under, registry_client, schema_id_of)
 
 Progress = Callable[[int], None]
+MAX_DENIAL_SUBJECTS = 64  # subjects a body decoder remembers denied ids' refusals for (the oldest out)
 # how long a consume waits to fill its batch: a read's last batch always waits it out (its
 # span ends where nothing more comes), once per read, and the rebuild reads once per partition
 BATCH_WAIT_S = 0.02
@@ -373,12 +376,17 @@ class BodyDecoder:
     The ops tools show events of every type (and dead letters, whose bytes may be broken),
     so they need no model: the registry's writer schema is enough, if it decodes in bounded
     work (a dead letter may be there because its schema does not: ``serde.bounded_writer``),
-    and a failure is shown as text instead of raised.
+    and a failure is shown as text instead of raised. An id the registry denies this login
+    is refused when the topic's subject does not hold it, as the services refuse it: whoever
+    may register under a subject the ops login may not read, and write to a topic the
+    rebuild reads, could otherwise stop the rebuild.
     """
 
     def __init__(self) -> None:
-        client = registry_client()
-        self._schemas = WriterSchemas(partial(bounded_writer, client), subject="(ops tools: any)")
+        self._client = registry_client()
+        self._schemas = WriterSchemas(partial(bounded_writer, self._client), subject="(ops tools: any)")
+        # subject -> the denied ids refused for it; a dead letter's subject is named by its header
+        self._denials: OrderedDict[str, WriterSchemas] = OrderedDict()
 
     def __call__(self, topic: str, value: bytes | None) -> dict[str, Any] | str:
         try:
@@ -395,7 +403,8 @@ class BodyDecoder:
         if len(value) < 5 or value[0] != MAGIC_BYTE:
             return f"<{len(value)} bytes, not Confluent wire format>"
         try:
-            decoded = schemaless_reader(io.BytesIO(value[5:]), self._schemas.get(schema_id_of(value)), None)
+            decoded = schemaless_reader(io.BytesIO(value[5:]), self._writer(f"{topic}-value", schema_id_of(value)),
+                                        None)
         except RegistryUnavailable:
             raise
         except DecodeFailure as exc:
@@ -403,6 +412,29 @@ class BodyDecoder:
         except Exception as exc:  # noqa: BLE001 - shown to the operator, never raised
             return f"<undecodable: {type(exc).__name__}: {str(exc)[:200]}>"
         return _plain(decoded) if isinstance(decoded, dict) else str(decoded)
+
+    def _writer(self, subject: str, schema_id: int) -> Any:
+        """The parsed writer schema of ``schema_id``; a denied one is refused under
+        ``subject`` when the subject does not hold it (that refusal remembered a while, per
+        subject), and waits as an outage when it may be the subject's own."""
+        denials = self._denials.get(subject)
+        if denials is not None:
+            denials.raise_refusal(schema_id)
+        try:
+            return self._schemas.get(schema_id)
+        except RegistryDenied:
+            if denials is None:
+                if len(self._denials) >= MAX_DENIAL_SUBJECTS:
+                    self._denials.popitem(last=False)
+                denials = self._denials[subject] = WriterSchemas(partial(self._refuse_denied, subject), subject)
+            return denials.get(schema_id)
+
+    def _refuse_denied(self, subject: str, schema_id: int) -> Any:
+        """Asked only for an id the registry denied: refused when ``subject`` does not hold it."""
+        if not_registered_under(self._client, subject, schema_id):
+            raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA, f"schema id {schema_id} (or a schema it "
+                                f"references) is denied and not registered under {subject}")
+        raise RegistryDenied(f"schema id {schema_id} is denied, and {subject} may hold it")
 
 
 def _plain(value: Any) -> Any:

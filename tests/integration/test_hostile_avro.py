@@ -27,7 +27,10 @@ from confluent_kafka import Producer
 
 from choreo.config import settings
 from choreo.envelope import Envelope
+from choreo.ops.rebuild import Rebuilder
+from choreo.redis_client import connect
 from choreo.serde import Encoder, registry_client
+from consumers.workflow import WORKFLOW
 from schemas.models import DeliveryRequested
 from tests.factories import delivery_request
 from tests.helpers import Record, ServiceProcess, free_port, read_topic, wait_for
@@ -241,3 +244,31 @@ def test_a_schema_id_the_registry_denies_this_consumer_is_dead_lettered_and_the_
         letter = probe.dead_letter_then_output(poison, good, probe.start())
     assert letter.header("dlq.reason") == "INCOMPATIBLE_SCHEMA"
     assert letter.header("dlq.error") == f"schema id {secret_id} is not registered under {probe_topic}-value"
+
+
+def test_a_schema_id_the_registry_denies_the_ops_login_stops_no_rebuild(
+        instances: Starter, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """``rebuild-state`` decodes every body of the side topics (``recovery``,
+    ``compensation.log``), which every service principal may write. A record there naming an
+    id the ops login is denied, read as the registry unavailable, would stop the rebuild
+    after its wait: it is refused, as the services refuse it, when the topic's subject does
+    not hold the id, and the topic's own records still read."""
+    _, url = instances()
+    topic = f"t.side.{unique}"
+    probe = Probe(topic, url, [])
+    secret_id, own = probe.foreign(f"{topic}.secret-value", "registered under a subject the ops login may not read")
+    with denying(url, secret_id) as front:
+        monkeypatch.setenv("SCHEMA_REGISTRY_URL", front)
+        settings.cache_clear()
+        try:
+            rebuilder = Rebuilder(WORKFLOW, connect(settings().redis_url), registry_wait_s=2.0)
+            started = time.monotonic()
+            shown = rebuilder.decode(topic, b"\x00" + secret_id.to_bytes(4, "big") + own[5:])
+            assert shown == (f"<refused: schema id {secret_id} (or a schema it references) is denied and not "
+                             f"registered under {topic}-value>")
+            assert time.monotonic() - started < 2.0  # refused, not waited out
+            body = rebuilder.decode(topic, own)
+            assert isinstance(body, dict) and body["weight_kg"] == 1.0
+        finally:
+            monkeypatch.undo()
+            settings.cache_clear()

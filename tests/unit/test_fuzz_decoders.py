@@ -474,6 +474,7 @@ class DenyingRegistry(StandInRegistry):
         super().__init__()
         self.own, self.denied = own, denied
         self.asked_own: list[int | None] = []
+        self.asked_elsewhere: list[str] = []  # other subjects whose versions were asked
 
     def get_subjects_by_schema_id(self, schema_id: int, subject_name: str | None = None,
                                   deleted: bool = False, offset: int = 0, limit: int = -1) -> list[str]:
@@ -489,7 +490,10 @@ class DenyingRegistry(StandInRegistry):
 
     def get_versions(self, subject_name: str, deleted: bool = False, deleted_only: bool = False,
                      offset: int = 0, limit: int = -1) -> list[int]:
-        self.asked_own.append(None if (subject_name, deleted) == (SUBJECT, True) else -1)  # -1: a wrong question
+        if subject_name != SUBJECT:
+            self.asked_elsewhere.append(subject_name)
+            raise SchemaRegistryError(404, 40401, "Subject not found")
+        self.asked_own.append(None if deleted else -1)  # -1: a wrong question
         if isinstance(self.own, Exception):
             raise self.own
         return list(range(1, len(self.own) + 1))
@@ -545,6 +549,33 @@ def test_a_denial_past_the_subject_check_is_an_outage() -> None:
     registry.get_schema = lambda *_, **__: (_ for _ in ()).throw(DENIED)  # type: ignore[method-assign]
     outcome = decode_or_classify(Decoder(PackageReady, "package.ready", registry), framed(OURS, avro(GOOD)))
     assert isinstance(outcome, RegistryUnavailable) and registry.asked_own == []
+
+
+def test_the_ops_tools_refuse_a_denied_id_the_topics_subject_does_not_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rebuild-state`` reads every body on the side topics, which every service principal
+    may write: a denied id read as an outage would stop it after its wait. Refused when the
+    record's topic's subject does not hold it, once a while per id and subject; one the
+    subject holds waits as an outage; under another subject the same id is asked apart."""
+    registry = DenyingRegistry([OTHER, OURS], denied=(FOREIGN, OURS))
+    monkeypatch.setattr(records, "registry_client", lambda: registry)
+    denials: list[int] = []
+    denying = registry.get_schema
+
+    def get_schema(schema_id: int, *args: Any, **kwargs: Any) -> Schema:
+        denials.append(schema_id)
+        return denying(schema_id, *args, **kwargs)
+
+    registry.get_schema = get_schema  # type: ignore[method-assign]
+    body = records.BodyDecoder()
+    refused = f"<refused: schema id {FOREIGN} (or a schema it references) is denied and not registered under {{}}>"
+    for _ in range(3):
+        assert body.read("package.ready", framed(FOREIGN, avro(GOOD))) == refused.format(SUBJECT)
+    assert registry.asked_own == [None, 1, 2] and denials == [FOREIGN]  # the refusal stands: asked once
+    with pytest.raises(RegistryUnavailable):
+        body.read("package.ready", framed(OURS, avro(GOOD)))
+    assert str(body("package.ready", framed(OURS, avro(GOOD)))).startswith("<registry unavailable: ")
+    assert body.read("drone.scheduled", framed(FOREIGN, avro(GOOD))) == refused.format("drone.scheduled-value")
+    assert registry.asked_elsewhere == ["drone.scheduled-value"]
 
 
 @pytest.mark.parametrize(("code", "what"), [(40401, "subject"), (40402, "version")])
