@@ -498,14 +498,14 @@ class Bench:
         """Rounds of every path the measured runs take (the closed loop, the three ceilings,
         the open loop at each rate and at half the round's closed-loop rate) until the
         broker's JIT compilers rest: at most ``--warm-jit-pct`` of a core over a round, or
-        ``--warm-max-seconds`` have passed (then ``warm`` is false and the figures are of a
-        broker still compiling). A broker in service has compiled these paths long ago; one
+        ``--warm-max-seconds`` have passed or ``--warm-max-rounds`` have run (then ``warm`` is
+        false and the figures are of a broker still compiling). A broker in service has compiled these paths long ago; one
         that still compiles takes a core's share from the pipeline it shares 2 cores with,
         and the open-loop runs' tail measures the compiler."""
         kafka = self.private.pids()["kafka"]
         started = time.monotonic()
         rounds: list[dict[str, Any]] = []
-        while True:
+        while self.args.warm_max_rounds is None or len(rounds) < self.args.warm_max_rounds:
             k, t0, compiled = len(rounds), time.monotonic(), compiler_seconds(thread_cpu(kafka))
             closed = self.pipeline_run(self.args.warmup, 0, f"warmup-{k}")
             self.ceiling_run(self.args.warmup, True, f"warmup-{k}-txn")
@@ -522,6 +522,7 @@ class Bench:
             warm = pct <= self.args.warm_jit_pct
             if warm or time.monotonic() - started >= self.args.warm_max_seconds:
                 return {"warm": warm, "seconds": round(time.monotonic() - started, 1), "rounds": rounds}
+        return {"warm": False, "seconds": round(time.monotonic() - started, 1), "rounds": rounds}
 
     def idle(self, seconds: float = 3.0) -> dict[str, Any]:
         """What the stack costs with no load at all (polling consumers, lag and deadline
@@ -1029,7 +1030,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **run_header("bench.pipeline"),
         "config": {"deliveries": args.deliveries, "repeats": args.repeats, "warmup": args.warmup,
                    "rates": args.rates, "warm_jit_pct": args.warm_jit_pct,
-                   "warm_max_seconds": args.warm_max_seconds,
+                   "warm_max_seconds": args.warm_max_seconds, "warm_max_rounds": args.warm_max_rounds,
                    "open_seconds": args.open_seconds, "partitions": args.partitions,
                    "ceiling_scale": args.ceiling_scale, "tuned_scale": args.tuned_scale,
                    "instances_per_service": args.instances, "drivers": args.drivers, "log_level": args.log_level,
@@ -1181,6 +1182,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm-max-seconds", type=float, default=300.0,
                         help="the warm-up ends after this long even if the broker still compiles "
                              "(the JSON then says warm: false)")
+    parser.add_argument("--warm-max-rounds", type=int, default=None,
+                        help="the warm-up ends after this many rounds (0: none, the short form that "
+                             "checks the figures, not their values)")
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x],
                         default=[100.0], help="open-loop offered rates, deliveries/s (besides half the "
                                               "measured capacity, which always runs)")

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupState, KafkaException, TopicPartition
 
 from choreo.config import settings
-from choreo.kafka import headers_if_readable
+from choreo.kafka import admin, headers_if_readable
 from choreo.envelope import Envelope, header_value
 from choreo.state import deadline_shards, delivery_key
 from infra.process import port_in_use
@@ -171,6 +171,20 @@ def start_group_at_end(group: str, topic: str, wait_s: float = 30.0) -> None:
                 time.sleep(1)
     finally:
         consumer.close()
+
+
+def consuming(group: str, members: int | None = None) -> bool:
+    """Whether ``group`` is stable and every member has partitions (and, given ``members``,
+    has that many): an event published before waits in Kafka while its steps' deadlines run,
+    and on a loaded machine they could expire before the services are up."""
+    client = admin()  # kept alive until the answer is in
+    try:
+        found = client.describe_consumer_groups([group], request_timeout=5)[group].result(timeout=5)
+    except Exception:  # noqa: BLE001 - not known yet
+        return False
+    return bool(found.state == ConsumerGroupState.STABLE and found.members
+                and (members is None or len(found.members) == members)
+                and all(m.assignment.topic_partitions for m in found.members))
 
 
 def notifications(client: Any, ids: Iterable[str]) -> list[bytes | None]:

@@ -101,9 +101,10 @@ def test_the_benchmark_measures_every_figure_on_its_own_stack(tmp_path: Path) ->
 def test_the_benchmark_runs_the_pipeline_on_a_redis_cluster_of_its_own(tmp_path: Path) -> None:
     summary, result = run_benchmark(
         "bench.pipeline", "--redis-cluster", "--deliveries", "100", "--repeats", "1", "--warmup", "100",
-        "--rates", "50", "--open-seconds", "1", "--warm-max-seconds", "0", "--timeout", "90",
+        "--rates", "50", "--open-seconds", "1", "--warm-max-rounds", "0", "--timeout", "90",
         out=tmp_path / "cluster.json")
     assert result["config"]["redis"] == "a Redis Cluster of 3 masters and 3 replicas"
+    assert result["warm_up"]["rounds"] == [] and summary["broker_warm"] is False  # no warm-up round asked
     closed = result["runs"][0]["pipeline"]
     assert closed["accepted"] == closed["terminal"] == 100
     assert closed["lost_or_stuck"] == 0 and closed["more_than_one_outcome"] == 0

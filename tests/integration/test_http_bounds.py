@@ -15,7 +15,8 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,9 +49,10 @@ class Server:
         return host, int(port)
 
 
-@pytest.fixture(params=["ingestion", "registry"])
-def server(request: pytest.FixtureRequest, stack: None, unique: str) -> Iterator[Server]:
-    if request.param == "ingestion":
+@contextmanager
+def running(name: str, request: pytest.FixtureRequest, unique: str) -> Iterator[Server]:
+    """The ingestion server (as ``choreo serve`` serves it) or a registry process."""
+    if name == "ingestion":
         from choreo import topology
         from consumers.workflow import WORKFLOW
 
@@ -61,6 +63,29 @@ def server(request: pytest.FixtureRequest, stack: None, unique: str) -> Iterator
         start: Starter = request.getfixturevalue("instances")
         proc, url = start("bounds")
         yield Server("registry", url, "/subjects", "/subjects/slow/versions", proc.pid())
+
+
+@pytest.fixture(params=["ingestion", "registry"])
+def server(request: pytest.FixtureRequest, stack: None, unique: str) -> Iterator[Server]:
+    with running(request.param, request, unique) as one:
+        yield one
+
+
+@pytest.fixture()
+def servers(request: pytest.FixtureRequest, stack: None, unique: str) -> Iterator[list[Server]]:
+    """Both servers, for the tests that wait out a bound: they wait on both at once."""
+    with running("ingestion", request, unique) as ingestion, running("registry", request, unique) as registry:
+        yield [ingestion, registry]
+
+
+def on_each(check: Callable[[Server], None], servers: list[Server]) -> None:
+    """``check`` on every server side by side; a failure names its server."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        for server, future in [(server, pool.submit(check, server)) for server in servers]:
+            try:
+                future.result()
+            except AssertionError as exc:
+                raise AssertionError(f"{server.name}: {exc}") from exc
 
 
 def connect(server: Server, source: str) -> socket.socket:
@@ -132,7 +157,11 @@ def trickle(sock: socket.socket, first: bytes, byte: bytes, stop: threading.Even
         pass
 
 
-def test_idle_connections_a_slow_head_and_a_slow_body_are_cut_at_their_bounds(server: Server) -> None:
+def test_idle_connections_a_slow_head_and_a_slow_body_are_cut_at_their_bounds(servers: list[Server]) -> None:
+    on_each(idle_and_slow_are_cut, servers)
+
+
+def idle_and_slow_are_cut(server: Server) -> None:
     idle_count = 200  # under the per-address cap: only the deadlines can end them
     stop = threading.Event()
     with ExitStack() as stack:
@@ -313,7 +342,11 @@ def test_requests_within_the_bounds_are_served_however_they_are_cut(server: Serv
     assert exchange(server, [large + head], 2) == [b"404", b"200"]
 
 
-def test_a_slow_head_on_a_kept_alive_connection_is_cut_too(server: Server) -> None:
+def test_a_slow_head_on_a_kept_alive_connection_is_cut_too(servers: list[Server]) -> None:
+    on_each(slow_head_after_keep_alive_is_cut, servers)
+
+
+def slow_head_after_keep_alive_is_cut(server: Server) -> None:
     """The head's clock starts again for each request of a connection, from its first byte."""
     stop = threading.Event()
     with connect(server, "127.0.0.8") as sock:

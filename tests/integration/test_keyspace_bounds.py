@@ -38,13 +38,14 @@ from choreo.pool import HISTORY_MAX
 from choreo.publisher import Publish, Publisher
 from choreo.release import released
 from choreo.runner import RECOVERY_TOPIC
+from choreo.state import delivery_key
 from choreo.workflow import Workflow
 from producers.admission import Admission
 from producers.settings import IngestionSettings
 from producers.submit import Submitter
 from schemas.models import ALL_EVENTS, DeliveryRequested
 from tests.factories import delivery_request, request_body
-from tests.helpers import ServiceProcess, read_topic, start_group_at_end, wait_for
+from tests.helpers import ServiceProcess, consuming, read_topic, start_group_at_end, wait_for
 from tests.services import ops_pipeline
 
 pytestmark = pytest.mark.integration
@@ -53,6 +54,8 @@ DB = 13  # this module's database of the shared Redis
 FLEET = 60
 SHIPPED, HEAVY = 30, 6  # HEAVY: 99 kg, more than any drone carries: failed, package cancelled
 MODULE = "tests.services.ops_pipeline"
+# the steps' deadline: the supervisor fails the orphan past two of them (the join's is twice it)
+DEADLINE_S = 8.0
 IN_FLIGHT_CAP = 10_000
 
 
@@ -186,14 +189,15 @@ def walked(stack: None) -> Iterator[Walked]:
     prefix = f"t.ks.{unique}."
     client = redis.Redis(host="127.0.0.1", port=6379, db=DB)
     client.flushdb()  # this database belongs to this module
-    flow = ops_pipeline.workflow(prefix, ops_pipeline.build(prefix))
+    flow = ops_pipeline.workflow(prefix, ops_pipeline.build(prefix, deadline_s=DEADLINE_S))
     topology.create(flow, partitions=3)
     ensure_topics({f"{prefix}{m.topic}{suffix}": 3 for m in ALL_EVENTS for suffix in ("", ".dlq")
                    if m.topic not in ("recovery", "compensation.log")})
     ensure_topics({prefix + "compensation.log": 3}, config={"cleanup.policy": "compact"})
     supervisor = f"sup-ks-{unique}"
     start_group_at_end(supervisor, RECOVERY_TOPIC)
-    env = {"OPS_PREFIX": prefix, "REDIS_URL": f"redis://127.0.0.1:6379/{DB}", "DRONE_FLEET_SIZE": str(FLEET)}
+    env = {"OPS_PREFIX": prefix, "REDIS_URL": f"redis://127.0.0.1:6379/{DB}", "DRONE_FLEET_SIZE": str(FLEET),
+           "OPS_DEADLINE_S": str(DEADLINE_S)}
     procs = [ServiceProcess(f"{MODULE}:{role}", instance=unique, env=env, workflow=f"{MODULE}:WORKFLOW").start()
              for role in ops_pipeline.ROLES]
     procs.append(ServiceProcess("choreo.supervisor:service", instance=supervisor, workflow=f"{MODULE}:WORKFLOW",
@@ -245,10 +249,17 @@ def end_every_way(run: Run) -> dict[str, set[str]]:
     """Deliveries that end each way, every one ended and its aftermath done, then the
     services stopped (nothing writes while the keyspace is walked)."""
     orphan = str(uuid.uuid4())  # its steps opened, its request never produced: the supervisor fails it
-    Publisher("test", run.flow, redis_client=run.client).open_steps([(orphan, run.topic("delivery.requested"))])
+    kept = delivery_request()  # a dead letter of it once its steps are open: it ships, its state is kept
+    Publisher("test", run.flow, redis_client=run.client).open_steps(
+        [(orphan, run.topic("delivery.requested")), (kept.delivery_id, run.topic("delivery.requested"))])
+    # the others' steps open once every service consumes: a start slower than a deadline
+    # would requeue them, and a second miss fail them
+    for group in [s.name for s in run.flow.services]:
+        wait_for(lambda: consuming(group), timeout_s=60, what=f"{group} consuming")
     heavy = [delivery_request(weight_kg=99.0) for _ in range(HEAVY)]
-    kept = delivery_request()  # a dead letter of it before it starts: it ships, its state is kept
     poison(run.topic("delivery.requested"), kept.delivery_id)
+    wait_for(lambda: run.client.hexists(delivery_key(kept.delivery_id), "dead_letters"), timeout_s=30,
+             what="the dead letter noted in the delivery's state")
     shipping = submit(run, [*heavy, kept]) | {kept.delivery_id}
     heavy_ids = {r.delivery_id for r in heavy}
     stray = str(uuid.uuid4())

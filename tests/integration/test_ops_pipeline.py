@@ -27,7 +27,7 @@ from pathlib import Path
 import fastavro
 import pytest
 import redis
-from confluent_kafka import ConsumerGroupState, Producer
+from confluent_kafka import Producer
 from confluent_kafka.admin import NewPartitions
 from confluent_kafka.schema_registry import Schema
 
@@ -57,7 +57,7 @@ from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
 from infra.chaos import stuck_evidence
 from schemas.models import ALL_EVENTS, DeliveryFailed, DroneReleased, DroneScheduled, PackageReady
 from tests.factories import delivery_request
-from tests.helpers import CLUSTER_URL, ServiceProcess, read_topic, start_group_at_end, wait_for
+from tests.helpers import CLUSTER_URL, ServiceProcess, consuming, read_topic, start_group_at_end, wait_for
 from tests.services import ops_pipeline
 
 pytestmark = pytest.mark.integration
@@ -534,19 +534,6 @@ def test_rebuild_leaves_free_the_drone_a_read_failure_gave_back_though_its_step_
     assert _bookings(private_redis) == {ids[name]: drone for name, (drone, *_) in cases.items() if name != "omitted"}
 
 
-def _consuming(group: str) -> bool:
-    """The group is stable and every member has partitions (a request published before
-    would wait in Kafka while its steps' deadlines run: on a loaded machine they could
-    expire before the services are up, which is another story than this test's)."""
-    client = admin()
-    try:
-        found = client.describe_consumer_groups([group], request_timeout=5)[group].result(timeout=5)
-    except Exception:  # noqa: BLE001 - not known yet
-        return False
-    return bool(found.state == ConsumerGroupState.STABLE and found.members
-                and all(m.assignment.topic_partitions for m in found.members))
-
-
 def _bookings(client: redis.Redis) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in client.hgetall(fleet.booking_key).items()}
 
@@ -608,7 +595,7 @@ def test_trace_of_a_requeued_delivery(isolated: IsolatedPipeline, unique: str) -
     isolated.supervise(name, SUPERVISOR_SCAN_PERIOD_S="0.2", SUPERVISOR_BACKOFF_BASE_S="0.3",
                        SUPERVISOR_LEASE_TTL_S="2")
     for group in (prefix + "package", prefix + "drone-scheduler", prefix + "delivery", name):
-        wait_for(lambda: _consuming(group), timeout_s=60, what=f"{group} consuming")
+        wait_for(lambda: consuming(group), timeout_s=60, what=f"{group} consuming")
     target = isolated.submit(1)[0]
     wait_for(lambda: isolated.terminal({target}), timeout_s=45, interval_s=0.5,
              what="the requeued delivery to end")

@@ -16,6 +16,8 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,12 +26,12 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from confluent_kafka import ConsumerGroupState, Producer
+from confluent_kafka import Producer
 
 from choreo import topology
 from choreo.config import settings
 from choreo.envelope import Envelope, now_ms
-from choreo.kafka import CommittedOffsets, admin, ensure_topics
+from choreo.kafka import CommittedOffsets, ensure_topics
 from choreo.lease import holder
 from choreo.publisher import Publish, Publisher
 from choreo.redis_client import connect
@@ -41,8 +43,8 @@ from choreo.state import StateTable, delivery_key
 from consumers.drone_scheduler import fleet
 from schemas.models import DeliveryFailed
 from tests.factories import delivery_request
-from tests.helpers import (ServiceProcess, free_port, indexed, own_redis_url, read_topic, start_group_at_end,
-                           wait_for)
+from tests.helpers import (ServiceProcess, consuming, free_port, indexed, own_redis_url, read_topic,
+                           start_group_at_end, wait_for)
 from tests.services import sup_pipeline
 
 pytestmark = pytest.mark.integration
@@ -62,6 +64,8 @@ class World:
     redis: redis.Redis
     env: dict[str, str]
     procs: list[ServiceProcess] = field(default_factory=list)
+    # group -> members, while ``starting``: the groups waited for at the block's end
+    pending: dict[str, int] | None = None
 
     def topic(self, name: str) -> str:
         return self.prefix + name
@@ -72,9 +76,26 @@ class World:
         proc = ServiceProcess(f"{sup_pipeline.MODULE}:{ROLE_REF[role]}", instance=instance,
                               env={**self.env, **env}, workflow=f"{sup_pipeline.MODULE}:WORKFLOW")
         self.procs.append(proc.start())
-        group = self.prefix + {"drone": "drone-scheduler"}.get(role, role)
-        wait_for(lambda: _group_ready(group, members), timeout_s=45, what=f"{group} consuming")
+        self._consuming(self.prefix + {"drone": "drone-scheduler"}.get(role, role), members)
         return proc
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """The instances started in the block start side by side: their groups are waited for
+        together at its end, where each start alone waits for its own (seconds each)."""
+        self.pending = {}
+        try:
+            yield
+            for group, members in self.pending.items():
+                wait_for(lambda: consuming(group, members), timeout_s=45, what=f"{group} consuming")
+        finally:
+            self.pending = None
+
+    def _consuming(self, group: str, members: int) -> None:
+        if self.pending is not None:
+            self.pending[group] = members
+        else:
+            wait_for(lambda: consuming(group, members), timeout_s=45, what=f"{group} consuming")
 
     def supervisor(self, instance: str = "0", members: int = 1, metrics_port: int = 0, **env: str) -> ServiceProcess:
         if members == 1:  # a new group joins the shared recovery topic at its end, as a
@@ -83,7 +104,7 @@ class World:
                               env={**self.env, **env}, workflow=f"{sup_pipeline.MODULE}:WORKFLOW",
                               args=["--metrics-port", str(metrics_port)] if metrics_port else [])
         self.procs.append(proc.start())
-        wait_for(lambda: _group_ready(self.name, members), timeout_s=45, what="the supervisor consuming")
+        self._consuming(self.name, members)
         return proc
 
     def publish(self, n: int) -> list[str]:
@@ -99,8 +120,9 @@ class World:
     def halves_published(self, n: int) -> list[str]:
         """``n`` deliveries through the package and drone services, both fan-in halves of each
         published, the delivery service not started."""
-        self.start("package")
-        self.start("drone")
+        with self.starting():
+            self.start("package")
+            self.start("drone")
         ids = self.publish(n)
         wait_for(lambda: set(ids) <= set(self.by_delivery("package.ready"))
                  and set(ids) <= set(self.by_delivery("drone.scheduled")), timeout_s=30,
@@ -128,16 +150,6 @@ class World:
     def log(self, proc: ServiceProcess) -> str:
         path = Path(proc.log_dir) / f"{proc.ref.replace(':', '_')}-{proc.instance}.log"
         return path.read_text(errors="replace")
-
-
-def _group_ready(group: str, members: int) -> bool:
-    client = admin()  # kept alive until the answer is in
-    try:
-        found = client.describe_consumer_groups([group], request_timeout=5)[group].result(timeout=5)
-    except Exception:  # not known yet
-        return False
-    return bool(found.state == ConsumerGroupState.STABLE and len(found.members) == members
-                and all(m.assignment.topic_partitions for m in found.members))
 
 
 @pytest.fixture()
@@ -179,9 +191,10 @@ def _shipped_once(world: World, ids: list[str]) -> None:
 
 
 def test_step_of_a_stopped_service_is_extended_and_completes_when_it_is_back(world: World) -> None:
-    world.start("package")
-    world.start("delivery")
-    world.supervisor()
+    with world.starting():
+        world.start("package")
+        world.start("delivery")
+        world.supervisor()
     ids = world.publish(3)  # the drone scheduler is down
     wait_for(lambda: all(int(world.state(d).get("drone.failures", 0)) >= 1 for d in ids),
              timeout_s=30, what="the drone steps extended past their deadline")
@@ -201,10 +214,11 @@ def test_step_of_a_stopped_service_is_extended_and_completes_when_it_is_back(wor
 
 
 def test_a_step_killed_mid_work_is_requeued_and_ships_once(world: World) -> None:
-    world.start("package")
-    world.start("delivery")
-    world.supervisor()
-    drone = world.start("drone", SUP_SLOW_FIRST_DRONE_MS="60000")  # hangs in its first attempt
+    with world.starting():
+        world.start("package")
+        world.start("delivery")
+        world.supervisor()
+        drone = world.start("drone", SUP_SLOW_FIRST_DRONE_MS="60000")  # hangs in its first attempt
     ids = world.publish(1)
     wait_for(lambda: all(world.state(d).get("drone.status") == "processing" for d in ids),
              timeout_s=30, what="drone step in progress")
@@ -222,9 +236,10 @@ def test_fan_in_half_queued_while_its_service_was_down_past_the_deadline_still_s
     """The delivery service took the package half, then was down for more than a deadline after
     the drone half was produced: the supervisor claimed the fan-in (attempt 2) and requeued the
     package half. The drone half, queued at attempt 1 all along, must still count."""
-    world.start("package")
-    delivery = world.start("delivery")
-    world.supervisor()
+    with world.starting():
+        world.start("package")
+        delivery = world.start("delivery")
+        world.supervisor()
     ids = world.publish(2)  # the drone scheduler is down: only the package half arrives
     wait_for(lambda: all(world.state(d).get("fanin.package") for d in ids), timeout_s=30,
              what="the package halves recorded")
@@ -308,9 +323,10 @@ def _reports(ids: list[str]) -> dict[str, list[Any]]:
 
 
 def test_late_answer_of_an_old_attempt_changes_nothing(world: World) -> None:
-    world.start("package")
-    world.start("delivery")
-    world.supervisor()
+    with world.starting():
+        world.start("package")
+        world.start("delivery")
+        world.supervisor()
     # attempt 1 takes its drone in its begin, then stalls past its deadline
     drone = world.start("drone", SUP_SLOW_FIRST_DRONE_MS="3000")
     ids = world.publish(1)
@@ -344,10 +360,11 @@ def _drones_back(world: World, ids: list[str], how: str) -> None:
 def test_failing_step_is_requeued_with_growing_delays_then_compensated(world: World, failing: str) -> None:
     agent = {"drone": "AGENT_DISPATCH_TRANSIENT_RATE", "package": "AGENT_WAREHOUSE_TRANSIENT_RATE"}
     world.env["SUP_BUDGET"] = "10"  # every process reads the one budget from the declarations
-    world.start("package", **({agent["package"]: "1.0"} if failing == "package" else {}))
-    world.start("drone", **({agent["drone"]: "1.0"} if failing == "drone" else {}))
-    world.start("delivery")
-    supervisor = world.supervisor()
+    with world.starting():
+        world.start("package", **({agent["package"]: "1.0"} if failing == "package" else {}))
+        world.start("drone", **({agent["drone"]: "1.0"} if failing == "drone" else {}))
+        world.start("delivery")
+        supervisor = world.supervisor()
     ids = world.publish(2)
     failed = wait_for(lambda: (r := world.by_delivery("delivery.failed")) and set(ids) <= set(r) and r,
                       timeout_s=90, what="the deliveries failed by the supervisor")
@@ -395,9 +412,10 @@ def test_a_failure_read_after_the_retention_still_has_its_undos_asked(world: Wor
     reading found nothing to undo: each drone was held for good), and the retention counts
     from the reading."""
     world.env["SUP_RETENTION_S"] = "3"  # the join's and the supervisor's (one declaration)
-    world.start("package", AGENT_WAREHOUSE_PERMANENT_RATE="1.0")  # the package fails: the drone is undone
-    world.start("drone")
-    world.start("delivery")
+    with world.starting():
+        world.start("package", AGENT_WAREHOUSE_PERMANENT_RATE="1.0")  # the package fails: the drone is undone
+        world.start("drone")
+        world.start("delivery")
     ids = world.publish(2)
     wait_for(lambda: set(ids) <= set(world.by_delivery("delivery.failed")), timeout_s=30,
              what="the deliveries failed by the join")
@@ -411,10 +429,11 @@ def test_a_failure_read_after_the_retention_still_has_its_undos_asked(world: Wor
 
 
 def test_compensation_that_keeps_failing_ends_compensation_failed_with_an_alert(world: World) -> None:
-    world.start("package", AGENT_WAREHOUSE_CANCEL_PERMANENT_RATE="1.0")
-    world.start("drone", AGENT_DISPATCH_PERMANENT_RATE="1.0")  # drone refused: the delivery fails
-    world.start("delivery")
-    supervisor = world.supervisor()
+    with world.starting():
+        world.start("package", AGENT_WAREHOUSE_CANCEL_PERMANENT_RATE="1.0")
+        world.start("drone", AGENT_DISPATCH_PERMANENT_RATE="1.0")  # drone refused: the delivery fails
+        world.start("delivery")
+        supervisor = world.supervisor()
     ids = world.publish(2)
     wait_for(lambda: all(world.state(d).get("package.status") == "compensation_failed" for d in ids),
              timeout_s=45, what="compensation_failed")
@@ -450,6 +469,14 @@ def _ops(world: World, command: str, *args: str) -> subprocess.CompletedProcess[
                           env={**os.environ, **world.env, "COLUMNS": "400"})  # one line per message
 
 
+def _retry_undos(world: World, ids: list[str], note: str) -> list[subprocess.CompletedProcess[str]]:
+    """``choreo ops retry-undo <delivery> drone --wait 60`` for each delivery, side by side:
+    each waits until its undo has run again."""
+    with ThreadPoolExecutor(len(ids)) as operators:
+        return list(operators.map(lambda d: _ops(world, "retry-undo", d, "drone", "--note", note, "--json",
+                                                 "--wait", "60"), ids))
+
+
 def _awaiting_gauge(port: int) -> float | None:
     name = "choreo_supervisor_undos_awaiting_operator "
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
@@ -467,11 +494,12 @@ def test_an_undo_marked_done_by_hand_ends_compensation_failed_and_gives_the_dron
     stays held. The operator undoes it by hand and marks it so: the supervisor marks the step
     compensated, gives the drone back and logs it; the mark of a step in any other status is
     refused before anything is published."""
-    world.start("package", AGENT_WAREHOUSE_PERMANENT_RATE="1.0")  # the package fails: the drone is undone
-    world.start("drone", AGENT_DISPATCH_RELEASE_PERMANENT_RATE="1.0")  # ... and its undo is refused
-    world.start("delivery")
-    port = free_port()
-    supervisor = world.supervisor(metrics_port=port)
+    with world.starting():
+        world.start("package", AGENT_WAREHOUSE_PERMANENT_RATE="1.0")  # the package fails: the drone is undone
+        world.start("drone", AGENT_DISPATCH_RELEASE_PERMANENT_RATE="1.0")  # ... and its undo is refused
+        world.start("delivery")
+        port = free_port()
+        supervisor = world.supervisor(metrics_port=port)
     ids = world.publish(2)
     wait_for(lambda: all(world.state(d).get("drone.status") == "compensation_failed" for d in ids),
              timeout_s=60, what="compensation_failed")
@@ -540,25 +568,25 @@ def test_an_undo_asked_again_once_fixed_runs_again_and_gives_the_drone_back(worl
     submitter, the others did not: the third is where an id could repeat). Dispatch is fixed (the drone scheduler
     runs again without the refusals) and the operator asks the undo again: it runs at a new
     attempt, the drone comes back by it, and the compensation log tells the story."""
-    world.start("package", AGENT_WAREHOUSE_PERMANENT_RATE="1.0")  # the package fails: the drone is undone
-    refusing = world.start("drone", AGENT_DISPATCH_RELEASE_PERMANENT_RATE="1.0")  # ... and its undo refused
-    world.start("delivery")
-    world.supervisor()
+    with world.starting():
+        world.start("package", AGENT_WAREHOUSE_PERMANENT_RATE="1.0")  # the package fails: the drone is undone
+        refusing = world.start("drone", AGENT_DISPATCH_RELEASE_PERMANENT_RATE="1.0")  # ... and its undo refused
+        world.start("delivery")
+        world.supervisor()
     ids = world.publish(2)
     wait_for(lambda: all(world.state(d).get("drone.status") == "compensation_failed" for d in ids),
              timeout_s=60, what="compensation_failed")
-    for d in ids * 2:
-        asked = _ops(world, "retry-undo", d, "drone", "--note", "not fixed yet", "--json", "--wait", "60")
-        assert asked.returncode == 0, asked.stderr
-        result = json.loads(asked.stdout)
-        assert result["acted_on"] and result["status"] == "compensation_failed"
+    for _ in range(2):
+        for asked in _retry_undos(world, ids, "not fixed yet"):
+            assert asked.returncode == 0, asked.stderr
+            result = json.loads(asked.stdout)
+            assert result["acted_on"] and result["status"] == "compensation_failed"
     assert _awaiting_operator(world) == {(d, "drone") for d in ids}
     failed_attempt = {d: int(world.state(d)["release_drone.attempt"]) for d in ids}
     refusing.kill()
     world.start("drone")
     assert _awaiting_operator(world) == {(d, "drone") for d in ids}
-    for d in ids:
-        asked = _ops(world, "retry-undo", d, "drone", "--note", "dispatch fixed", "--json", "--wait", "60")
+    for d, asked in zip(ids, _retry_undos(world, ids, "dispatch fixed")):
         assert asked.returncode == 0, asked.stderr
         result = json.loads(asked.stdout)
         assert result["acted_on"] and result["status"] == "compensated"
@@ -588,9 +616,10 @@ def test_an_undo_asked_again_once_fixed_runs_again_and_gives_the_drone_back(worl
 
 
 def test_two_supervisors_act_once_and_the_survivor_takes_over_after_kill_9(world: World) -> None:
-    world.start("package")
-    world.start("drone", AGENT_DISPATCH_TRANSIENT_RATE="1.0")
-    world.start("delivery")
+    with world.starting():
+        world.start("package")
+        world.start("drone", AGENT_DISPATCH_TRANSIENT_RATE="1.0")
+        world.start("delivery")
     supervisors = {p.proc.pid: p for p in (world.supervisor("a"), world.supervisor("b", members=2))
                    if p.proc}
     ids = world.publish(6)

@@ -14,6 +14,9 @@ against this pipeline, whose attempt 2 then works).
 ``OPS_PACKAGE_PUTS_OFF_KG=<kg>`` makes the package service answer a parcel of exactly that
 weight with a transient error, every time, so another instance takes it from the retry topic
 (the rolling-upgrade test hands steps from one version to the other so).
+
+``OPS_DEADLINE_S`` is the steps' deadline (30 s; the join's is twice it): a test that waits
+for a step to be failed past its deadlines sets it shorter.
 """
 
 from __future__ import annotations
@@ -66,28 +69,30 @@ def _puts_off(weight_kg: str, then: Callable[[Any, Context], None] | None) -> Ca
     return put_off
 
 
-def build(prefix: str, batch: int = 500) -> dict[str, Service]:
+def build(prefix: str, batch: int = 500, deadline_s: float | None = None) -> dict[str, Service]:
     t = lambda name: prefix + name  # noqa: E731
+    deadline_s = deadline_s or float(os.environ.get("OPS_DEADLINE_S", "30"))
     # OPS_PACKAGE_VERSION=2: the package service's next version (the rolling-upgrade test)
     v2 = os.environ.get("OPS_PACKAGE_VERSION", "1") == "2"
     ready, cancelled = (package_v2.PackageReady, package_v2.PackageCancelled) if v2 else (PackageReady, PackageCancelled)
     rules: Any = package_v2 if v2 else package_rules
     package = Service(t("package"), batch_size=batch)
     package.records.append(package_rules.packages)
-    package.on(t("delivery.requested"), step="package", deadline_s=30,
+    package.on(t("delivery.requested"), step="package", deadline_s=deadline_s,
                produces=[ready, PackageFailed])(routed(rules.prepare, DeliveryRequested, prefix, _puts_off(
                    os.environ.get("OPS_PACKAGE_PUTS_OFF_KG", ""), _fail_first("package"))))
     package.undo("package", step="cancel_package", confirmed_by=cancelled,
                  prefix=prefix)(routed(rules.cancel, UndoRequested, prefix))
     drone = Service(t("drone-scheduler"), batch_size=batch)
     drone.pool(drone_rules.fleet)
-    drone.on(t("delivery.requested"), step="drone", deadline_s=30, first_op_in_begin=True,
+    drone.on(t("delivery.requested"), step="drone", deadline_s=deadline_s, first_op_in_begin=True,
              produces=[DroneScheduled, DroneFailed])(routed(drone_rules.reserve, DeliveryRequested, prefix,
                                                               _fail_first("drone")))
     drone.undo("drone", step="release_drone", confirmed_by=DroneReleased,
                prefix=prefix)(routed(drone_rules.release, UndoRequested, prefix))
     delivery = Service(t("delivery"), batch_size=batch)
-    join = delivery.join("delivery", parts=delivery_rules.PARTS, outcomes=delivery_rules.OUTCOMES, deadline_s=60,
+    join = delivery.join("delivery", parts=delivery_rules.PARTS, outcomes=delivery_rules.OUTCOMES,
+                         deadline_s=2 * deadline_s,
                          prefix=prefix)
     join.on_complete(routed(delivery_rules.ship, Joined, prefix))
     join.on_failure(routed(delivery_rules.refuse, JoinFailed, prefix))
