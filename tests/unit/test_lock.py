@@ -2,14 +2,20 @@
 
 ``infra/setup.sh`` installs from the lock alone (``--require-hashes``), so a pin changed in
 pyproject.toml without regenerating the lock would silently not be installed:
-``pip-compile --generate-hashes --allow-unsafe --strip-extras --extra test
---no-emit-index-url --no-emit-find-links -o requirements.lock pyproject.toml`` regenerates it.
+``pip-compile --generate-hashes --allow-unsafe --extra test --no-emit-index-url
+--no-emit-find-links -o requirements.lock pyproject.toml`` regenerates it. Extras stay in
+the lock: pip in hash mode takes a dependency's ``pkg[extra]>=x`` as a requirement of its
+own, and once the index has a newer ``pkg`` than the pin it asks for that one, unpinned, and
+stops the install.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import tomllib
+
+from packaging.requirements import Requirement
 
 from choreo.config import REPO_ROOT
 
@@ -45,3 +51,26 @@ def test_every_locked_package_has_hashes() -> None:
     pinned = [b for b in blocks if PIN.match(b)]
     assert len(pinned) == len(lock_pins()) > 20
     assert all("--hash=sha256:" in block for block in pinned)
+
+
+def test_what_a_locked_package_asks_with_extras_is_locked_with_them() -> None:
+    """``pip-audit`` asks for ``CacheControl[filecache]>=0.13.0``: locked as plain
+    ``cachecontrol``, a clean install failed the day the index had a newer CacheControl."""
+    text = (REPO_ROOT / "requirements.lock").read_text()
+    extras = {canonical(m.group(1)): set(m.group(2).split(",")) for line in text.splitlines()
+              if (m := re.match(r"^([A-Za-z0-9_.-]+)\[([^\]]*)\]==", line))}
+    pins = lock_pins()
+    missing = []
+    for name in pins:
+        try:
+            asked = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:  # not for this platform
+            continue
+        for spec in asked:
+            requirement = Requirement(spec)
+            if requirement.marker is not None and "extra" in str(requirement.marker):
+                continue  # only with an extra of its own, which nothing here asks for
+            wanted = canonical(requirement.name)
+            if requirement.extras and wanted in pins and not requirement.extras <= extras.get(wanted, set()):
+                missing.append(f"{name} asks for {spec}")
+    assert not missing, missing
