@@ -498,8 +498,8 @@ class Bench:
         """Rounds of every path the measured runs take (the closed loop, the three ceilings,
         the open loop at each rate and at half the round's closed-loop rate) until the
         broker's JIT compilers rest: at most ``--warm-jit-pct`` of a core over a round, or
-        ``--warm-max-seconds`` have passed or ``--warm-max-rounds`` have run (then ``warm`` is
-        false and the figures are of a broker still compiling). A broker in service has compiled these paths long ago; one
+        ``--warm-max-seconds`` have passed or ``--warm-max-rounds`` have run (then ``warm``
+        is false and the figures are of a broker still compiling). A broker in service has compiled these paths long ago; one
         that still compiles takes a core's share from the pipeline it shares 2 cores with,
         and the open-loop runs' tail measures the compiler."""
         kafka = self.private.pids()["kafka"]
@@ -1169,6 +1169,14 @@ def summarise(result: dict[str, Any], bench: Bench) -> dict[str, Any]:
     }
 
 
+def _rounds(text: str) -> int:
+    """A count of warm-up rounds: 0 or more."""
+    rounds = int(text)
+    if rounds < 0:
+        raise argparse.ArgumentTypeError(f"{text} rounds: a count is 0 or more")
+    return rounds
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1182,7 +1190,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm-max-seconds", type=float, default=300.0,
                         help="the warm-up ends after this long even if the broker still compiles "
                              "(the JSON then says warm: false)")
-    parser.add_argument("--warm-max-rounds", type=int, default=None,
+    parser.add_argument("--warm-max-rounds", type=_rounds, default=None,
                         help="the warm-up ends after this many rounds (0: none, the short form that "
                              "checks the figures, not their values)")
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",") if x],

@@ -79,13 +79,15 @@ def servers(request: pytest.FixtureRequest, stack: None, unique: str) -> Iterato
 
 
 def on_each(check: Callable[[Server], None], servers: list[Server]) -> None:
-    """``check`` on every server side by side; a failure names its server."""
+    """``check`` on every server side by side; the first failure is raised, naming its server,
+    once every check has ended."""
     with ThreadPoolExecutor(len(servers)) as pool:
-        for server, future in [(server, pool.submit(check, server)) for server in servers]:
-            try:
-                future.result()
-            except AssertionError as exc:
-                raise AssertionError(f"{server.name}: {exc}") from exc
+        futures = [(server, pool.submit(check, server)) for server in servers]
+    for server, future in futures:
+        failure = future.exception()
+        if failure is not None:
+            failure.add_note(f"on the {server.name} server")
+            raise failure
 
 
 def connect(server: Server, source: str) -> socket.socket:

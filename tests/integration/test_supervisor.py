@@ -83,15 +83,18 @@ class World:
     def starting(self) -> Iterator[None]:
         """The instances started in the block start side by side: their groups are waited for
         together at its end, where each start alone waits for its own (seconds each)."""
+        assert self.pending is None, "one block at a time: an inner one would drop the outer's groups"
         self.pending = {}
         try:
             yield
-            for group, members in self.pending.items():
-                wait_for(lambda: consuming(group, members), timeout_s=45, what=f"{group} consuming")
+            waiting, self.pending = self.pending, None
+            for group, members in waiting.items():
+                self._consuming(group, members)
         finally:
             self.pending = None
 
     def _consuming(self, group: str, members: int) -> None:
+        """Wait until ``group`` consumes with ``members`` (at the end of a ``starting`` block)."""
         if self.pending is not None:
             self.pending[group] = members
         else:

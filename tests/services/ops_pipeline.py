@@ -71,7 +71,8 @@ def _puts_off(weight_kg: str, then: Callable[[Any, Context], None] | None) -> Ca
 
 def build(prefix: str, batch: int = 500, deadline_s: float | None = None) -> dict[str, Service]:
     t = lambda name: prefix + name  # noqa: E731
-    deadline_s = deadline_s or float(os.environ.get("OPS_DEADLINE_S", "30"))
+    if deadline_s is None:
+        deadline_s = float(os.environ.get("OPS_DEADLINE_S", "30"))
     # OPS_PACKAGE_VERSION=2: the package service's next version (the rolling-upgrade test)
     v2 = os.environ.get("OPS_PACKAGE_VERSION", "1") == "2"
     ready, cancelled = (package_v2.PackageReady, package_v2.PackageCancelled) if v2 else (PackageReady, PackageCancelled)
