@@ -499,9 +499,9 @@ class Bench:
         the open loop at each rate and at half the round's closed-loop rate) until the
         broker's JIT compilers rest: at most ``--warm-jit-pct`` of a core over a round, or
         ``--warm-max-seconds`` have passed or ``--warm-max-rounds`` have run (then ``warm``
-        is false and the figures are of a broker still compiling). A broker in service has compiled these paths long ago; one
-        that still compiles takes a core's share from the pipeline it shares 2 cores with,
-        and the open-loop runs' tail measures the compiler."""
+        is false and the figures are of a broker still compiling). A broker in service has
+        compiled these paths long ago; one that still compiles takes a core's share from the
+        pipeline it shares 2 cores with, and the open-loop runs' tail measures the compiler."""
         kafka = self.private.pids()["kafka"]
         started = time.monotonic()
         rounds: list[dict[str, Any]] = []

@@ -187,6 +187,12 @@ def consuming(group: str, members: int | None = None) -> bool:
                 and all(m.assignment.topic_partitions for m in found.members))
 
 
+def wait_consuming(groups: Iterable[str], members: int | None = None, timeout_s: float = 60.0) -> None:
+    """Wait until every one of ``groups`` is ``consuming``."""
+    for group in groups:
+        wait_for(lambda: consuming(group, members), timeout_s=timeout_s, what=f"{group} consuming")
+
+
 def notifications(client: Any, ids: Iterable[str]) -> list[bytes | None]:
     """What the notifier recorded for each delivery (``None`` where it has not, or where the
     release took its record with the delivery's state)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from datetime import time as dt_time
 from functools import cached_property, partial
-from typing import Any
+from typing import Any, NoReturn
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from fastavro import schemaless_reader
@@ -429,7 +429,7 @@ class BodyDecoder:
                 denials = self._denials[subject] = WriterSchemas(partial(self._refuse_denied, subject), subject)
             return denials.get(schema_id)
 
-    def _refuse_denied(self, subject: str, schema_id: int) -> Any:
+    def _refuse_denied(self, subject: str, schema_id: int) -> NoReturn:
         """Asked only for an id the registry denied: refused when ``subject`` does not hold it."""
         if not_registered_under(self._client, subject, schema_id):
             raise DecodeFailure(DeadLetterReason.INCOMPATIBLE_SCHEMA, f"schema id {schema_id} (or a schema it "

@@ -22,7 +22,7 @@ not in this one.)
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,7 +45,7 @@ from producers.settings import IngestionSettings
 from producers.submit import Submitter
 from schemas.models import ALL_EVENTS, DeliveryRequested
 from tests.factories import delivery_request, request_body
-from tests.helpers import ServiceProcess, consuming, read_topic, start_group_at_end, wait_for
+from tests.helpers import ServiceProcess, read_topic, start_group_at_end, wait_consuming, wait_for
 from tests.services import ops_pipeline
 
 pytestmark = pytest.mark.integration
@@ -258,8 +258,7 @@ def end_every_way(run: Run) -> dict[str, set[str]]:
     publisher.open_steps([(orphan, run.topic("delivery.requested"))])
     # the others' steps open once every service consumes: a start slower than a deadline
     # would requeue them, and a second miss fail them
-    for group in [s.name for s in run.flow.services]:
-        wait_for(lambda: consuming(group), timeout_s=60, what=f"{group} consuming")
+    wait_consuming(s.name for s in run.flow.services)
     # a dead letter of it once its steps are open (before, there is no state to note it in),
     # its request published at once after: it ships, and its state is kept
     kept = delivery_request()

@@ -57,7 +57,7 @@ from consumers.delivery import RETENTION_S as DECIDED_RETENTION_S
 from infra.chaos import stuck_evidence
 from schemas.models import ALL_EVENTS, DeliveryFailed, DroneReleased, DroneScheduled, PackageReady
 from tests.factories import delivery_request
-from tests.helpers import CLUSTER_URL, ServiceProcess, consuming, read_topic, start_group_at_end, wait_for
+from tests.helpers import CLUSTER_URL, ServiceProcess, read_topic, start_group_at_end, wait_consuming, wait_for
 from tests.services import ops_pipeline
 
 pytestmark = pytest.mark.integration
@@ -594,8 +594,7 @@ def test_trace_of_a_requeued_delivery(isolated: IsolatedPipeline, unique: str) -
     isolated.start()
     isolated.supervise(name, SUPERVISOR_SCAN_PERIOD_S="0.2", SUPERVISOR_BACKOFF_BASE_S="0.3",
                        SUPERVISOR_LEASE_TTL_S="2")
-    for group in (prefix + "package", prefix + "drone-scheduler", prefix + "delivery", name):
-        wait_for(lambda: consuming(group), timeout_s=60, what=f"{group} consuming")
+    wait_consuming((prefix + "package", prefix + "drone-scheduler", prefix + "delivery", name))
     target = isolated.submit(1)[0]
     wait_for(lambda: isolated.terminal({target}), timeout_s=45, interval_s=0.5,
              what="the requeued delivery to end")

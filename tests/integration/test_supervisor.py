@@ -43,8 +43,8 @@ from choreo.state import StateTable, delivery_key
 from consumers.drone_scheduler import fleet
 from schemas.models import DeliveryFailed
 from tests.factories import delivery_request
-from tests.helpers import (ServiceProcess, consuming, free_port, indexed, own_redis_url, read_topic,
-                           start_group_at_end, wait_for)
+from tests.helpers import (ServiceProcess, free_port, indexed, own_redis_url, read_topic, start_group_at_end,
+                           wait_consuming, wait_for)
 from tests.services import sup_pipeline
 
 pytestmark = pytest.mark.integration
@@ -98,7 +98,7 @@ class World:
         if self.pending is not None:
             self.pending[group] = members
         else:
-            wait_for(lambda: consuming(group, members), timeout_s=45, what=f"{group} consuming")
+            wait_consuming([group], members, timeout_s=45)
 
     def supervisor(self, instance: str = "0", members: int = 1, metrics_port: int = 0, **env: str) -> ServiceProcess:
         if members == 1:  # a new group joins the shared recovery topic at its end, as a
