@@ -436,7 +436,12 @@ def test_backlog_past_its_limit_refuses_with_429(unique: str) -> None:
             assert refused is not None, codes
             assert refused.json()["reason"] == "backlog" and refused.json()["error"] == "overloaded"
             assert 1 <= int(refused.headers["retry-after"]) <= 30
-            assert client.get("/readyz").json()["backlog"] >= limit
+            # the door counts a record confirmed while a measurement runs twice until the next
+            # one: it may close one early, never let past the limit
+            accepted = 1 + codes.count(202)
+            assert accepted <= limit, codes
+            wait_for(lambda: client.get("/readyz").json()["measured_backlog"] >= accepted, 10, 0.1,
+                     "the measurement sees every accepted request")
             catch_up()
             wait_for(lambda: client.get("/readyz").json()["backlog"] < limit, 10, 0.1, "catch-up")
             assert client.post("/deliveries", json=request_body()).status_code == 202
