@@ -29,12 +29,11 @@ from collections import Counter
 from collections.abc import Callable
 
 import pytest
-from confluent_kafka import ConsumerGroupState
 
 from choreo.envelope import derived_id
 from choreo.kafka import admin, ensure_topics
 from choreo.ops.records import BodyDecoder
-from tests.helpers import Record, ServiceProcess, read_topic, wait_for
+from tests.helpers import Record, ServiceProcess, read_topic, wait_consuming, wait_for
 from tests.integration.test_ops_pipeline import IsolatedPipeline, isolated, private_redis  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
@@ -54,18 +53,6 @@ def _by_delivery(records: list[Record], ids: set[str]) -> dict[str, list[Record]
 
 def _schema_id(record: Record) -> int:
     return int.from_bytes((record.value or b"\0\0\0\0\0")[1:5], "big")
-
-
-def _members(group: str) -> int:
-    """How many members of ``group`` have partitions, once it is stable (0 before)."""
-    client = admin()  # kept alive until the answer is in
-    try:
-        found = client.describe_consumer_groups([group], request_timeout=5)[group].result(timeout=5)
-    except Exception:  # noqa: BLE001 - not known yet
-        return 0
-    if found.state != ConsumerGroupState.STABLE:
-        return 0
-    return sum(1 for m in found.members if m.assignment.topic_partitions)
 
 
 def _owners(group: str, prefix: str) -> tuple[set[str], set[str]]:
@@ -103,7 +90,7 @@ def test_version_2_beside_version_1_then_alone_every_delivery_ends_once(isolated
     by_role = {proc.ref.rsplit(":", 1)[1]: proc for proc in isolated.procs}
     v1, delivery = by_role["package"], by_role["delivery"]
     delivery.stop()  # nothing is decided until version 1 is gone
-    wait_for(lambda: _members(group) == 1, timeout_s=60, interval_s=0.5, what="version 1 consuming")
+    wait_consuming([group], members=1)
 
     first, heavy = _submit_set(isolated)
     wait_for(_prepared(isolated, first), timeout_s=60, interval_s=0.5, what="version 1 preparing the first set")
@@ -111,7 +98,7 @@ def test_version_2_beside_version_1_then_alone_every_delivery_ends_once(isolated
     v2 = ServiceProcess(v1.ref, instance="v2", env={**v1.env, "OPS_PACKAGE_VERSION": "2", "OPS_PACKAGE_PUTS_OFF_KG": ""},
                         workflow=v1.workflow).start()
     isolated.procs.append(v2)
-    wait_for(lambda: _members(group) == 2, timeout_s=60, interval_s=0.5, what="both versions consuming")
+    wait_consuming([group], members=2)
     inputs, retries = _owners(group, prefix)
     assert inputs == {"v1"} and retries == {"v2"}, (
         f"the group's assignment moved the retry partitions to {retries}, the inputs to {inputs}: "
