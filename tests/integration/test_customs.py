@@ -156,8 +156,9 @@ def test_a_refused_flight_undoes_three_steps_newest_first_one_after_another(cust
         for earlier, later in zip(order, order[1:]):
             # the undo of a step is asked only once the undo of the step completed after it is done
             assert asked[later][d][0].timestamp_ms >= done[earlier][d][0].timestamp_ms, (d, earlier, later)
-        state = StateTable(customs.redis).fields(d)
-        assert all(state[f"{step}.status"] == "compensated" for step in order)
+        # the supervisor marks a step compensated once it has read the confirmation
+        wait_for(lambda: all(StateTable(customs.redis).fields(d)[f"{step}.status"] == "compensated"
+                             for step in order), timeout_s=30, what=f"{d}'s steps compensated")
     assert customs.redis.hget(clearances.key(ids[0]), "status") == b"revoked"
     # Redis lost: the rebuild restores the order the undos are asked in, so a confirmation
     # read after it still asks for the next one

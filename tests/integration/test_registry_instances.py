@@ -22,7 +22,7 @@ from registry import errors
 from infra.registry_process import registry_process
 from registry.state import State, config_record
 from registry.store import KafkaStore
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -134,12 +134,13 @@ def test_kill_during_a_registration_burst_loses_nothing_acknowledged(instances: 
     threads = [threading.Thread(target=burst, args=(w,)) for w in range(8)]
     for t in threads:
         t.start()
-    time.sleep(1.5)
+    # killed in the middle of the burst, once it has acknowledged some (each write is a
+    # transaction the instance then reads back: slow on a loaded machine)
+    wait_for(lambda: len(acknowledged) > 20, 30, 0.05, "twenty writes acknowledged")
     proc.kill()
     stop.set()
     for t in threads:
         t.join()
-    assert len(acknowledged) > 20
     proc.start(60)
 
     ids_of: dict[str, set[int]] = {}

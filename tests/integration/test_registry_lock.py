@@ -27,7 +27,7 @@ def big(extra: bool = False) -> str:
     """Eight records of 999 int fields each, in one (the bounds allow 1,000 fields a record
     and 256 KiB of text); ``extra`` adds an optional field, so ``big(True)`` is a
     BACKWARD-compatible successor of ``big()``. avro's checker takes time quadratic in a
-    record's fields: about half a second for it on this machine."""
+    record's fields: seconds for it here, when two run at once."""
     parts: list[dict[str, Any]] = [
         {"name": f"p{j}", "type": {"type": "record", "name": f"Part{j}",
                                    "fields": [{"name": f"f{i:03d}", "type": "int"} for i in range(999)]}}
@@ -45,12 +45,16 @@ def test_lookups_answer_fast_while_a_large_schema_is_checked(instances: Starter)
 
     checking = threading.Event()
     answers: list[int] = []
+    check_seconds: list[float] = []  # each whole check, as long as a lookup held by it would wait
+    successor = big(True)
 
     def check_again_and_again(path: str, until: float) -> None:
         with httpx.Client(base_url=url, timeout=60) as http:
             while time.monotonic() < until:
                 checking.set()
-                answers.append(http.post(path, json={"schema": big(True)}, headers=CT).status_code)
+                started = time.monotonic()
+                answers.append(http.post(path, json={"schema": successor}, headers=CT).status_code)
+                check_seconds.append(time.monotonic() - started)
 
     until = time.monotonic() + 6
     checkers = [threading.Thread(target=check_again_and_again, args=(path, until), daemon=True)
@@ -69,7 +73,7 @@ def test_lookups_answer_fast_while_a_large_schema_is_checked(instances: Starter)
             time.sleep(0.05)
         # a registration's own check runs outside the lock as well
         registering = threading.Thread(target=lambda: answers.append(http.post(
-            "/subjects/big/versions", json={"schema": big(True)}, headers=CT).status_code))
+            "/subjects/big/versions", json={"schema": successor}, headers=CT).status_code))
         registering.start()
         time.sleep(0.3)
         started = time.monotonic()
@@ -79,16 +83,21 @@ def test_lookups_answer_fast_while_a_large_schema_is_checked(instances: Starter)
     for thread in checkers:
         thread.join(60)
     assert answers and set(answers) == {200}, answers
-    assert slowest < 0.5, f"a lookup took {slowest:.2f} s while a schema was being checked"
+    # a lookup held by a check waits for the rest of it: the slowest of some twenty would
+    # wait most of one (the checks take seconds here, the lookups a fraction of one)
+    assert slowest < 0.5 * min(check_seconds), (
+        f"a lookup took {slowest:.2f} s while a schema was being checked (checks took "
+        f"{min(check_seconds):.2f}-{max(check_seconds):.2f} s)")
 
 
 def test_a_check_past_its_deadline_is_refused_clearly(instances: Starter) -> None:
     _, url = instances("deadline", SCHEMA_REGISTRY_COMPAT_TIMEOUT_S="0.2")
     with httpx.Client(base_url=url, timeout=60) as http:
         assert http.post("/subjects/big/versions", json={"schema": big()}, headers=CT).status_code == 200
+        successor = big(True)
         for path in ("/subjects/big/versions", "/compatibility/subjects/big/versions/latest"):
             started = time.monotonic()
-            refused = http.post(path, json={"schema": big(True)}, headers=CT)
+            refused = http.post(path, json={"schema": successor}, headers=CT)
             assert time.monotonic() - started < 2.0
             assert refused.status_code == 409, refused.text
             assert refused.json()["error_code"] == 409
