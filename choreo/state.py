@@ -46,9 +46,9 @@ class Begin(StrEnum):
     """What the runtime may do with an input event (for its step, if it has one)."""
 
     GO = "go"  # run the handler
-    DUPLICATE = "duplicate"  # already handled from another position (choreo.dedupe): skip
+    DUPLICATE = "duplicate"  # already handled from another position (choreo.dedupe), or another event for a completed step: skip
     RELEASED = "released"  # its delivery is finished and its state released: skip
-    REPLAY = "replay"  # already completed: run again for the same (remembered) answers
+    REPLAY = "replay"  # completed by this input (its batch aborted): run again for the same (remembered) answers
     STALE = "stale"  # an older attempt than the current token: ignore
     CLOSED = "closed"  # failed or compensating: a late answer, record and ignore
     EXPIRED = "expired"  # deadline passed: start no new side effect, report it
@@ -221,6 +221,21 @@ return 1
 """
 
 _BEGIN = """
+-- whether the step's source position carried another event than ``prefix``'s
+-- (``<service>:<event>:``): dedupe fields are ``<service>:<event>:<attempt>``, each with the
+-- position that first carried it (``topic|partition|offset``, which a source ends with)
+local function completed_by_another(K, step, seen, prefix)
+  local source = step_get(K, step, 'source')
+  local event = string.match(prefix, ':([^:]*):$')
+  if not source or not event then return false end
+  local sightings = redis.call('HGETALL', seen)
+  for i = 1, #sightings, 2 do
+    local name, at = sightings[i], sightings[i + 1]
+    if (source == at or string.sub(source, -(#at + 1)) == '|' .. at)
+       and string.match(name, ':([^:]*):%d+$') ~= event then return true end
+  end
+  return false
+end
 local K, step = KEYS[1], ARGV[1]
 -- a released delivery (choreo.release) is finished: nothing of it starts again, and a
 -- workflow's own service (ARGV[12] = '1') ignores its events outright
@@ -288,6 +303,16 @@ if attempt < token then
 end
 if status == 'completed' then
   if joined then return 'replay:' .. attempt end
+  -- an event this service sees first, for a step with one trigger that another event
+  -- completed, is a copy under a new id: run, it would call out again under new call ids
+  -- and publish under new ids. Which event completed it: the one a sighting (any service's)
+  -- names at the step's source. None found (expired, forgotten by a redrive, lost with
+  -- Redis), or this very event: the step's own input, read again, replays. Not remembered,
+  -- so the copy stays one when its own batch is read again
+  if first and ARGV[8] ~= '1' and completed_by_another(K, step, KEYS[3], ARGV[9]) then
+    redis.call('HDEL', KEYS[3], ARGV[9] .. ARGV[2])
+    return 'duplicate'
+  end
   return 'replay'
 end
 if status ~= 'pending' and status ~= 'processing' then return 'closed' end

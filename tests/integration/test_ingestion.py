@@ -437,11 +437,19 @@ def test_backlog_past_its_limit_refuses_with_429(unique: str) -> None:
             assert refused.json()["reason"] == "backlog" and refused.json()["error"] == "overloaded"
             assert 1 <= int(refused.headers["retry-after"]) <= 30
             # the door counts a record confirmed while a measurement runs twice until the next
-            # one: it may close one early, never let past the limit
+            # one: it may close early, then takes the places held back, up to the limit and
+            # never past it
             accepted = 1 + codes.count(202)
+
+            def topped_up() -> bool:
+                nonlocal accepted
+                if client.get("/readyz").json()["measured_backlog"] >= limit:
+                    return True
+                accepted += client.post("/deliveries", json=request_body()).status_code == 202
+                return False
+
+            wait_for(topped_up, 10, 0.15, "the places a double count held back taken")
             assert accepted <= limit, codes
-            wait_for(lambda: client.get("/readyz").json()["measured_backlog"] >= accepted, 10, 0.1,
-                     "the measurement sees every accepted request")
             catch_up()
             wait_for(lambda: client.get("/readyz").json()["backlog"] < limit, 10, 0.1, "catch-up")
             assert client.post("/deliveries", json=request_body()).status_code == 202

@@ -18,6 +18,7 @@ from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from choreo.config import settings
+from choreo.dedupe import sighting
 from choreo.envelope import MAX_ATTEMPT, Envelope, now_ms
 from choreo.kafka import CommittedOffsets, ensure_topics
 from choreo.publisher import Publisher
@@ -221,11 +222,16 @@ def test_a_failed_replay_of_a_completed_step_is_retried_until_it_publishes(
     first three tries (two in one batch)."""
     topic = probe_topic
     request = delivery_request(weight_kg=3.0)
+    [event_id] = _publish([request], topic)
+    [record] = read_topic(topic)
+    position = f"{topic}|{record.partition}|{record.offset}"
     table, now = StateTable(redis_client), now_ms()
     table.open(request.delivery_id, "probe", now + 30_000, now)
-    assert table.begin(request.delivery_id, "probe", 1, now, 30_000, 10, f"{topic}|0|0") is Begin.GO
+    # the killed batch's begin saw the event at its position, then its finish completed the step
+    assert table.begin_many([(request.delivery_id, "probe", 1, now, 30_000, position)], 10,
+                            sightings=[sighting(f"probe-{topic}", request.delivery_id, event_id, position)],
+                            dedupe_ttl_s=3600) == [(Begin.GO, 1)]
     assert table.finish(request.delivery_id, "probe", 1, now, StepStatus.COMPLETED) == "ok"
-    [event_id] = _publish([request], topic)
     services.append(ServiceProcess("tests.services.probe:service", env={"PROBE_TOPIC": topic}).start())
     out = wait_for(lambda: read_topic(f"{topic}.out"), timeout_s=60, what="the replay's output")
     assert [r.envelope.causation_id for r in out if r.envelope] == [event_id]

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from choreo import keys
-from choreo.dedupe import sighting
+from choreo.dedupe import seen_field, sighting
 from choreo.lease import Lease
 from choreo.ops import status
 from choreo.state import Begin, Source, StateTable, StepStatus, deadline_index, delivery_key, index_member
@@ -385,6 +385,41 @@ def test_a_step_with_one_trigger_keeps_one_source(client: redis.Redis, lease: Le
     assert table.begin(d, "drone", 1, 1_003_000, DEADLINE, BUDGET, "a|a|0|1") == Begin.EXPIRED
     assert table.begin(d, "drone", 1, 1_003_010, DEADLINE, BUDGET, "b|b|0|2") == Begin.EXPIRED
     assert _fields(client, d)["drone.source"] == "b|b|0|2"
+
+
+def test_another_event_for_a_completed_step_is_a_copy_and_stays_one(client: redis.Redis, lease: Lease) -> None:
+    """A completed step's input read again is a replay (its batch aborted: its outputs are
+    published from the remembered answers), also once its sighting is gone (expired,
+    forgotten by a redrive, lost with Redis). Another event for that step (a copy under a new
+    id) would run the handler with new memos and call out again under new call ids: it is a
+    copy, read again or not, at any attempt the step takes."""
+    d = _new(client, "package")
+    table = StateTable(client)
+    first, again, retry = "a|0|1", "a|0|2", "retry.a|0|3"
+
+    def read(event_id: str, attempt: int, position: str, service: str = "package") -> tuple[Begin, int]:
+        return table.begin_many([(d, "package", attempt, 1_000_100, DEADLINE, position)], BUDGET,
+                                sightings=[sighting(service, d, event_id, position)], dedupe_ttl_s=60)[0]
+
+    assert read("e-1", 1, first) == (Begin.GO, 1)
+    assert read("e-1", 1, first, service="notifier") == (Begin.GO, 1)  # another service's sighting of it
+    assert table.finish(d, "package", 1, 1_000_110, StepStatus.COMPLETED) == "ok"
+    assert read("e-1", 1, first) == (Begin.REPLAY, 1)
+    assert read("e-2", 1, again) == (Begin.DUPLICATE, 1)
+    assert read("e-2", 1, again) == (Begin.DUPLICATE, 1)  # its batch read again
+    assert read("e-2", 2, retry) == (Begin.DUPLICATE, 2)
+    seen = sighting("package", d, "e-1", first).key
+    assert not any(b"e-2" in k for k in client.hkeys(seen))  # the copy left no sighting
+    # the package's own sighting gone: its input read again at its position, or redriven to a
+    # new one (the notifier's sighting still names it at the source), replays
+    client.hdel(seen, seen_field("package", "e-1", 1))
+    assert read("e-1", 1, again) == (Begin.REPLAY, 1)
+    client.hdel(seen, seen_field("package", "e-1", 1))
+    assert read("e-1", 1, first) == (Begin.REPLAY, 1)
+    # and with no sighting left at all, anything replays, as the step's own input may be it
+    client.delete(seen)
+    assert read("e-2", 1, again) == (Begin.REPLAY, 1)
+    assert _fields(client, d)["package.source"] == first
 
 
 def test_back_off_grows_exponentially(client: redis.Redis, lease: Lease) -> None:
