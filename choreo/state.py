@@ -48,7 +48,7 @@ class Begin(StrEnum):
     GO = "go"  # run the handler
     DUPLICATE = "duplicate"  # already handled from another position (choreo.dedupe), or another event for a completed step: skip
     RELEASED = "released"  # its delivery is finished and its state released: skip
-    REPLAY = "replay"  # completed by this input (its batch aborted): run again for the same (remembered) answers
+    REPLAY = "replay"  # already completed, by this input as far as the dedupe knows: run again for the same (remembered) answers
     STALE = "stale"  # an older attempt than the current token: ignore
     CLOSED = "closed"  # failed or compensating: a late answer, record and ignore
     EXPIRED = "expired"  # deadline passed: start no new side effect, report it
@@ -221,18 +221,22 @@ return 1
 """
 
 _BEGIN = """
--- whether the step's source position carried another event than ``prefix``'s
--- (``<service>:<event>:``): dedupe fields are ``<service>:<event>:<attempt>``, each with the
--- position that first carried it (``topic|partition|offset``, which a source ends with)
+-- whether the step's source (the last input that began it) carried another event than
+-- ``prefix``'s (``<service>:<event>:``): dedupe fields are ``<service>:<event>:<attempt>``,
+-- each with the position that first carried it (``topic|partition|offset``, which a source
+-- ends with). A hash past 64 entries (a delivery has about six; copies under new ids at
+-- open steps grow it) is not read: the check answers no, as before it existed
 local function completed_by_another(K, step, seen, prefix)
   local source = step_get(K, step, 'source')
   local event = string.match(prefix, ':([^:]*):$')
-  if not source or not event then return false end
+  if not source or not event or redis.call('HLEN', seen) > 64 then return false end
   local sightings = redis.call('HGETALL', seen)
   for i = 1, #sightings, 2 do
     local name, at = sightings[i], sightings[i + 1]
-    if (source == at or string.sub(source, -(#at + 1)) == '|' .. at)
-       and string.match(name, ':([^:]*):%d+$') ~= event then return true end
+    local other = string.match(name, ':([^:]*):[0-9]+$')
+    if other and other ~= event and (source == at or string.sub(source, -(#at + 1)) == '|' .. at) then
+      return true
+    end
   end
   return false
 end
