@@ -46,9 +46,11 @@ class Begin(StrEnum):
     """What the runtime may do with an input event (for its step, if it has one)."""
 
     GO = "go"  # run the handler
-    DUPLICATE = "duplicate"  # already handled from another position (choreo.dedupe), or another event for a completed step: skip
+    # already handled from another position (choreo.dedupe), or another event for a completed step: skip
+    DUPLICATE = "duplicate"
     RELEASED = "released"  # its delivery is finished and its state released: skip
-    REPLAY = "replay"  # already completed, by this input as far as the dedupe knows: run again for the same (remembered) answers
+    # already completed, by this input as far as the dedupe knows: run again for the same (remembered) answers
+    REPLAY = "replay"
     STALE = "stale"  # an older attempt than the current token: ignore
     CLOSED = "closed"  # failed or compensating: a late answer, record and ignore
     EXPIRED = "expired"  # deadline passed: start no new side effect, report it
@@ -225,7 +227,7 @@ _BEGIN = """
 -- ``prefix``'s (``<service>:<event>:``): dedupe fields are ``<service>:<event>:<attempt>``,
 -- each with the position that first carried it (``topic|partition|offset``, which a source
 -- ends with). A hash past 64 entries (a delivery has about six; copies under new ids at
--- open steps grow it) is not read: the check answers no, as before it existed
+-- open steps grow it) is not read: the check answers no, and the copy replays
 local function completed_by_another(K, step, seen, prefix)
   local source = step_get(K, step, 'source')
   local event = string.match(prefix, ':([^:]*):$')
@@ -311,8 +313,8 @@ if status == 'completed' then
   -- completed, is a copy under a new id: run, it would call out again under new call ids
   -- and publish under new ids. Which event completed it: the one a sighting (any service's)
   -- names at the step's source. None found (expired, forgotten by a redrive, lost with
-  -- Redis), or this very event: the step's own input, read again, replays. Not remembered,
-  -- so the copy stays one when its own batch is read again
+  -- Redis), or this very event: the step's own input, read again, replays. The copy leaves
+  -- no sighting, so it stays one when its own batch is read again
   if first and ARGV[8] ~= '1' and completed_by_another(K, step, KEYS[3], ARGV[9]) then
     redis.call('HDEL', KEYS[3], ARGV[9] .. ARGV[2])
     return 'duplicate'
