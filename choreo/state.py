@@ -178,8 +178,9 @@ class StepScript(BatchScript):
     """A step transition run for a batch of items in one call (``choreo.batch``): each item
     writes back its records before the next one reads."""
 
-    def __init__(self, client: redis.Redis, name: str, body: str) -> None:
-        super().__init__(client, name, body, prelude=STEP_LUA, after_each="step_flush()")
+    def __init__(self, client: redis.Redis, name: str, body: str, helpers: str = "") -> None:
+        """``helpers``: functions of the body's own, defined once per call beside ``STEP_LUA``'s."""
+        super().__init__(client, name, body, prelude=STEP_LUA + helpers, after_each="step_flush()")
 
 
 def delivery_key(delivery_id: str) -> str:
@@ -222,7 +223,8 @@ redis.call('ZREM', KEYS[2], ARGV[2])
 return 1
 """
 
-_BEGIN = """
+# what the begin calls, defined once per call beside STEP_LUA's (its body runs per item)
+_BEGIN_HELPERS = """
 -- whether the step's source (the last input that began it) carried another event than
 -- ``prefix``'s (``<service>:<event>:``): dedupe fields are ``<service>:<event>:<attempt>``,
 -- each with the position that first carried it (``topic|partition|offset``, which a source
@@ -242,6 +244,9 @@ local function completed_by_another(K, step, seen, prefix)
   end
   return false
 end
+"""
+
+_BEGIN = """
 local K, step = KEYS[1], ARGV[1]
 -- a released delivery (choreo.release) is finished: nothing of it starts again, and a
 -- workflow's own service (ARGV[12] = '1') ignores its events outright
@@ -602,12 +607,12 @@ class StateTable:
         self.retention_s = retention_s
         self._open = StepScript(client, "open", _OPEN)
         self._abandon = StepScript(client, "abandon", _ABANDON)
-        self._begin = StepScript(client, "begin", _BEGIN)
+        self._begin = StepScript(client, "begin", _BEGIN, _BEGIN_HELPERS)
         self._riders: dict[tuple[str, str], StepScript] = {}
         self._try_again = client.register_script(_TRY_AGAIN)
         self._finish = StepScript(client, "finish", _FINISH)
         self._finish_opening = StepScript(client, "finish_opening", _FINISH_OPENING)
-        self._restore = StepScript(client, "restore", _RESTORE)
+        self._restore = StepScript(client, "restore", _RESTORE, _BEGIN_HELPERS)
         self._note_dead_letter = client.register_script(_NOTE_DEAD_LETTER)
         self._put = client.register_script(_PUT)
 
@@ -700,7 +705,8 @@ class StateTable:
         script = self._riders.get((rider.name, rider.source))
         if script is None:
             script = self._riders[(rider.name, rider.source)] = StepScript(
-                self.client, f"begin+{rider.name}", _BEGIN_RIDING.replace("--[[the effect]]", rider.source))
+                self.client, f"begin+{rider.name}", _BEGIN_RIDING.replace("--[[the effect]]", rider.source),
+                _BEGIN_HELPERS)
         return script
 
     def complete_many(self, items: list[tuple[str, str, int]], now_ms: int,

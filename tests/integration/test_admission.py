@@ -24,7 +24,7 @@ from producers.model import parse_request
 from producers.submit import Submitter, _Item, idempotency_redis_key, owner_redis_key
 from tests.factories import request_body
 from tests.helpers import ServiceProcess, wait_for
-from tests.ingestion import end_offsets, ingestion_settings, records_since, serving
+from tests.ingestion import end_offsets, ingestion_settings, records_since, serving, top_up_to_backlog
 from tests.pipeline import Pipeline, terminal_counts, wait_terminal
 
 pytestmark = pytest.mark.integration
@@ -97,17 +97,7 @@ def test_a_stopped_service_closes_the_door_and_nothing_accepted_is_lost(
         # measurement under load can outlast hundreds of refusals, and the flood may end
         # before it), the total stays within the limit
         assert 429 not in codes[:BACKLOG_LIMIT // 2], seen
-
-        def topped_up() -> bool:
-            """The backlog measured at the limit, else one more request asked."""
-            if client.get("/readyz").json()["measured_backlog"] >= BACKLOG_LIMIT:
-                return True
-            response = client.post("/deliveries", json=request_body(owner_id=owner))
-            if response.status_code == 202:
-                accepted.append(response.json()["delivery_id"])
-            return False
-
-        wait_for(topped_up, 30, 0.25, "the places a double count held back taken")
+        accepted += top_up_to_backlog(client, BACKLOG_LIMIT, lambda: request_body(owner_id=owner))
         assert BACKLOG_LIMIT // 2 <= len(accepted) <= BACKLOG_LIMIT, seen
 
         # the Python API meets the same door, with the same reason, once measured

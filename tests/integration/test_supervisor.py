@@ -195,6 +195,10 @@ def _shipped_once(world: World, ids: list[str]) -> None:
     assert fleet.double_bookings(world.redis) == []
 
 
+# what a service logs of an attempt the supervisor gave away, with the ``why`` it logs (None: any)
+SUPERSEDED = {"step.late_answer_dropped": "stale", "step.ignored": "stale", "step.dropped_meanwhile": None}
+
+
 def test_step_of_a_stopped_service_is_extended_and_completes_when_it_is_back(world: World) -> None:
     with world.starting():
         world.start("package")
@@ -214,9 +218,8 @@ def test_step_of_a_stopped_service_is_extended_and_completes_when_it_is_back(wor
     # process's first batch is slow) is requeued, and what it did after is dropped (its
     # answer at its finish, its effects, or its input read again as stale)
     reports, log = _reports(ids), world.log(drone)
-    superseded = Counter(e["delivery_id"] for event in ("step.late_answer_dropped", "step.ignored",
-                                                        "step.dropped_meanwhile")
-                         for e in _logged(log, event) if event == "step.dropped_meanwhile" or e.get("why") == "stale")
+    superseded = Counter(e["delivery_id"] for event, why in SUPERSEDED.items()
+                         for e in _logged(log, event) if why is None or e.get("why") == why)
     for d in ids:
         state = world.state(d)
         assert state["drone.status"] == "completed"
@@ -299,7 +302,7 @@ def test_requeued_halves_that_joined_and_decided_meanwhile_are_not_published_aga
     world.start("delivery")
     _shipped_once(world, ids)  # the halves joined attempt 2 and decided
     producer = Producer({"bootstrap.servers": settings().kafka_bootstrap_servers})
-    copied: dict[str, set[int]] = defaultdict(set)
+    copied: list[tuple[str, int, int]] = []
     for half in ("package.ready", "drone.scheduled"):  # the requeues, sent before the halves joined
         retry = retry_topic(world.topic("delivery"), world.topic(half))
         for record in world.records(half):
@@ -307,16 +310,21 @@ def test_requeued_halves_that_joined_and_decided_meanwhile_are_not_published_aga
             assert envelope is not None
             producer.produce(retry, key=record.key, value=record.value,
                              headers=replace(envelope, attempt=2, deadline_ms=claimed_until).to_headers(),
-                             on_delivery=lambda err, msg: copied[msg.topic()].add(msg.partition()))
+                             on_delivery=lambda err, msg: copied.append((msg.topic(), msg.partition(), msg.offset())))
     assert producer.flush(30) == 0
+    _read_past(world.topic("delivery"), copied, "the copies read")
+    _shipped_once(world, ids)
+
+
+def _read_past(group: str, positions: list[tuple[str, int, int]], what: str) -> None:
+    """Wait until ``group`` has committed past each (topic, partition, offset)."""
     offsets = CommittedOffsets()
     try:
-        wait_for(lambda: all(offset >= 1 for topic, partitions in copied.items() for offset in
-                             offsets.on_topic(world.topic("delivery"), topic, partitions).values()),
-                 timeout_s=30, what="the copies read")
+        wait_for(lambda: all(committed > offset for topic, partition, offset in positions
+                             for committed in offsets.on_topic(group, topic, [partition]).values()),
+                 timeout_s=30, what=what)
     finally:
         offsets.close()
-    _shipped_once(world, ids)
 
 
 def _logged(log: str, event: str) -> list[dict[str, Any]]:
@@ -349,12 +357,7 @@ def test_a_copy_under_a_new_id_of_a_completed_steps_input_runs_nothing(world: Wo
     requests = world.by_delivery("delivery.requested")[d]
     assert len({r.header("event_id") for r in requests}) == 2
     copy = requests[-1]
-    offsets = CommittedOffsets()
-    try:
-        wait_for(lambda: offsets.on_topic(world.topic("package"), copy.topic, [copy.partition])[copy.partition]
-                 > copy.offset, timeout_s=30, what="the copy read")
-    finally:
-        offsets.close()
+    _read_past(world.topic("package"), [(copy.topic, copy.partition, copy.offset)], "the copy read")
     assert len(world.by_delivery("package.ready")[d]) == 1
     assert world.state(d)["package.status"] == "completed"
     with world.starting():
