@@ -2,8 +2,10 @@
 
 Each step's change is one ``step`` event, in the order the steps changed; the stream ends
 with the delivery's ``outcome`` (or with ``timeout`` after ``INGESTION_SSE_MAX_S``). Once
-the delivery's state is gone from Redis, its story comes from Kafka instead
-(``producers.history``): one ``history`` event per record, then the outcome.
+the delivery's state is gone from Redis, or released to a tombstone that keeps its outcome
+but not its steps, its story comes from Kafka instead (``producers.history``): one
+``history`` event per record, then the outcome. A release can come between two polls, so
+a stream that saw the first steps live may tell the last ones only in that history.
 
 The state is polled (``INGESTION_SSE_POLL_S``): one Redis read per stream and period, on a
 worker thread, whatever the number of changes. Streams are bounded per client (the owner,
@@ -83,7 +85,9 @@ async def delivery_events(delivery_id: str, status: Callable[[], Awaitable[dict[
         if await gone():
             return
         now = await status()
-        if now is None:  # expired or released meanwhile: the rest of the story is in Kafka
+        if now is None or (now.get("outcome") and not now["steps"]):
+            # expired, or released (its tombstone keeps the outcome, not the steps), since
+            # the last poll: the steps it did not see are in Kafka, with the rest of the story
             told = await history()
             for hop in (told or {}).get("history", []):
                 n += 1
@@ -91,6 +95,8 @@ async def delivery_events(delivery_id: str, status: Callable[[], Awaitable[dict[
             if told is not None and told.get("outcome"):
                 yield frame("outcome", {"delivery_id": delivery_id, "outcome": told["outcome"],
                                         "source": "kafka"}, n + 1)
+            elif now is not None:
+                yield frame("outcome", {"delivery_id": delivery_id, "outcome": now["outcome"]}, n + 1)
             else:
                 yield frame("unknown", {"delivery_id": delivery_id}, n + 1)
             return

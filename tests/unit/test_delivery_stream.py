@@ -85,3 +85,16 @@ def test_once_the_state_is_gone_the_story_comes_from_kafka() -> None:
     assert [e for e, _ in got] == ["history", "history", "outcome"]
     assert got[-1][1] == {"delivery_id": "d1", "outcome": "failed", "source": "kafka"}
     assert [e for e, _ in run([None], None)] == ["unknown"]
+
+
+def test_a_release_between_two_polls_tells_the_unseen_steps_from_kafka() -> None:
+    seen = {"steps": {"package": step("completed", 5), "drone": step("completed", 3)}, "outcome": None}
+    tombstone = {"steps": {}, "outcome": "shipped"}
+    history = {"outcome": "shipped", "history": [{"topic": "delivery.requested"}, {"topic": "delivery.shipped"}]}
+    got = run([seen, tombstone], history)
+    assert [e for e, _ in got] == ["step", "step", "history", "history", "outcome"]
+    assert got[-1][1] == {"delivery_id": "d1", "outcome": "shipped", "source": "kafka"}
+    # Kafka's story out of reach: the tombstone's outcome still ends the stream
+    got = run([seen, tombstone], None)
+    assert [e for e, _ in got] == ["step", "step", "outcome"]
+    assert got[-1][1] == {"delivery_id": "d1", "outcome": "shipped"}
