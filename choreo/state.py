@@ -46,7 +46,7 @@ class Begin(StrEnum):
     """What the runtime may do with an input event (for its step, if it has one)."""
 
     GO = "go"  # run the handler
-    # already handled from another position (choreo.dedupe), or another event for a completed step: skip
+    # already handled from another position (choreo.dedupe), or another event for a step another began: skip
     DUPLICATE = "duplicate"
     RELEASED = "released"  # its delivery is finished and its state released: skip
     # already completed, by this input as far as the dedupe knows: run again for the same (remembered) answers
@@ -228,9 +228,9 @@ _BEGIN_HELPERS = """
 -- whether the step's source (the last input that began it) carried another event than
 -- ``prefix``'s (``<service>:<event>:``): dedupe fields are ``<service>:<event>:<attempt>``,
 -- each with the position that first carried it (``topic|partition|offset``, which a source
--- ends with). A hash past 64 entries (a delivery has about six; copies under new ids at
--- open steps grow it) is not read: the check answers no, and the copy replays
-local function completed_by_another(K, step, seen, prefix)
+-- ends with). A hash past 64 entries (a delivery has about six) is not read: the check
+-- answers no, and the copy runs
+local function begun_by_another(K, step, seen, prefix)
   local source = step_get(K, step, 'source')
   local event = string.match(prefix, ':([^:]*):$')
   if not source or not event or redis.call('HLEN', seen) > 64 then return false end
@@ -312,18 +312,20 @@ if attempt < token then
   attempt, joined = token, true
   step_set(K, step, {joined = ARGV[7]})
 end
+-- an event this service sees first, for a step with one trigger that another event began
+-- (running or done), is a copy under a new id: run, it would call out beside or after that
+-- event under new call ids and publish under new ids. Which event began it: the one a
+-- sighting (any service's) names at the step's source. None found (expired, forgotten by a
+-- redrive, lost with Redis), or this very event: the step's own input, read again or
+-- requeued (an attempt of the same event), runs. An undo asked again has no source yet
+-- (its step is reset). The copy leaves no sighting, so it stays one when its own batch is
+-- read again
+if first and ARGV[8] ~= '1' and begun_by_another(K, step, KEYS[3], ARGV[9]) then
+  redis.call('HDEL', KEYS[3], ARGV[9] .. ARGV[2])
+  return 'duplicate'
+end
 if status == 'completed' then
   if joined then return 'replay:' .. attempt end
-  -- an event this service sees first, for a step with one trigger that another event
-  -- completed, is a copy under a new id: run, it would call out again under new call ids
-  -- and publish under new ids. Which event completed it: the one a sighting (any service's)
-  -- names at the step's source. None found (expired, forgotten by a redrive, lost with
-  -- Redis), or this very event: the step's own input, read again, replays. The copy leaves
-  -- no sighting, so it stays one when its own batch is read again
-  if first and ARGV[8] ~= '1' and completed_by_another(K, step, KEYS[3], ARGV[9]) then
-    redis.call('HDEL', KEYS[3], ARGV[9] .. ARGV[2])
-    return 'duplicate'
-  end
   return 'replay'
 end
 if status ~= 'pending' and status ~= 'processing' then return 'closed' end

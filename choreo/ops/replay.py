@@ -16,7 +16,7 @@ effects, exactly-once transactions, dead letters and recovery reports) with thre
   service already handled must be the second case, or every handler would run again and
   re-produce its outputs: so events the service already handled are skipped as copies,
   and only events it never handled (missed, newly subscribed, dedupe entry expired) run,
-  save copies under new ids of the input that completed a step.
+  save copies under new ids of the input that began a step.
   Events of a delivery that ended and was released (``choreo.release``) are skipped too, and
   counted apart: that delivery is finished, for a replay and for ``--reset-live-group`` alike.
   Even those cannot double an effect: effects are remembered per event id

@@ -366,6 +366,28 @@ def test_a_copy_under_a_new_id_of_a_completed_steps_input_runs_nothing(world: Wo
     _shipped_once(world, [d])
 
 
+def test_a_copy_under_a_new_id_read_beside_its_original_runs_nothing(world: World) -> None:
+    """A request and its copy under a new event id, read by services started after both
+    were published: the copy finds the package and drone steps the original began (run, or
+    expired and requeued). Run, it would call the warehouse and dispatch beside the original
+    under new call ids, or be the input the supervisor requeues."""
+    [d] = world.publish(1)
+    world.publish(0, again=[d])
+    with world.starting():
+        package = world.start("package")
+        drone = world.start("drone")
+        world.start("delivery")
+        world.supervisor()
+    _shipped_once(world, [d])
+    copy = world.by_delivery("delivery.requested")[d][-1].header("event_id")
+    assert len(world.by_delivery("package.ready")[d]) == 1
+    assert len(world.by_delivery("drone.scheduled")[d]) == 1
+    for service in (package, drone):
+        named = [json.loads(line).get("event_id") for line in world.log(service).splitlines()
+                 if line.startswith("{")]
+        assert copy not in named  # neither run nor reported (expired, requeued)
+
+
 def test_late_answer_of_an_old_attempt_changes_nothing(world: World) -> None:
     with world.starting():
         world.start("package")

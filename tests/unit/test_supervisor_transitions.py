@@ -426,6 +426,44 @@ def test_another_event_for_a_completed_step_is_a_copy_and_stays_one(client: redi
     assert _fields(client, d)["package.source"] == first
 
 
+def test_another_event_for_a_step_that_runs_still_is_a_copy_at_its_attempt(
+        client: redis.Redis, lease: Lease) -> None:
+    """While a step's attempt runs, another event for it (a copy under a new id) would run
+    beside it under new call ids: a copy too, read again or not. The step's own input read
+    again runs, and so does its requeue at the next attempt; a copy of that is a copy. Read
+    past the deadline, the copy would have become the input the supervisor requeues."""
+    d = _new(client, "drone")
+    table = StateTable(client)
+    first, again, retry = "t|t|0|1", "t|t|0|2", "r|r|0|3"
+
+    def read(event_id: str, attempt: int, position: str, now: int = 1_000_100) -> tuple[Begin, int]:
+        return table.begin_many([(d, "drone", attempt, now, DEADLINE, position)], BUDGET,
+                                sightings=[sighting("drone-scheduler", d, event_id, position)], dedupe_ttl_s=60)[0]
+
+    assert read("e-1", 1, first) == (Begin.GO, 1)
+    assert read("e-2", 1, again) == (Begin.DUPLICATE, 1)
+    assert read("e-2", 1, again) == (Begin.DUPLICATE, 1)  # its batch read again
+    assert read("e-1", 1, first) == (Begin.GO, 1)  # the original's batch aborted: it runs again
+    seen = sighting("drone-scheduler", d, "e-1", first).key
+    assert not any(b"e-2" in k for k in client.hkeys(seen))  # the copy left no sighting
+    assert _fields(client, d)["drone.source"] == first
+    # past its deadline: claimed for attempt 2 and requeued; the requeue runs, a copy of it not
+    claim = _scan(client, lease, 1_000_100 + DEADLINE + 1)[(d, "drone")]
+    assert claim.kind == "claim" and claim.data["attempt"] == 2
+    requeue = _scan(client, lease, int(claim.data["backoff"]) + 1_000_100 + DEADLINE + 2)[(d, "drone")]
+    assert requeue.kind == "requeue" and requeue.data["source"] == first
+    now = int(requeue.data["complete_by"]) - DEADLINE
+    assert read("e-1", 2, retry, now) == (Begin.GO, 2)
+    assert read("e-2", 2, again, now) == (Begin.DUPLICATE, 2)
+    assert _fields(client, d)["drone.source"] == retry
+    # read past the deadline, both: the original is the input the supervisor will requeue
+    d = _new(client, "drone")
+    late = 1_000_000 + DEADLINE + 1
+    assert read("e-1", 1, first, late) == (Begin.EXPIRED, 1)
+    assert read("e-2", 1, again, late) == (Begin.DUPLICATE, 1)
+    assert _fields(client, d)["drone.source"] == first
+
+
 def test_back_off_grows_exponentially(client: redis.Redis, lease: Lease) -> None:
     d = _new(client, "package")
     now, backoffs = 1_002_000, []
