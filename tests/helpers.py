@@ -173,10 +173,13 @@ def start_group_at_end(group: str, topic: str, wait_s: float = 30.0) -> None:
         consumer.close()
 
 
-def consuming(group: str, members: int | None = None) -> bool:
+def consuming(group: str, members: int | None = None, clients: Iterable[str] = ()) -> bool:
     """Whether ``group`` is stable and every member has partitions (and, given ``members``,
-    has that many): an event published before waits in Kafka while its steps' deadlines run,
-    and on a loaded machine they could expire before the services are up."""
+    has that many; given ``clients``, members with these client ids among them): an event
+    published before waits in Kafka while its steps' deadlines run, and on a loaded machine
+    they could expire before the services are up. A member killed with ``kill -9`` stays
+    until its session times out (10 s): a restarted instance is waited for by its client id
+    (``<service>-<instance>``), or its predecessor would stand for it."""
     client = admin()  # kept alive until the answer is in
     try:
         found = client.describe_consumer_groups([group], request_timeout=5)[group].result(timeout=5)
@@ -184,13 +187,16 @@ def consuming(group: str, members: int | None = None) -> bool:
         return False
     return bool(found.state == ConsumerGroupState.STABLE and found.members
                 and (members is None or len(found.members) == members)
+                and set(clients) <= {m.client_id for m in found.members}
                 and all(m.assignment.topic_partitions for m in found.members))
 
 
-def wait_consuming(groups: Iterable[str], members: int | None = None, timeout_s: float = 60.0) -> None:
-    """Wait until every one of ``groups`` is ``consuming``."""
+def wait_consuming(groups: Iterable[str], members: int | None = None, timeout_s: float = 60.0,
+                   clients: Iterable[str] = ()) -> None:
+    """Wait until every one of ``groups`` is ``consuming`` (with ``clients`` among each's members)."""
+    clients = list(clients)
     for group in groups:
-        wait_for(lambda: consuming(group, members), timeout_s=timeout_s, what=f"{group} consuming")
+        wait_for(lambda: consuming(group, members, clients), timeout_s=timeout_s, what=f"{group} consuming")
 
 
 def notifications(client: Any, ids: Iterable[str]) -> list[bytes | None]:

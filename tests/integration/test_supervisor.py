@@ -64,8 +64,9 @@ class World:
     redis: redis.Redis
     env: dict[str, str]
     procs: list[ServiceProcess] = field(default_factory=list)
-    # group -> members, while ``starting``: the groups waited for at the block's end
-    pending: dict[str, int] | None = None
+    # group -> (members, client ids of the instances started), while ``starting``: the groups
+    # waited for at the block's end
+    pending: dict[str, tuple[int, set[str]]] | None = None
 
     def topic(self, name: str) -> str:
         return self.prefix + name
@@ -76,7 +77,8 @@ class World:
         proc = ServiceProcess(f"{sup_pipeline.MODULE}:{ROLE_REF[role]}", instance=instance,
                               env={**self.env, **env}, workflow=f"{sup_pipeline.MODULE}:WORKFLOW")
         self.procs.append(proc.start())
-        self._consuming(self.prefix + {"drone": "drone-scheduler"}.get(role, role), members)
+        group = self.prefix + {"drone": "drone-scheduler"}.get(role, role)
+        self._consuming(group, members, f"{group}-{instance}")
         return proc
 
     @contextmanager
@@ -88,17 +90,18 @@ class World:
         try:
             yield
             waiting, self.pending = self.pending, None
-            for group, members in waiting.items():
-                self._consuming(group, members)
+            for group, (members, clients) in waiting.items():
+                wait_consuming([group], members, timeout_s=45, clients=clients)
         finally:
             self.pending = None
 
-    def _consuming(self, group: str, members: int) -> None:
-        """Wait until ``group`` consumes with ``members`` (at the end of a ``starting`` block)."""
-        if self.pending is not None:
-            self.pending[group] = members
+    def _consuming(self, group: str, members: int, client: str) -> None:
+        """Wait until ``group`` consumes with ``members``, the instance started as ``client``
+        among them (at the end of a ``starting`` block)."""
+        if self.pending is None:
+            wait_consuming([group], members, timeout_s=45, clients=[client])
         else:
-            wait_consuming([group], members, timeout_s=45)
+            self.pending[group] = (members, self.pending.get(group, (0, set()))[1] | {client})
 
     def supervisor(self, instance: str = "0", members: int = 1, metrics_port: int = 0, **env: str) -> ServiceProcess:
         if members == 1:  # a new group joins the shared recovery topic at its end, as a
@@ -107,7 +110,7 @@ class World:
                               env={**self.env, **env}, workflow=f"{sup_pipeline.MODULE}:WORKFLOW",
                               args=["--metrics-port", str(metrics_port)] if metrics_port else [])
         self.procs.append(proc.start())
-        self._consuming(self.name, members)
+        self._consuming(self.name, members, f"{self.name}-{proc.instance}")
         return proc
 
     def publish(self, n: int, again: Sequence[str] = ()) -> list[str]:
