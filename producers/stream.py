@@ -5,7 +5,9 @@ with the delivery's ``outcome`` (or with ``timeout`` after ``INGESTION_SSE_MAX_S
 the delivery's state is gone from Redis, or released to a tombstone that keeps its outcome
 but not its steps, its story comes from Kafka instead (``producers.history``): one
 ``history`` event per record, then the outcome. A release can come between two polls, so
-a stream that saw the first steps live may tell the last ones only in that history.
+a stream that saw the first steps live may tell the last ones only in that history; a
+released delivery's history is waited for ``RELEASED_STORY_S`` at most, and without it the
+tombstone's outcome ends the stream.
 
 The state is polled (``INGESTION_SSE_POLL_S``): one Redis read per stream and period, on a
 worker thread, whatever the number of changes. Streams are bounded per client (the owner,
@@ -22,6 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KEEP_ALIVE_S = 10.0  # a comment line when nothing changed: a gone client shows at once
+# how long a released delivery's records are waited for (the lookups are few per process and
+# per client): its tombstone tells the outcome without them
+RELEASED_STORY_S = 5.0
 
 
 @dataclass
@@ -75,7 +80,7 @@ def _changes(before: dict[str, Any], now: dict[str, Any]) -> list[dict[str, Any]
 async def delivery_events(delivery_id: str, status: Callable[[], Awaitable[dict[str, Any] | None]],
                           history: Callable[[], Awaitable[dict[str, Any] | None]],
                           gone: Callable[[], Awaitable[bool]], *, poll_s: float,
-                          max_s: float) -> AsyncIterator[bytes]:
+                          max_s: float, released_story_s: float = RELEASED_STORY_S) -> AsyncIterator[bytes]:
     """The stream's frames until the outcome, the time limit, or the client leaves."""
     ends = time.monotonic() + max_s
     steps: dict[str, Any] = {}
@@ -88,7 +93,10 @@ async def delivery_events(delivery_id: str, status: Callable[[], Awaitable[dict[
         if now is None or (now.get("outcome") and not now["steps"]):
             # expired, or released (its tombstone keeps the outcome, not the steps), since
             # the last poll: the steps it did not see are in Kafka, with the rest of the story
-            told = await history()
+            try:
+                told = await (history() if now is None else asyncio.wait_for(history(), released_story_s))
+            except TimeoutError:
+                told = None
             for hop in (told or {}).get("history", []):
                 n += 1
                 yield frame("history", hop, n)
