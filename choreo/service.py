@@ -223,6 +223,8 @@ class Service:
 
     def __init__(self, name: str, *, max_hops: int = 20, batch_size: int = 500,
                  retry_budget: int = 10, in_process_retries: int = 1) -> None:
+        if not name or ":" in name:  # it leads the service's dedupe fields, ``<service>:<event id>:<attempt>``
+            raise ValueError(f"a service's name is not empty and has no ':' ({name!r})")
         self.name = name
         self.max_hops = max_hops
         self.batch_size = batch_size

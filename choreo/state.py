@@ -226,18 +226,19 @@ return 1
 # what the begin calls, defined once per call beside STEP_LUA's (its body runs per item)
 _BEGIN_HELPERS = """
 -- whether the step's source (the last input that began it) carried another event than
--- ``prefix``'s (``<service>:<event>:``): dedupe fields are ``<service>:<event>:<attempt>``,
--- each with the position that first carried it (``topic|partition|offset``, which a source
--- ends with). A hash past 64 entries (a delivery has about six) is not read: the check
--- answers no, and the copy runs
+-- ``prefix``'s (``<service>:<event>:``): dedupe fields are ``<service>:<event>:<attempt>``
+-- (a service's name has no ':', an event id may), each with the position that first
+-- carried it (``topic|partition|offset``, which a source ends with; a replay's is
+-- ``<group>:topic|partition|offset``, and a topic's name has no ':'). A hash past 64
+-- entries (a delivery has about six) is not read: the check answers no, and the copy runs
 local function begun_by_another(K, step, seen, prefix)
   local source = step_get(K, step, 'source')
-  local event = string.match(prefix, ':([^:]*):$')
+  local event = string.match(prefix, '^[^:]*:(.*):$')
   if not source or not event or redis.call('HLEN', seen) > 64 then return false end
   local sightings = redis.call('HGETALL', seen)
   for i = 1, #sightings, 2 do
-    local name, at = sightings[i], sightings[i + 1]
-    local other = string.match(name, ':([^:]*):[0-9]+$')
+    local other = string.match(sightings[i], '^[^:]*:(.*):[0-9]+$')
+    local at = string.match(sightings[i + 1], '[^:]*$')
     if other and other ~= event and (source == at or string.sub(source, -(#at + 1)) == '|' .. at) then
       return true
     end

@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from choreo.dedupe import compact_id, seen_field
+from choreo.service import Service
 from choreo.state import STEP_FIELDS, Source, check_step_name, flat_fields, is_step_record, parse_steps, unpack_step
 
 
@@ -52,6 +53,10 @@ def test_event_ids_in_field_names_are_compact_and_distinct() -> None:
     assert len(compact) == len(ids) and {len(c) for c in compact} == {22}
     assert seen_field("package", ids[0], 2) == f"package:{compact_id(ids[0])}:2"
     assert compact_id("not-a-uuid:with:colons") == "not-a-uuid:with:colons"  # a foreign producer's id
+    # a field is read as <service>:<event id>:<attempt>: the service's part is the one without ':'
+    for name in ("", "drone:scheduler"):
+        with pytest.raises(ValueError, match="no ':'"):
+            Service(name)
 
 
 def test_an_id_compacts_as_uuid_reads_it_in_every_form_uuid_takes() -> None:

@@ -416,8 +416,8 @@ def test_another_event_for_a_completed_step_is_a_copy_and_stays_one(client: redi
     assert read("e-1", 1, again) == (Begin.REPLAY, 1)
     client.hdel(seen, seen_field("package", "e-1", 1))
     assert read("e-1", 1, first) == (Begin.REPLAY, 1)
-    # a dedupe hash past 64 entries (copies under new ids at open steps grow it) is not read:
-    # the copy replays, as it did before the check, and no begin scans a hostile hash
+    # a dedupe hash past 64 entries is not read, so that no begin scans a hostile hash: the
+    # copy replays
     client.hset(seen, mapping={f"drone-scheduler:x{i}:1": f"b|0|{i}" for i in range(64)})
     assert read("e-2", 1, again) == (Begin.REPLAY, 1)
     # and with no sighting left at all, anything replays, as the step's own input may be it
@@ -443,6 +443,7 @@ def test_another_event_for_a_step_that_runs_still_is_a_copy_at_its_attempt(
     assert read("e-1", 1, first) == (Begin.GO, 1)
     assert read("e-2", 1, again) == (Begin.DUPLICATE, 1)
     assert read("e-2", 1, again) == (Begin.DUPLICATE, 1)  # its batch read again
+    assert read("x:e-1", 1, again) == (Begin.DUPLICATE, 1)  # an id that ends like the original's
     assert read("e-1", 1, first) == (Begin.GO, 1)  # the original's batch aborted: it runs again
     seen = sighting("drone-scheduler", d, "e-1", first).key
     assert not any(b"e-2" in k for k in client.hkeys(seen))  # the copy left no sighting
@@ -456,6 +457,12 @@ def test_another_event_for_a_step_that_runs_still_is_a_copy_at_its_attempt(
     assert read("e-1", 2, retry, now) == (Begin.GO, 2)
     assert read("e-2", 2, again, now) == (Begin.DUPLICATE, 2)
     assert _fields(client, d)["drone.source"] == retry
+    # a replay (choreo.ops.replay) sights what it reads at its own positions: a copy it
+    # reads after the original is a copy there too
+    d = _new(client, "drone")
+    table.begin_many([(d, "drone", 1, 1_000_100, DEADLINE, first)], BUDGET, dedupe_ttl_s=60,
+                     sightings=[sighting("drone-scheduler", d, "e-1", "replay.drone.1:t|0|1")])
+    assert read("e-2", 1, again) == (Begin.DUPLICATE, 1)
     # read past the deadline, both: the original is the input the supervisor will requeue
     d = _new(client, "drone")
     late = 1_000_000 + DEADLINE + 1
