@@ -623,8 +623,10 @@ class Runner:
         verdicts, answers = self._begin_verdicts(taken, riders)
         for t, (verdict, attempt), rider, answer in zip(taken, verdicts, riders, answers):
             topic = t.message.topic() or ""
-            if verdict in (Begin.DUPLICATE, Begin.RELEASED):
+            if verdict in (Begin.DUPLICATE, Begin.COPY, Begin.RELEASED):
                 metrics.IGNORED.labels(self.service.name, topic, verdict.value).inc()
+                if verdict is Begin.COPY and isinstance(t, Work):  # rare, and a sign of a producer's fault
+                    t.log.info("step.copy_skipped", step=t.handler.step, why="another event began the step")
             elif isinstance(t, Refused):
                 self._dead_letter(t.message, t.reason, t.detail)
             else:

@@ -46,8 +46,9 @@ class Begin(StrEnum):
     """What the runtime may do with an input event (for its step, if it has one)."""
 
     GO = "go"  # run the handler
-    # already handled from another position (choreo.dedupe), or another event for a step another began: skip
-    DUPLICATE = "duplicate"
+    DUPLICATE = "duplicate"  # already handled from another position (choreo.dedupe): skip
+    # another event for a step with one trigger that another event began (a copy under a new id): skip
+    COPY = "copy"
     RELEASED = "released"  # its delivery is finished and its state released: skip
     # already completed, by this input as far as the dedupe knows: run again for the same (remembered) answers
     REPLAY = "replay"
@@ -314,16 +315,16 @@ if attempt < token then
   step_set(K, step, {joined = ARGV[7]})
 end
 -- an event this service sees first, for a step with one trigger that another event began
--- (running or done), is a copy under a new id: run, it would call out beside or after that
--- event under new call ids and publish under new ids. Which event began it: the one a
--- sighting (any service's) names at the step's source. None found (expired, forgotten by a
+-- (whatever the step's status now), is a copy under a new id: run, it would call out beside
+-- or after that event under new call ids and publish under new ids. Which event began it:
+-- the one a sighting (any service's) names at the step's source. None found (expired, forgotten by a
 -- redrive, lost with Redis), or this very event: the step's own input, read again or
 -- requeued (an attempt of the same event), runs. An undo asked again has no source yet
 -- (its step is reset). The copy leaves no sighting, so it stays one when its own batch is
 -- read again
 if first and ARGV[8] ~= '1' and begun_by_another(K, step, KEYS[3], ARGV[9]) then
   redis.call('HDEL', KEYS[3], ARGV[9] .. ARGV[2])
-  return 'duplicate'
+  return 'copy'
 end
 if status == 'completed' then
   if joined then return 'replay:' .. attempt end

@@ -123,7 +123,7 @@ class ReplayRunner(Runner):
     def _begin_verdicts(self, taken: list[Work | Refused], riders: list[EffectCall | None]
                         ) -> tuple[list[tuple[Begin, int]], list[str | None]]:
         verdicts, answers = super()._begin_verdicts(taken, riders)
-        duplicates = sum(v is Begin.DUPLICATE for v, _ in verdicts)
+        duplicates = sum(v in (Begin.DUPLICATE, Begin.COPY) for v, _ in verdicts)
         released = sum(v is Begin.RELEASED for v, _ in verdicts)
         self.duplicate_count += duplicates
         self.released_count += released

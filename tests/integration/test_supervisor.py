@@ -385,10 +385,10 @@ def test_a_copy_under_a_new_id_read_beside_its_original_runs_nothing(world: Worl
     copy = world.by_delivery("delivery.requested")[d][-1].header("event_id")
     assert len(world.by_delivery("package.ready")[d]) == 1
     assert len(world.by_delivery("drone.scheduled")[d]) == 1
-    for service in (package, drone):
-        named = [json.loads(line).get("event_id") for line in world.log(service).splitlines()
-                 if line.startswith("{")]
-        assert copy not in named  # neither run nor reported (expired, requeued)
+    for service in (package, drone):  # neither run nor reported (expired, requeued): skipped, and said so
+        told = [entry["event"] for line in world.log(service).splitlines()
+                if line.startswith("{") and (entry := json.loads(line)).get("event_id") == copy]
+        assert told == ["step.copy_skipped"], told
 
 
 def test_late_answer_of_an_old_attempt_changes_nothing(world: World) -> None:

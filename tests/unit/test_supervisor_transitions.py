@@ -405,9 +405,9 @@ def test_another_event_for_a_completed_step_is_a_copy_and_stays_one(client: redi
     assert read("e-1", 1, first, service="notifier") == (Begin.GO, 1)  # another service's sighting of it
     assert table.finish(d, "package", 1, 1_000_110, StepStatus.COMPLETED) == "ok"
     assert read("e-1", 1, first) == (Begin.REPLAY, 1)
-    assert read("e-2", 1, again) == (Begin.DUPLICATE, 1)
-    assert read("e-2", 1, again) == (Begin.DUPLICATE, 1)  # its batch read again
-    assert read("e-2", 2, retry) == (Begin.DUPLICATE, 2)
+    assert read("e-2", 1, again) == (Begin.COPY, 1)
+    assert read("e-2", 1, again) == (Begin.COPY, 1)  # its batch read again
+    assert read("e-2", 2, retry) == (Begin.COPY, 2)
     seen = sighting("package", d, "e-1", first).key
     assert not any(b"e-2" in k for k in client.hkeys(seen))  # the copy left no sighting
     # the package's own sighting gone: its input read again at its position, or redriven to a
@@ -441,9 +441,9 @@ def test_another_event_for_a_step_that_runs_still_is_a_copy_at_its_attempt(
                                 sightings=[sighting("drone-scheduler", d, event_id, position)], dedupe_ttl_s=60)[0]
 
     assert read("e-1", 1, first) == (Begin.GO, 1)
-    assert read("e-2", 1, again) == (Begin.DUPLICATE, 1)
-    assert read("e-2", 1, again) == (Begin.DUPLICATE, 1)  # its batch read again
-    assert read("x:e-1", 1, again) == (Begin.DUPLICATE, 1)  # an id that ends like the original's
+    assert read("e-2", 1, again) == (Begin.COPY, 1)
+    assert read("e-2", 1, again) == (Begin.COPY, 1)  # its batch read again
+    assert read("x:e-1", 1, again) == (Begin.COPY, 1)  # an id that ends like the original's
     assert read("e-1", 1, first) == (Begin.GO, 1)  # the original's batch aborted: it runs again
     seen = sighting("drone-scheduler", d, "e-1", first).key
     assert not any(b"e-2" in k for k in client.hkeys(seen))  # the copy left no sighting
@@ -455,19 +455,19 @@ def test_another_event_for_a_step_that_runs_still_is_a_copy_at_its_attempt(
     assert requeue.kind == "requeue" and requeue.data["source"] == first
     now = int(requeue.data["complete_by"]) - DEADLINE
     assert read("e-1", 2, retry, now) == (Begin.GO, 2)
-    assert read("e-2", 2, again, now) == (Begin.DUPLICATE, 2)
+    assert read("e-2", 2, again, now) == (Begin.COPY, 2)
     assert _fields(client, d)["drone.source"] == retry
     # a replay (choreo.ops.replay) sights what it reads at its own positions: a copy it
     # reads after the original is a copy there too
     d = _new(client, "drone")
     table.begin_many([(d, "drone", 1, 1_000_100, DEADLINE, first)], BUDGET, dedupe_ttl_s=60,
                      sightings=[sighting("drone-scheduler", d, "e-1", "replay.drone.1:t|0|1")])
-    assert read("e-2", 1, again) == (Begin.DUPLICATE, 1)
+    assert read("e-2", 1, again) == (Begin.COPY, 1)
     # read past the deadline, both: the original is the input the supervisor will requeue
     d = _new(client, "drone")
     late = 1_000_000 + DEADLINE + 1
     assert read("e-1", 1, first, late) == (Begin.EXPIRED, 1)
-    assert read("e-2", 1, again, late) == (Begin.DUPLICATE, 1)
+    assert read("e-2", 1, again, late) == (Begin.COPY, 1)
     assert _fields(client, d)["drone.source"] == first
 
 
