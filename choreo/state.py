@@ -317,11 +317,11 @@ end
 -- an event this service sees first, for a step with one trigger that another event began
 -- (whatever the step's status now), is a copy under a new id: run, it would call out beside
 -- or after that event under new call ids and publish under new ids. Which event began it:
--- the one a sighting (any service's) names at the step's source. None found (expired, forgotten by a
--- redrive, lost with Redis), or this very event: the step's own input, read again or
--- requeued (an attempt of the same event), runs. An undo asked again has no source yet
--- (its step is reset). The copy leaves no sighting, so it stays one when its own batch is
--- read again
+-- the one a sighting (any service's) names at the step's source. None found (expired,
+-- forgotten by a redrive, lost with Redis), or this very event: the step's own input, read
+-- again or requeued (an attempt of the same event), runs. An undo asked again has no
+-- source yet (its step is reset). The copy leaves no sighting, so it stays one when its own
+-- batch is read again
 if first and ARGV[8] ~= '1' and begun_by_another(K, step, KEYS[3], ARGV[9]) then
   redis.call('HDEL', KEYS[3], ARGV[9] .. ARGV[2])
   return 'copy'

@@ -93,8 +93,8 @@ async def delivery_events(delivery_id: str, status: Callable[[], Awaitable[dict[
         if now is None or (now.get("outcome") and not now["steps"]):
             # expired, or released (its tombstone keeps the outcome, not the steps), since
             # the last poll: the steps it did not see are in Kafka, with the rest of the story
-            try:
-                told = await (history() if now is None else asyncio.wait_for(history(), released_story_s))
+            try:  # a released delivery's outcome is known: its records are waited for a while only
+                told = await asyncio.wait_for(history(), None if now is None else released_story_s)
             except TimeoutError:
                 told = None
             for hop in (told or {}).get("history", []):
